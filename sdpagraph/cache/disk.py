@@ -1,0 +1,371 @@
+"""The on-disk layer: entry files under one directory, shared by every process.
+
+    <directory>/<digest[:2]>/<digest>.sdpg      an entry (format in entry.py)
+    <directory>/<digest[:2]>/<digest>.lock      its cross-process lock (flock, left in place)
+    <directory>/<digest[:2]>/<digest>.*.tmp     a publication in progress (never read)
+
+Writers publish by writing a temp file in the entry's directory, fsyncing it and renaming
+it over the entry, so a reader sees the old entry, the new one, or none; never a part.
+Locks are flock(2) locks, which the kernel drops when their holder dies, so a killed
+builder cannot leave a lock that blocks others. The last-use time of an entry is its
+mtime; eviction removes the least recently used entries and skips any entry whose lock
+another process holds (it is being published or rebuilt).
+
+Every OS failure (missing or read-only directory, full disk, permissions) degrades to
+"not on disk" with one warning; nothing here raises an OSError to the caller.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import stat
+import tempfile
+import threading
+import time
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Hashable, Iterator
+
+import filelock
+
+from sdpagraph.cache.entry import ENTRY_SUFFIX, CorruptEntry, Entry, decode_entry
+
+log = logging.getLogger("sdpagraph.cache")
+
+LOCK_SUFFIX = ".lock"
+TEMP_SUFFIX = ".tmp"
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+# A publication takes milliseconds; a temp file this old was left by a killed writer.
+STALE_TEMP_AGE_S = 3600.0
+LOCK_POLL_INTERVAL_S = 0.02
+
+_DIGEST_NAME = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """An entry file as found by a directory scan."""
+
+    digest: str
+    path: str
+    size: int
+    mtime_ns: int
+
+    @property
+    def last_used(self) -> float:
+        return self.mtime_ns / 1e9
+
+
+@dataclass(frozen=True)
+class Miss:
+    """Why a lookup found no usable entry; `invalid` when a file was there but rejected."""
+
+    reason: str
+    invalid: bool = False
+
+
+NOT_FOUND = Miss("not in the cache")
+
+
+class WarnOnce:
+    """Logs each topic's first warning only: a degraded cache says so once, not per call."""
+
+    def __init__(self) -> None:
+        self._seen: set[Hashable] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, topic: Hashable, message: str, *args: object) -> None:
+        with self._lock:
+            if topic in self._seen:
+                return
+            self._seen.add(topic)
+        log.warning(message, *args)
+
+
+class DiskStore:
+    """Entry files in `directory`. `writable=False` never creates, touches or locks anything."""
+
+    def __init__(self, directory: str | os.PathLike[str], *, writable: bool, lock_timeout_s: float) -> None:
+        self.directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
+        self.writable = writable
+        self.lock_timeout_s = lock_timeout_s
+        self.warn_once = WarnOnce()
+        self._prepare_directory()
+
+    # -- paths ---------------------------------------------------------------------------
+
+    def entry_path(self, digest: str) -> str:
+        return os.path.join(self.directory, digest[:2], digest + ENTRY_SUFFIX)
+
+    def lock_path(self, digest: str) -> str:
+        return os.path.join(self.directory, digest[:2], digest + LOCK_SUFFIX)
+
+    # -- reading -------------------------------------------------------------------------
+
+    def read(self, digest: str, key: str | None = None) -> Entry | Miss:
+        """The entry named `digest` (holding `key`, when given), or why there is none."""
+        try:
+            data = _read_file(self.entry_path(digest))
+        except FileNotFoundError:
+            return NOT_FOUND
+        except OSError as error:
+            return Miss(f"unreadable: {error.strerror or error}", invalid=True)
+        try:
+            return decode_entry(data, digest, key)
+        except CorruptEntry as error:
+            return Miss(str(error), invalid=True)
+
+    def load(self, digest: str, key: str) -> Entry | Miss:
+        """`read`, with one warning per rejected file (the caller then rebuilds or reports)."""
+        found = self.read(digest, key)
+        if isinstance(found, Miss) and found.invalid:
+            path = self.entry_path(digest)
+            self.warn_once(("invalid", path), "ignoring cache entry %s: %s", path, found.reason)
+        return found
+
+    def touch(self, digest: str) -> None:
+        """Record a use of the entry (its mtime is the LRU clock for eviction)."""
+        if not self.writable:
+            return
+        try:
+            os.utime(self.entry_path(digest))
+        except FileNotFoundError:
+            pass  # evicted since it was read: nothing left to protect
+        except OSError as error:
+            self.warn_once("touch", "cannot record cache use in %s (%s); eviction order may be off",
+                           self.directory, error.strerror or error)
+
+    # -- writing -------------------------------------------------------------------------
+
+    def publish(self, digest: str, data: bytes) -> bool:
+        """Atomically replace the entry's file with `data`. False (warned once) on failure."""
+        if not self.writable:
+            return False
+        path = self.entry_path(digest)
+        try:
+            _make_private_dirs(self.directory, os.path.dirname(path))
+            _write_atomically(path, data, temp_prefix=digest + ".")
+        except OSError as error:
+            self.warn_once(("write", error.errno), "cannot write cache entry %s (%s); keeping graphs in memory only",
+                           path, error.strerror or error)
+            return False
+        return True
+
+    @contextmanager
+    def key_lock(self, digest: str) -> Iterator[None]:
+        """Hold the cross-process lock of one key (for build-then-publish, or delete).
+
+        Without a writable directory there is nothing to coordinate (each process keeps its
+        builds in memory), so this degrades to a no-op, warned once.
+        """
+        if not self.writable:
+            yield
+            return
+        lock = self._file_lock(digest)
+        try:
+            _make_private_dirs(self.directory, os.path.dirname(lock.lock_file))
+            lock.acquire()
+        except filelock.Timeout:
+            raise TimeoutError(
+                f"waited {self.lock_timeout_s:g} s for cache lock {lock.lock_file}: another process is "
+                "building this graph and has not finished. Locks are released when their holder exits, "
+                "so a process holding it is still alive (possibly hung); find it with `fuser` on the lock file."
+            ) from None
+        except OSError as error:
+            self.warn_once("lock", "cannot create lock files in %s (%s); processes may build the same graph twice",
+                           self.directory, error.strerror or error)
+            yield
+            return
+        try:
+            yield
+        finally:
+            lock.release()
+
+    # -- scanning and removal ------------------------------------------------------------
+
+    def scan(self) -> list[StoredFile]:
+        """Every entry file (not temp or lock files); empty when the directory is missing."""
+        found = []
+        for shard in _subdirectories(self.directory):
+            for item in _directory_items(shard):
+                digest, suffix = os.path.splitext(item.name)
+                if suffix != ENTRY_SUFFIX or not _DIGEST_NAME.match(digest):
+                    continue
+                with suppress(FileNotFoundError):  # removed since listed
+                    info = item.stat()
+                    found.append(StoredFile(digest, item.path, info.st_size, info.st_mtime_ns))
+        return found
+
+    def total_bytes(self) -> int:
+        return sum(stored.size for stored in self.scan())
+
+    def remove(self, stored: StoredFile) -> bool:
+        """Delete a scanned entry unless another process holds its lock or it changed since the scan."""
+        if not self.writable:
+            return False
+        lock = self._file_lock(stored.digest)
+        try:
+            lock.acquire(blocking=False)
+        except (filelock.Timeout, OSError):
+            return False  # being published or rebuilt right now, or we may not write here
+        try:
+            if os.stat(stored.path).st_mtime_ns != stored.mtime_ns:
+                return False  # used or republished since the scan: no longer least recent
+            os.unlink(stored.path)
+            return True
+        except OSError:
+            return False
+        finally:
+            lock.release()
+
+    def evict(self, max_bytes: int, keep: str | None = None) -> list[StoredFile]:
+        """Remove least recently used entries until the total is <= max_bytes; never `keep`."""
+        self.remove_stale_temps()
+        files = sorted(self.scan(), key=lambda stored: stored.mtime_ns)
+        total = sum(stored.size for stored in files)
+        removed = []
+        for stored in files:
+            if total <= max_bytes:
+                break
+            if stored.digest != keep and self.remove(stored):
+                total -= stored.size
+                removed.append(stored)
+        return removed
+
+    def remove_stale_temps(self) -> int:
+        """Delete temp files left by killed writers (old enough that no live writer owns them)."""
+        if not self.writable:
+            return 0
+        cutoff = time.time() - STALE_TEMP_AGE_S
+        removed = 0
+        for shard in _subdirectories(self.directory):
+            for item in _directory_items(shard):
+                if item.name.endswith(TEMP_SUFFIX):
+                    with suppress(OSError):
+                        if item.stat().st_mtime < cutoff:
+                            os.unlink(item.path)
+                            removed += 1
+        return removed
+
+    def remove_idle_locks(self) -> int:
+        """Delete lock files nobody holds (for `cache clear`).
+
+        A process that opened the old lock file before the unlink and locks it afterwards
+        holds a lock on a nameless file, so at worst it builds a graph another process is
+        also building; entries stay whole because publication is an atomic rename.
+        """
+        if not self.writable:
+            return 0
+        removed = 0
+        for shard in _subdirectories(self.directory):
+            for item in _directory_items(shard):
+                digest, suffix = os.path.splitext(item.name)
+                if suffix == LOCK_SUFFIX and _DIGEST_NAME.match(digest):
+                    removed += self._remove_lock_file(digest)
+        return removed
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _remove_lock_file(self, digest: str) -> int:
+        lock = self._file_lock(digest)
+        try:
+            lock.acquire(blocking=False)
+        except (filelock.Timeout, OSError):
+            return 0
+        try:
+            os.unlink(lock.lock_file)
+            return 1
+        except OSError:
+            return 0
+        finally:
+            lock.release()
+
+    def _file_lock(self, digest: str) -> filelock.UnixFileLock:
+        # UnixFileLock explicitly: the kernel must release a dead holder's lock, which the
+        # marker-file fallback ("soft" locks) cannot do.
+        return filelock.UnixFileLock(self.lock_path(digest), timeout=self.lock_timeout_s,
+                                     mode=PRIVATE_FILE_MODE, poll_interval=LOCK_POLL_INTERVAL_S)
+
+    def _prepare_directory(self) -> None:
+        if self.writable:
+            try:
+                _make_private_dirs(self.directory)
+            except OSError as error:
+                self.warn_once("mkdir", "cannot create cache directory %s (%s); keeping graphs in memory only",
+                               self.directory, error.strerror or error)
+                return
+        try:
+            mode = os.stat(self.directory).st_mode
+        except FileNotFoundError:
+            self.warn_once("missing", "cache directory %s does not exist; every lookup will miss", self.directory)
+            return
+        except OSError as error:
+            self.warn_once("stat", "cannot access cache directory %s (%s)", self.directory, error.strerror or error)
+            return
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            # Entries are executable plans: whoever can write here can choose what runs on the GPU.
+            self.warn_once("permissions", "cache directory %s is group/world-writable (mode %s); other users could "
+                           "plant graphs that this process runs. Run: chmod 700 %s",
+                           self.directory, oct(stat.S_IMODE(mode)), self.directory)
+
+
+def _read_file(path: str) -> bytes:
+    # os.open rather than open(): one code path for every file access, so faults (EACCES,
+    # EROFS) can be injected in tests by wrapping os.open.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as file:
+        return file.read()
+
+
+def _write_atomically(path: str, data: bytes, temp_prefix: str) -> None:
+    directory = os.path.dirname(path)
+    fd, temp_path = tempfile.mkstemp(prefix=temp_prefix, suffix=TEMP_SUFFIX, dir=directory)
+    try:
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp_path, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(temp_path)
+        raise
+    _fsync_directory(directory)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _fsync_directory(directory: str) -> None:
+    # Makes the rename itself durable across a power loss; the entry is already complete.
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_private_dirs(*directories: str) -> None:
+    # In order, so the cache directory exists (private) before its shards; os.makedirs
+    # gives the mode only to the last component, which is the one that matters.
+    for directory in directories:
+        os.makedirs(directory, mode=PRIVATE_DIR_MODE, exist_ok=True)
+
+
+def _subdirectories(directory: str) -> list[str]:
+    return [item.path for item in _directory_items(directory) if item.is_dir(follow_symlinks=False)]
+
+
+def _directory_items(directory: str) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(directory) as items:
+            return list(items)
+    except OSError:
+        return []
