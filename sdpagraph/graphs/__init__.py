@@ -1,0 +1,1 @@
+"""Score_mod IR, cuDNN graph lowering and the support answer."""

@@ -1,0 +1,1 @@
+"""JAX integration: the public `attention`, the support query and the backends."""

@@ -1,0 +1,168 @@
+"""The XLA backend: an AttentionSpec + ScoreModIR evaluated with jax.numpy.
+
+It is the reference for every test, the fallback when cuDNN declines a config, and
+the backend on machines without a GPU. Semantics, shared with the cuDNN lowering:
+
+    logits = score_mod(scale * q . k) + bias      (fp32)
+    masked where any mask says no (user mask, padding, segments, causal, window, chunk)
+    out    = softmax(logits) . v                  (fp32 softmax; fully masked rows give 0)
+
+Positions used by masks and by `gen_index` count from the start of each packed
+segment. With `causal_alignment="bottom_right"` the diagonal is shifted by
+`kv_len - q_len` (per row, or per segment when packed), so the last query sees the
+last key; windows and chunks are measured from that shifted diagonal.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from sdpagraph.graphs.ir import ScoreModIR
+from sdpagraph.graphs.ir_eval import evaluate
+from sdpagraph.jax_api.segments import segment_metadata, segment_positions, segment_run_ids
+from sdpagraph.spec import UNBOUNDED, AttentionSpec
+
+
+@dataclass(frozen=True)
+class RuntimeInputs:
+    """The traced (non-static) inputs next to q, k, v: what the spec only flags."""
+
+    bias: Any = None
+    mask: Any = None
+    q_lengths: Any = None
+    kv_lengths: Any = None
+    q_segment_ids: Any = None
+    kv_segment_ids: Any = None
+    mod_scalars: Mapping[str, Any] | None = None
+    mod_arrays: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Per-token facts shared by the masks and by score_mod's gen_index."""
+
+    q_pos: Any  # (B, T) position of each query in its sequence / segment
+    kv_pos: Any  # (B, S)
+    q_valid: Any  # (B, T) bool: not padding
+    kv_valid: Any  # (B, S)
+    q_group: Any  # (B, T) segment number (1-based) or None without segments
+    kv_group: Any
+    diag_offset: Any  # broadcastable to (B, T, S): kv_len - q_len for bottom-right, else 0
+
+
+def _token_lengths(run_ids: Any, max_segments: int, segment_ids: Any) -> Any:
+    """Length of the segment each token belongs to (0 for padding), in O(T)."""
+    lens = segment_metadata(segment_ids, max_segments).seq_lens
+    lens = jnp.concatenate([jnp.zeros_like(lens[:, :1]), lens], axis=1)
+    return jnp.take_along_axis(lens, jnp.minimum(run_ids, max_segments), axis=1)
+
+
+def _segment_layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
+    q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
+    q_run, kv_run = segment_run_ids(q_ids), segment_run_ids(kv_ids)
+    # Segments past max_segments are dropped (treated as padding), as the THD metadata does.
+    q_valid = (q_run > 0) & (q_run <= spec.max_segments)
+    kv_valid = (kv_run > 0) & (kv_run <= spec.max_segments)
+    offset = 0
+    if spec.causal_alignment == "bottom_right" and spec.segments == "cross":
+        q_len = _token_lengths(q_run, spec.max_segments, q_ids)
+        kv_len = _token_lengths(kv_run, spec.max_segments, kv_ids)
+        offset = kv_len[:, None, :] - q_len[:, :, None]
+    return _Layout(segment_positions(q_ids), segment_positions(kv_ids), q_valid, kv_valid, q_run, kv_run, offset)
+
+
+def _dense_layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
+    b, t, s = spec.batch, spec.q_len, spec.kv_len
+    q_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    kv_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    q_len = jnp.full((b,), t, jnp.int32) if inputs.q_lengths is None else inputs.q_lengths.astype(jnp.int32)
+    kv_len = jnp.full((b,), s, jnp.int32) if inputs.kv_lengths is None else inputs.kv_lengths.astype(jnp.int32)
+    offset = 0
+    if spec.causal_alignment == "bottom_right":
+        offset = (kv_len - q_len)[:, None, None]
+    return _Layout(q_pos, kv_pos, q_pos < q_len[:, None], kv_pos < kv_len[:, None], None, None, offset)
+
+
+def _layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
+    return _segment_layout(spec, inputs) if spec.segments else _dense_layout(spec, inputs)
+
+
+def allowed_mask(spec: AttentionSpec, inputs: RuntimeInputs, layout: _Layout) -> Any:
+    """Boolean (B|1, N|1, T, S): True where a query may attend to a key."""
+    allowed = layout.q_valid[:, :, None] & layout.kv_valid[:, None, :]
+    if layout.q_group is not None:
+        allowed &= layout.q_group[:, :, None] == layout.kv_group[:, None, :]
+    diag = layout.q_pos[:, :, None] + layout.diag_offset  # aligned query position, (B, T, 1|S)
+    kv = layout.kv_pos[:, None, :]
+    left, right = spec.window
+    if spec.is_causal:
+        allowed &= kv <= diag
+    if left != UNBOUNDED:
+        allowed &= kv >= diag - left
+    if right != UNBOUNDED:
+        allowed &= kv <= diag + right
+    if spec.chunk_size is not None:
+        allowed &= jnp.floor_divide(diag, spec.chunk_size) == jnp.floor_divide(kv, spec.chunk_size)
+    allowed = allowed[:, None, :, :]
+    if inputs.mask is not None:
+        allowed = allowed & inputs.mask
+    return allowed
+
+
+def _dot_precision(dtype: Any) -> Any:
+    # As jax.nn.dot_product_attention: bf16/fp16 inputs, fp32 accumulation.
+    return {jnp.bfloat16: jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+            jnp.float16: jax.lax.DotAlgorithmPreset.F16_F16_F32}.get(jnp.dtype(dtype).type)
+
+
+def _masked_softmax(logits: Any, allowed: Any) -> tuple[Any, Any]:
+    """fp32 softmax over keys; rows with no allowed key give zeros (no NaN, no NaN grads)."""
+    masked = jnp.where(allowed, logits, -jnp.inf)
+    row_max = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.where(allowed, jnp.exp(masked - row_max), 0.0)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / jnp.where(total > 0, total, 1.0)
+    lse = jnp.where(total > 0, row_max + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    return probs, lse[..., 0]
+
+
+def xla_attention(
+    spec: AttentionSpec,
+    query: Any,
+    key: Any,
+    value: Any,
+    inputs: RuntimeInputs,
+    score_mod: ScoreModIR | None = None,
+) -> tuple[Any, Any]:
+    """Return (output (B, T, N, H_v) in the input dtype, logsumexp (B, N, T) fp32)."""
+    b, t, n, h = query.shape
+    s, k = key.shape[1], key.shape[2]
+    g = n // k
+    precision = _dot_precision(query.dtype)
+    logits = jnp.einsum("btkgh,bskh->bkgts", query.reshape(b, t, k, g, h), key,
+                        precision=precision, preferred_element_type=jnp.float32)
+    logits = logits.reshape(b, n, t, s) * jnp.float32(spec.scale)
+
+    layout = _layout(spec, inputs)
+    if score_mod is not None:
+        index = (
+            jnp.arange(b, dtype=jnp.int32)[:, None, None, None],
+            jnp.arange(n, dtype=jnp.int32)[None, :, None, None],
+            layout.q_pos[:, None, :, None],
+            layout.kv_pos[:, None, None, :],
+        )
+        arrays = {name: jax.lax.stop_gradient(v) for name, v in (inputs.mod_arrays or {}).items()}
+        logits, _ = evaluate(score_mod, logits, scalars=inputs.mod_scalars or {}, arrays=arrays, index=index)
+        logits = logits.astype(jnp.float32)
+    if inputs.bias is not None:
+        logits = logits + inputs.bias.astype(jnp.float32)
+
+    probs, lse = _masked_softmax(logits, allowed_mask(spec, inputs, layout))
+    probs = probs.astype(value.dtype).reshape(b, k, g, t, s)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, value, precision=precision,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, value.shape[-1]).astype(value.dtype), lse

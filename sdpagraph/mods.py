@@ -1,0 +1,180 @@
+"""Ready-made, composable score_mods.
+
+Each function returns a `ScoreMod`: a callable `(graph, score, tensors) -> tensor`
+that also carries the values it needs (`tensors`), so
+`attention(q, k, v, score_mod=mods.softcap(30.0))` needs no `score_mod_tensors`.
+Scalar values (a softcap, a prefix length) are bound at execution time: changing
+them reuses the compiled cuDNN graph. Array values (ALiBi slopes, a relative-bias
+table) become graph operands; they are constants for differentiation.
+
+    >>> mod = mods.compose(mods.softcap(30.0), mods.alibi(slopes), mods.causal())
+
+Masking mods replace disallowed scores with `MASKED_SCORE`, a large finite
+negative number: such a key gets zero weight.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from sdpagraph.graphs.ir import FLOAT, INT, BOOL
+
+MASKED_SCORE = -1e30
+QUERY_AXIS, KEY_AXIS = 2, 3
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreMod:
+    """A score_mod callback bundled with its own tensors (and optionally its bprop)."""
+
+    fn: Callable
+    tensors: Mapping[str, Any] = field(default_factory=dict)
+    bprop: Callable | None = None
+    name: str = "score_mod"
+
+    def __call__(self, graph: Any, score: Any, tensors: Mapping[str, Any]) -> Any:
+        return self.fn(graph, score, tensors)
+
+    def __repr__(self) -> str:
+        return f"<ScoreMod {self.name}>"
+
+
+def _typed(tensor: Any, dtype: str) -> Any:
+    """Explicit types on every intermediate: cuDNN declines backward graphs without them."""
+    return tensor.set_data_type({FLOAT: "FLOAT", INT: "INT32", BOOL: "BOOLEAN"}[dtype])
+
+
+def positions(graph: Any, score: Any) -> tuple[Any, Any]:
+    """(query position, key position) as int32 tensors."""
+    q = _typed(graph.gen_index(input=score, axis=QUERY_AXIS), INT)
+    k = _typed(graph.gen_index(input=score, axis=KEY_AXIS), INT)
+    return q, k
+
+
+def mask_where(graph: Any, score: Any, keep: Any) -> Any:
+    """score where `keep`, else MASKED_SCORE."""
+    return _typed(graph.binary_select(input0=score, input1=MASKED_SCORE, mask=keep), FLOAT)
+
+
+def softcap(cap: float) -> ScoreMod:
+    """`cap * tanh(score / cap)` (Gemma-2 logit soft-capping)."""
+    if not cap > 0:
+        raise ValueError(f"softcap cap must be > 0, got {cap}")
+
+    def fn(graph, score, tensors):
+        pre = _typed(graph.div(a=score, b=tensors["cap"]), FLOAT)
+        return _typed(graph.mul(a=_typed(graph.tanh(input=pre), FLOAT), b=tensors["cap"]), FLOAT)
+
+    return ScoreMod(fn, {"cap": float(cap)}, name=f"softcap({cap})")
+
+
+def alibi(slopes: Any) -> ScoreMod:
+    """ALiBi: `score + slope[h] * (key_pos - query_pos)`; slopes of shape (N,)."""
+    slopes = np.asarray(slopes, dtype=np.float32)
+    if slopes.ndim != 1:
+        raise ValueError(f"alibi slopes must have shape (N,), got {slopes.shape}")
+
+    def fn(graph, score, tensors):
+        q, k = positions(graph, score)
+        distance = _typed(graph.sub(a=k, b=q), INT)
+        bias = _typed(graph.mul(a=distance, b=tensors["slopes"]), FLOAT)
+        return _typed(graph.add(a=score, b=bias), FLOAT)
+
+    return ScoreMod(fn, {"slopes": slopes.reshape(1, -1, 1, 1)}, name="alibi")
+
+
+def relative_position_bias(table: Any, max_distance: int) -> ScoreMod:
+    """`score + table[h, clip(key_pos - query_pos, -D, D) + D]`, table of shape (N, 2D+1).
+
+    Written with selects over the 2D+1 distances (pointwise ops only, no gather), so it
+    fuses into the attention kernel; keep D modest (a few dozen).
+    """
+    table = np.asarray(table, dtype=np.float32)
+    if max_distance < 0 or table.ndim != 2 or table.shape[1] != 2 * max_distance + 1:
+        raise ValueError(f"table must have shape (N, 2*max_distance+1)=(N, {2 * max_distance + 1}), got {table.shape}")
+    columns = {f"d{d}": table[:, d + max_distance].reshape(1, -1, 1, 1) for d in range(-max_distance, max_distance + 1)}
+
+    def fn(graph, score, tensors):
+        q, k = positions(graph, score)
+        distance = _typed(graph.sub(a=k, b=q), INT)
+        distance = _typed(graph.max(input0=_typed(graph.min(input0=distance, input1=max_distance), INT),
+                                    input1=-max_distance), INT)
+        bias = tensors[f"d{-max_distance}"]
+        for d in range(-max_distance + 1, max_distance + 1):
+            hit = _typed(graph.cmp_eq(input=distance, comparison=d), BOOL)
+            bias = _typed(graph.binary_select(input0=tensors[f"d{d}"], input1=bias, mask=hit), FLOAT)
+        return _typed(graph.add(a=score, b=bias), FLOAT)
+
+    return ScoreMod(fn, columns, name=f"relative_position_bias(D={max_distance})")
+
+
+def causal() -> ScoreMod:
+    """Keys at or before the query position (top-left aligned)."""
+
+    def fn(graph, score, tensors):
+        q, k = positions(graph, score)
+        return mask_where(graph, score, _typed(graph.cmp_le(input=k, comparison=q), BOOL))
+
+    return ScoreMod(fn, name="causal")
+
+
+def sliding_window(left: int, right: int = 0) -> ScoreMod:
+    """Keys with `q - left <= k <= q + right` (-1 leaves a side open)."""
+
+    def fn(graph, score, tensors):
+        q, k = positions(graph, score)
+        keep = None
+        if left >= 0:
+            keep = _typed(graph.cmp_ge(input=k, comparison=_typed(graph.sub(a=q, b=left), INT)), BOOL)
+        if right >= 0:
+            upper = _typed(graph.cmp_le(input=k, comparison=_typed(graph.add(a=q, b=right), INT)), BOOL)
+            keep = upper if keep is None else _typed(graph.logical_and(a=keep, b=upper), BOOL)
+        return score if keep is None else mask_where(graph, score, keep)
+
+    return ScoreMod(fn, name=f"sliding_window({left},{right})")
+
+
+def chunked(size: int) -> ScoreMod:
+    """Llama-4 chunked attention: keys in the same block of `size` positions as the query."""
+    if size <= 0:
+        raise ValueError(f"chunked size must be > 0, got {size}")
+
+    def fn(graph, score, tensors):
+        q, k = positions(graph, score)
+        # floor(pos / size) on non-negative int positions, computed in float (exact below 2**24).
+        q_chunk = _typed(graph.floor(input=_typed(graph.div(a=q, b=float(size)), FLOAT)), FLOAT)
+        k_chunk = _typed(graph.floor(input=_typed(graph.div(a=k, b=float(size)), FLOAT)), FLOAT)
+        return mask_where(graph, score, _typed(graph.cmp_eq(input=q_chunk, comparison=k_chunk), BOOL))
+
+    return ScoreMod(fn, name=f"chunked({size})")
+
+
+def prefix_lm(prefix_len: int) -> ScoreMod:
+    """Prefix-LM: keys before `prefix_len` are visible to all queries; causal after."""
+
+    def fn(graph, score, tensors):
+        q, k = positions(graph, score)
+        in_prefix = _typed(graph.cmp_lt(input=k, comparison=tensors["prefix_len"]), BOOL)
+        causal_ok = _typed(graph.cmp_le(input=k, comparison=q), BOOL)
+        return mask_where(graph, score, _typed(graph.logical_or(a=in_prefix, b=causal_ok), BOOL))
+
+    return ScoreMod(fn, {"prefix_len": int(prefix_len)}, name=f"prefix_lm({prefix_len})")
+
+
+def compose(*mods: Callable) -> ScoreMod:
+    """Apply mods left to right. Each `ScoreMod` keeps its own tensors (namespaced, so two
+    softcaps do not clash); a plain callable sees the call's `score_mod_tensors`."""
+    parts = [m if isinstance(m, ScoreMod) else ScoreMod(m, name=getattr(m, "__name__", "score_mod")) for m in mods]
+    prefixes = [f"{i}." for i in range(len(parts))]
+    tensors = {p + name: value for p, m in zip(prefixes, parts) for name, value in m.tensors.items()}
+
+    def fn(graph, score, all_tensors):
+        user = {n: t for n, t in all_tensors.items() if not n.startswith(tuple(prefixes))}
+        for prefix, m in zip(prefixes, parts):
+            own = {n[len(prefix):]: t for n, t in all_tensors.items() if n.startswith(prefix)}
+            score = m(graph, score, own if m.tensors else user)
+        return score
+
+    return ScoreMod(fn, tensors, name="compose(" + ", ".join(m.name for m in parts) + ")")

@@ -1,0 +1,319 @@
+"""AttentionSpec: the static description of one attention call, and argument normalization.
+
+Every layer shares this module. `normalize_arguments` is the ONE place where the
+public arguments of `attention` / `check_support` are validated and turned into an
+`AttentionSpec`, so that the support query and the runtime can never disagree on
+what a call means (the bug Transformer Engine's review found, seed 003).
+
+An `AttentionSpec` holds static facts only (shapes, dtypes, flags, sizes). Runtime
+values (sequence lengths, segment ids, score_mod scalar values) never enter it, so
+they never enter a graph cache key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+DTYPES = ("float32", "bfloat16", "float16")
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+IMPLEMENTATIONS = (None, "xla", "cudnn")
+UNBOUNDED = -1  # a window side that does not limit attention
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Static description of one attention call (BSHD layout, as the user passes it).
+
+    Sizes follow `jax.nn.dot_product_attention`: B batch, T query length, S key
+    length, N query heads, K key/value heads, H head dim (H_v for value).
+    `window` is `(left, right)` around the (aligned) diagonal; `UNBOUNDED` (-1)
+    leaves a side open. `bias_shape`/`mask_shape` are the 4-D shapes of the optional
+    bias and boolean mask, broadcastable to `(B, N, T, S)`.
+    """
+
+    batch: int
+    q_len: int
+    kv_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    dtype: str
+    scale: float
+    is_causal: bool = False
+    causal_alignment: str = "top_left"
+    window: tuple[int, int] = (UNBOUNDED, UNBOUNDED)
+    chunk_size: int | None = None
+    bias_shape: tuple[int, int, int, int] | None = None
+    mask_shape: tuple[int, int, int, int] | None = None
+    has_q_lengths: bool = False
+    has_kv_lengths: bool = False
+    segments: str | None = None  # None, "self" (one ids array) or "cross" (q ids, kv ids)
+    max_segments: int = 0
+
+    @property
+    def has_window(self) -> bool:
+        return self.window != (UNBOUNDED, UNBOUNDED)
+
+    @property
+    def has_padding(self) -> bool:
+        return self.has_q_lengths or self.has_kv_lengths
+
+    @property
+    def has_position_mask(self) -> bool:
+        """Whether any mask depends on query/key positions (causal, window, chunk)."""
+        return self.is_causal or self.has_window or self.chunk_size is not None
+
+    def canonical(self) -> str:
+        """Deterministic text of every field, the spec's part of a cache key."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    def summary(self) -> str:
+        """One human line, for `cache ls`, logs and error messages."""
+        parts = [
+            f"B{self.batch} T{self.q_len} S{self.kv_len} N{self.num_heads}/K{self.num_kv_heads}",
+            f"H{self.head_dim}" + (f"/{self.head_dim_v}" if self.head_dim_v != self.head_dim else ""),
+            self.dtype,
+        ]
+        if self.is_causal:
+            parts.append("causal" + ("(br)" if self.causal_alignment == "bottom_right" else ""))
+        if self.has_window:
+            parts.append(f"window{self.window}")
+        if self.chunk_size is not None:
+            parts.append(f"chunk{self.chunk_size}")
+        if self.bias_shape is not None:
+            parts.append(f"bias{self.bias_shape}")
+        if self.mask_shape is not None:
+            parts.append(f"mask{self.mask_shape}")
+        if self.has_padding:
+            parts.append("padding")
+        if self.segments:
+            parts.append(f"segments({self.segments},{self.max_segments})")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "AttentionSpec":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - fields
+        if unknown:
+            raise ValueError(f"unknown AttentionSpec field(s): {sorted(unknown)}")
+        values = dict(data)
+        for name in ("window", "bias_shape", "mask_shape"):
+            if values.get(name) is not None:
+                values[name] = tuple(values[name])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class NormalizedCall:
+    """What `normalize_arguments` returns: the spec plus how to reshape back."""
+
+    spec: AttentionSpec
+    unbatched: bool  # the caller passed 3-D (T, N, H) arrays, as jax allows
+
+
+def _dtype_name(x: Any, argname: str) -> str:
+    try:
+        return np.dtype(x.dtype).name
+    except (AttributeError, TypeError) as err:
+        raise TypeError(f"{argname} must be an array or jax.ShapeDtypeStruct, got {type(x).__name__}") from err
+
+
+def _shape(x: Any, argname: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in x.shape)
+    except (AttributeError, TypeError) as err:
+        raise TypeError(f"{argname} must be an array or jax.ShapeDtypeStruct, got {type(x).__name__}") from err
+
+
+def _static_int(value: Any, argname: str) -> int:
+    try:
+        return operator.index(value)
+    except TypeError as err:
+        raise TypeError(f"{argname} must be a Python int, got {type(value).__name__}") from err
+
+
+def normalize_window(local_window_size: Any) -> tuple[int, int]:
+    """`None` | int | (left, right) -> (left, right) with UNBOUNDED for an open side."""
+    if local_window_size is None:
+        return (UNBOUNDED, UNBOUNDED)
+    if isinstance(local_window_size, (tuple, list)):
+        if len(local_window_size) != 2:
+            raise ValueError(f"local_window_size must be an int or a (left, right) pair, got {local_window_size!r}")
+        left, right = (_static_int(v, "local_window_size") for v in local_window_size)
+    else:
+        left = right = _static_int(local_window_size, "local_window_size")
+    for side, value in (("left", left), ("right", right)):
+        if value < UNBOUNDED:
+            raise ValueError(f"local_window_size {side} side must be >= 0 (or -1 for unbounded), got {value}")
+    return (left, right)
+
+
+def _broadcast_4d(shape: tuple[int, ...], target: tuple[int, int, int, int], argname: str) -> tuple[int, int, int, int]:
+    if len(shape) != 4:
+        raise ValueError(f"{argname} must be 4-D and broadcastable to (B, N, T, S)={target}, got shape {shape}")
+    for size, want in zip(shape, target):
+        if size not in (1, want):
+            raise ValueError(f"{argname} shape {shape} is not broadcastable to (B, N, T, S)={target}")
+    return shape  # type: ignore[return-value]
+
+
+def _check_lengths(x: Any, batch: int, argname: str) -> None:
+    if x is None:
+        return
+    if _shape(x, argname) != (batch,):
+        raise ValueError(f"{argname} must have shape (B,)=({batch},), got {_shape(x, argname)}")
+    if not np.issubdtype(np.dtype(_dtype_name(x, argname)), np.integer):
+        raise TypeError(f"{argname} must be an integer array, got dtype {_dtype_name(x, argname)}")
+
+
+def _segment_mode(segment_ids: Any, batch: int, q_len: int, kv_len: int) -> str | None:
+    if segment_ids is None:
+        return None
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2:
+            raise ValueError("segment_ids must be one (B, T) array or a pair (q_segment_ids, kv_segment_ids)")
+        pairs = (("segment_ids[0]", segment_ids[0], q_len), ("segment_ids[1]", segment_ids[1], kv_len))
+        mode = "cross"
+    else:
+        if q_len != kv_len:
+            raise ValueError(
+                f"segment_ids as one array needs T == S (self-attention), got T={q_len}, S={kv_len}; "
+                "pass a pair (q_segment_ids, kv_segment_ids) for cross-attention"
+            )
+        pairs = (("segment_ids", segment_ids, q_len),)
+        mode = "self"
+    for argname, ids, length in pairs:
+        if _shape(ids, argname) != (batch, length):
+            raise ValueError(f"{argname} must have shape ({batch}, {length}), got {_shape(ids, argname)}")
+        if not np.issubdtype(np.dtype(_dtype_name(ids, argname)), np.integer):
+            raise TypeError(f"{argname} must be an int32 array, got dtype {_dtype_name(ids, argname)}")
+    return mode
+
+
+def normalize_arguments(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    local_window_size: Any = None,
+    causal_alignment: str = "top_left",
+    segment_ids: Any = None,
+    max_segments_per_seq: int | None = None,
+    chunk_size: int | None = None,
+    implementation: str | None = None,
+) -> NormalizedCall:
+    """Validate the public arguments and build the `AttentionSpec` (arrays or ShapeDtypeStructs)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if causal_alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}, got {causal_alignment!r}")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
+
+    shapes = {name: _shape(x, name) for name, x in (("query", query), ("key", key), ("value", value))}
+    ranks = {len(s) for s in shapes.values()}
+    if ranks not in ({4}, {3}):
+        raise ValueError(
+            "query, key and value must all be 4-D (B, T, N, H) / (B, S, K, H) (or all 3-D, unbatched); "
+            f"got shapes query={shapes['query']}, key={shapes['key']}, value={shapes['value']}"
+        )
+    unbatched = ranks == {3}
+    if unbatched:
+        shapes = {name: (1,) + s for name, s in shapes.items()}
+    (batch, q_len, num_heads, head_dim) = shapes["query"]
+    (kb, kv_len, num_kv_heads, kh) = shapes["key"]
+    (vb, vs, vk, head_dim_v) = shapes["value"]
+    if kb != batch or vb != batch:
+        raise ValueError(f"batch sizes differ: query {batch}, key {kb}, value {vb}")
+    if kh != head_dim:
+        raise ValueError(f"key head dim {kh} must equal query head dim {head_dim}")
+    if (vs, vk) != (kv_len, num_kv_heads):
+        raise ValueError(f"value shape {shapes['value']} must match key's (B, S, K)=({batch}, {kv_len}, {num_kv_heads})")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"query heads N={num_heads} must be a multiple of key/value heads K={num_kv_heads}")
+
+    dtypes = {name: _dtype_name(x, name) for name, x in (("query", query), ("key", key), ("value", value))}
+    if len(set(dtypes.values())) != 1:
+        raise TypeError(f"query, key and value must share one dtype, got {dtypes}")
+    dtype = dtypes["query"]
+    if dtype not in DTYPES:
+        raise TypeError(f"query dtype must be one of {DTYPES}, got {dtype}")
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif not isinstance(scale, (int, float, np.floating, np.integer)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+    scale = float(scale)
+
+    full = (batch, num_heads, q_len, kv_len)
+    bias_shape = mask_shape = None
+    if bias is not None:
+        bias_shape = _broadcast_4d((1,) + _shape(bias, "bias") if unbatched else _shape(bias, "bias"), full, "bias")
+        if _dtype_name(bias, "bias") not in DTYPES:
+            raise TypeError(f"bias dtype must be floating, got {_dtype_name(bias, 'bias')}")
+    if mask is not None:
+        mask_shape = _broadcast_4d((1,) + _shape(mask, "mask") if unbatched else _shape(mask, "mask"), full, "mask")
+        if _dtype_name(mask, "mask") != "bool":
+            raise TypeError(f"mask must be a boolean array (True = attend); pass additive masks as bias, got {_dtype_name(mask, 'mask')}")
+
+    _check_lengths(query_seq_lengths, batch, "query_seq_lengths")
+    _check_lengths(key_value_seq_lengths, batch, "key_value_seq_lengths")
+    window = normalize_window(local_window_size)
+
+    if chunk_size is not None:
+        chunk_size = _static_int(chunk_size, "chunk_size")
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size}")
+
+    segments = _segment_mode(segment_ids, batch, q_len, kv_len)
+    max_segments = 0
+    if segments is not None:
+        if max_segments_per_seq is None:
+            max_segments = q_len  # always enough; pass a bound to keep THD metadata small
+        else:
+            max_segments = _static_int(max_segments_per_seq, "max_segments_per_seq")
+            if max_segments <= 0:
+                raise ValueError(f"max_segments_per_seq must be a positive int, got {max_segments}")
+        if query_seq_lengths is not None or key_value_seq_lengths is not None:
+            raise ValueError("pass either segment_ids or query_seq_lengths/key_value_seq_lengths, not both: padding is segment id 0")
+    elif max_segments_per_seq is not None:
+        raise ValueError("max_segments_per_seq needs segment_ids")
+
+    spec = AttentionSpec(
+        batch=batch,
+        q_len=q_len,
+        kv_len=kv_len,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        dtype=dtype,
+        scale=scale,
+        is_causal=bool(is_causal),
+        causal_alignment=causal_alignment,
+        window=window,
+        chunk_size=chunk_size,
+        bias_shape=bias_shape,
+        mask_shape=mask_shape,
+        has_q_lengths=query_seq_lengths is not None,
+        has_kv_lengths=key_value_seq_lengths is not None,
+        segments=segments,
+        max_segments=max_segments,
+    )
+    return NormalizedCall(spec=spec, unbatched=unbatched)
