@@ -167,13 +167,26 @@ def _broadcast_4d(shape: tuple[int, ...], target: tuple[int, int, int, int], arg
     return shape  # type: ignore[return-value]
 
 
-def _check_lengths(x: Any, batch: int, argname: str) -> None:
+def _concrete_values(x: Any) -> np.ndarray | None:
+    """The values of a concrete array; None for tracers and ShapeDtypeStructs (checked shape-only)."""
+    if not hasattr(x, "__array__"):
+        return None
+    try:
+        return np.asarray(x)
+    except Exception:  # a jax tracer: values are unknown at trace time
+        return None
+
+
+def _check_lengths(x: Any, batch: int, limit: int, argname: str) -> None:
     if x is None:
         return
     if _shape(x, argname) != (batch,):
         raise ValueError(f"{argname} must have shape (B,)=({batch},), got {_shape(x, argname)}")
     if not np.issubdtype(np.dtype(_dtype_name(x, argname)), np.integer):
         raise TypeError(f"{argname} must be an integer array, got dtype {_dtype_name(x, argname)}")
+    values = _concrete_values(x)
+    if values is not None and (values.min() < 0 or values.max() > limit):
+        raise ValueError(f"{argname} must lie in [0, {limit}], got values in [{values.min()}, {values.max()}]")
 
 
 def _segment_mode(segment_ids: Any, batch: int, q_len: int, kv_len: int) -> str | None:
@@ -197,6 +210,9 @@ def _segment_mode(segment_ids: Any, batch: int, q_len: int, kv_len: int) -> str 
             raise ValueError(f"{argname} must have shape ({batch}, {length}), got {_shape(ids, argname)}")
         if not np.issubdtype(np.dtype(_dtype_name(ids, argname)), np.integer):
             raise TypeError(f"{argname} must be an int32 array, got dtype {_dtype_name(ids, argname)}")
+        values = _concrete_values(ids)
+        if values is not None and values.size and values.min() < 0:
+            raise ValueError(f"{argname} must be >= 0 (0 marks padding), got {values.min()}")
     return mode
 
 
@@ -272,8 +288,8 @@ def normalize_arguments(
         if _dtype_name(mask, "mask") != "bool":
             raise TypeError(f"mask must be a boolean array (True = attend); pass additive masks as bias, got {_dtype_name(mask, 'mask')}")
 
-    _check_lengths(query_seq_lengths, batch, "query_seq_lengths")
-    _check_lengths(key_value_seq_lengths, batch, "key_value_seq_lengths")
+    _check_lengths(query_seq_lengths, batch, q_len, "query_seq_lengths")
+    _check_lengths(key_value_seq_lengths, batch, kv_len, "key_value_seq_lengths")
     window = normalize_window(local_window_size)
 
     if chunk_size is not None:
