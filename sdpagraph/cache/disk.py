@@ -134,8 +134,7 @@ class DiskStore:
         except FileNotFoundError:
             pass  # evicted since it was read: nothing left to protect
         except OSError as error:
-            self.warn_once("touch", "cannot record cache use in %s (%s); eviction order may be off",
-                           self.directory, error.strerror or error)
+            self._warn_unwritable("recording a use", error)
 
     # -- writing -------------------------------------------------------------------------
 
@@ -148,8 +147,7 @@ class DiskStore:
             _make_private_dirs(self.directory, os.path.dirname(path))
             _write_atomically(path, data, temp_prefix=digest + ".")
         except OSError as error:
-            self.warn_once(("write", error.errno), "cannot write cache entry %s (%s); keeping graphs in memory only",
-                           path, error.strerror or error)
+            self._warn_unwritable("writing an entry", error)
             return False
         return True
 
@@ -174,8 +172,7 @@ class DiskStore:
                 "so a process holding it is still alive (possibly hung); find it with `fuser` on the lock file."
             ) from None
         except OSError as error:
-            self.warn_once("lock", "cannot create lock files in %s (%s); processes may build the same graph twice",
-                           self.directory, error.strerror or error)
+            self._warn_unwritable("creating a lock file", error)
             yield
             return
         try:
@@ -288,13 +285,18 @@ class DiskStore:
         return filelock.UnixFileLock(self.lock_path(digest), timeout=self.lock_timeout_s,
                                      mode=PRIVATE_FILE_MODE, poll_interval=LOCK_POLL_INTERVAL_S)
 
+    def _warn_unwritable(self, action: str, error: OSError) -> None:
+        # One warning for every way of failing to write: the user needs to hear once that
+        # this directory does not work, not about each operation that found out.
+        self.warn_once("unwritable", "cannot write to cache directory %s (%s while %s); new graphs are kept in "
+                       "memory only", self.directory, error.strerror or error, action)
+
     def _prepare_directory(self) -> None:
         if self.writable:
             try:
                 _make_private_dirs(self.directory)
             except OSError as error:
-                self.warn_once("mkdir", "cannot create cache directory %s (%s); keeping graphs in memory only",
-                               self.directory, error.strerror or error)
+                self._warn_unwritable("creating it", error)
                 return
         try:
             mode = os.stat(self.directory).st_mode
