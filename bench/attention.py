@@ -1,0 +1,210 @@
+"""Attention speed, side by side in one run: sdpagraph (cuDNN via FFI) vs jax's cuDNN and XLA
+attention, and softcap+causal vs PyTorch FlexAttention. Needs a GPU.
+
+    python bench/attention.py [--out DIR] [--quick]
+
+Prints a table (ms, TFLOP/s, ratios) and writes attention.md / attention.json / attention.png to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave room for torch in the same run
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import sdpagraph
+from sdpagraph import mods
+
+PLAIN_CASES = [  # (name, B, T, N, K, H, causal)
+    ("B4 T4096 N16 H128 causal", 4, 4096, 16, 16, 128, True),
+    ("B4 T4096 N16 H128", 4, 4096, 16, 16, 128, False),
+    ("B8 T2048 N16 H64 causal", 8, 2048, 16, 16, 64, True),
+    ("B1 T8192 N32/K8 H128 causal", 1, 8192, 32, 8, 128, True),
+]
+SOFTCAP_CASE = ("B4 T4096 N16 H128 softcap30+causal", 4, 4096, 16, 16, 128, True)
+
+
+def flops(B, T, N, H, causal, backward):
+    forward = 4.0 * B * N * T * T * H * (0.5 if causal else 1.0)
+    return forward * (3.5 if backward else 1.0)  # backward does 2.5x the forward's matmul work
+
+
+def time_ms(fn, *args, repeats=30, rounds=5):
+    """Median over rounds of the mean time of `repeats` back-to-back calls (dispatch included)."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / repeats * 1e3)
+    return statistics.median(samples)
+
+
+def inputs(B, T, N, K, H, seed=0):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((B, T, N, H), (B, T, K, H), (B, T, K, H))]
+
+
+def jax_fns(attn, backward):
+    if not backward:
+        return jax.jit(attn)
+    loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32))  # noqa: E731
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def implementations(causal, score_mod=None):
+    impls = {
+        "sdpagraph": lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=causal, implementation="cudnn",
+                                                         score_mod=score_mod),
+        "xla": lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=causal, implementation="xla",
+                                                   score_mod=score_mod),
+    }
+    if score_mod is None:
+        impls["jax-cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                                          implementation="cudnn")
+    return impls
+
+
+def torch_flex_ms(B, T, N, H, backward):
+    """softcap(30)+causal through torch.compile(flex_attention), timed with CUDA events."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention)
+    q, k, v = (torch.randn(B, N, T, H, device="cuda", dtype=torch.bfloat16, requires_grad=backward) for _ in range(3))
+    block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, B=None, H=None, Q_LEN=T, KV_LEN=T)
+    softcap = lambda s, b, h, qi, ki: 30.0 * torch.tanh(s / 30.0)  # noqa: E731
+
+    def step():
+        out = compiled(q, k, v, score_mod=softcap, block_mask=block_mask)
+        if backward:
+            out.backward(torch.ones_like(out))
+        return out
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / 20)
+    return statistics.median(samples)
+
+
+def host_overhead_us():
+    """Per-call time of a tiny shape (the kernel is negligible): dispatch + FFI overhead."""
+    q, k, v = inputs(1, 128, 1, 1, 64)
+    result = {}
+    for name, fn in implementations(False).items():
+        if name != "xla":
+            result[name] = time_ms(jax.jit(fn), q, k, v, repeats=200) * 1e3
+    return result
+
+
+def run(quick):
+    rows = []
+    cases = PLAIN_CASES[:1] if quick else PLAIN_CASES
+    for name, B, T, N, K, H, causal in cases + [SOFTCAP_CASE]:
+        score_mod = mods.softcap(30.0) if "softcap" in name else None
+        q, k, v = inputs(B, T, N, K, H)
+        for backward in (False, True):
+            row = {"case": name, "pass": "fwd+bwd" if backward else "fwd"}
+            for impl, attn in implementations(causal, score_mod).items():
+                try:
+                    row[impl] = time_ms(jax_fns(attn, backward), q, k, v)
+                except Exception as error:  # record and keep measuring the rest
+                    row[impl] = None
+                    row[impl + "_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+            if score_mod is not None:
+                try:
+                    row["torch-flex"] = torch_flex_ms(B, T, N, H, backward)
+                except Exception as error:
+                    row["torch-flex"] = None
+                    row["torch-flex_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+            row["tflops"] = flops(B, T, N, H, causal, backward) / (row["sdpagraph"] * 1e9) if row.get("sdpagraph") else None
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows, host_overhead_us()
+
+
+def ratio(a, b):
+    return f"{a / b:.2f}x" if a and b else "n/a"
+
+
+def table(rows, overhead):
+    lines = ["| case | pass | sdpagraph ms | TFLOP/s | jax-cudnn ms | xla ms | torch-flex ms | jax-cudnn/sdpagraph | xla/sdpagraph | flex/sdpagraph |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x: f"{x:.3f}" if x else "n/a"  # noqa: E731
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['pass']} | {fmt(r.get('sdpagraph'))} | {fmt(r.get('tflops'))} | "
+                     f"{fmt(r.get('jax-cudnn'))} | {fmt(r.get('xla'))} | {fmt(r.get('torch-flex'))} | "
+                     f"{ratio(r.get('jax-cudnn'), r.get('sdpagraph'))} | {ratio(r.get('xla'), r.get('sdpagraph'))} | "
+                     f"{ratio(r.get('torch-flex'), r.get('sdpagraph'))} |")
+    lines.append("")
+    lines.append("Per-call time at B1 T128 N1 H64 (host overhead dominates): " +
+                 ", ".join(f"{k} {v:.1f} us" for k, v in overhead.items()))
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    impls = ["sdpagraph", "jax-cudnn", "xla", "torch-flex"]
+    labels = [f"{r['case']}\n{r['pass']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(rows)), 5))
+    width = 0.2
+    for i, impl in enumerate(impls):
+        ax.bar([x + i * width for x in range(len(rows))], [r.get(impl) or 0 for r in rows], width, label=impl)
+    ax.set_xticks([x + 1.5 * width for x in range(len(rows))], labels, fontsize=7, rotation=30, ha="right")
+    ax.set_ylabel("ms (lower is better)")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title(f"attention, bf16, {jax.devices()[0].device_kind}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--quick", action="store_true", help="one plain case + softcap")
+    args = parser.parse_args()
+    if not [d for d in jax.devices() if d.platform == "gpu"]:
+        print("bench/attention.py needs a GPU; none visible", file=sys.stderr)
+        return 2
+    rows, overhead = run(args.quick)
+    text = table(rows, overhead)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    header = f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {time.strftime('%Y-%m-%d')}\n\n"
+    with open(os.path.join(args.out, "attention.md"), "w") as f:
+        f.write(header + text + "\n")
+    with open(os.path.join(args.out, "attention.json"), "w") as f:
+        json.dump({"rows": rows, "overhead_us": overhead}, f, indent=1)
+    try:
+        plot(rows, os.path.join(args.out, "attention.png"))
+    except Exception as error:
+        print(f"plot skipped: {error}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
