@@ -1,0 +1,818 @@
+// sdpagraph executor: runs serialized cuDNN frontend graphs from XLA through the typed FFI.
+//
+// XLA calls `sdpagraph_execute` with the graph's operands, its results, the workspace as the last
+// result, and the graph key as an attribute. The executor finds the serialized graph (registered
+// from Python, or read from the disk-cache entry file named by the call), deserializes it once per
+// device, and executes it on XLA's stream with XLA's workspace. loader.py documents the call
+// contract for the Python side.
+//
+// Sections:
+//   1. Errors             how failures travel to the handler boundary
+//   2. cuDNN library      binding the frontend to the libcudnn JAX already loaded
+//   3. Stream capture     keeping one-time setup legal while XLA records a command buffer
+//   4. Cache entry files  CRC-32, a bounds-checked msgpack reader, entry verification
+//   5. cuDNN handles      one per (device, thread), for the life of the process
+//   6. Graph registry     key -> serialized blob -> one deserialized graph per device
+//   7. Execute handler    the XLA FFI handler
+//   8. C entry points     what loader.py calls through ctypes
+
+#include <dlfcn.h>
+
+#include <array>
+#include <cerrno>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "cudnn_frontend.h"
+#include "cudnn_frontend_version.h"
+#include "xla/ffi/api/ffi.h"
+
+#ifndef SDPAGRAPH_COMMAND_BUFFER_COMPATIBLE
+#define SDPAGRAPH_COMMAND_BUFFER_COMPATIBLE 1
+#endif
+
+// The library is built with hidden visibility; only these entry points are exported.
+#define SDPAGRAPH_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace cudnn_frontend {
+// With NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING the frontend resolves every cuDNN function with
+// dlsym(cudnn_dlhandle, ...) and leaves defining and setting this handle to the embedding library.
+void* cudnn_dlhandle = nullptr;
+}  // namespace cudnn_frontend
+
+namespace sdpagraph {
+namespace {
+
+namespace ffi = xla::ffi;
+namespace fe_detail = cudnn_frontend::detail;
+
+// ===================================================================================================
+// 1. Errors
+// ===================================================================================================
+// Failures are thrown inside the executor and turned into ffi::Error at the handler boundary (or a
+// status code at the C entry points), because the frontend itself throws: std::runtime_error for a
+// missing cuDNN or CUDA symbol, nlohmann::json exceptions for a malformed blob.
+
+// A failure of cuDNN, CUDA or the graph itself.
+class ExecutorError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A call that breaks the contract loader.py documents (uid counts, workspace size, ...).
+class InvalidCallError : public ExecutorError {
+ public:
+  using ExecutorError::ExecutorError;
+};
+
+// A cache entry file that cannot be used; the message is the reason, without the path.
+class EntryFileError : public ExecutorError {
+ public:
+  using ExecutorError::ExecutorError;
+};
+
+void CheckFrontend(cudnn_frontend::error_t status, const std::string& what) {
+  if (status.is_bad()) {
+    throw ExecutorError(what + " failed: " + status.get_message());
+  }
+}
+
+void CheckCudnn(cudnnStatus_t status, const std::string& what) {
+  if (status != CUDNN_STATUS_SUCCESS) {
+    throw ExecutorError(what + " failed: " + fe_detail::get_error_string(status));
+  }
+}
+
+void CheckCuda(cudaError_t status, const std::string& what) {
+  if (status != cudaSuccess) {
+    throw ExecutorError(what + " failed: " + fe_detail::cuda_get_error_string(status));
+  }
+}
+
+// ===================================================================================================
+// 2. cuDNN library
+// ===================================================================================================
+// cuDNN is not linked: the frontend reaches it through cudnn_dlhandle, which points at the
+// libcudnn.so.9 JAX's CUDA plugin has already loaded (RTLD_NOLOAD finds it by soname), so the
+// process keeps one cuDNN and one build of this library serves every cuDNN 9.x. The CUDA runtime
+// and driver are dlopen'ed by the frontend itself (libcudart.so.12/.13 by soname, libcuda.so.1).
+
+void BindCudnnLibrary() {
+  static const std::string failure = [] {
+    constexpr const char* kCudnnSoname = "libcudnn.so.9";
+    void* library = dlopen(kCudnnSoname, RTLD_NOW | RTLD_NOLOAD);
+    if (library == nullptr) {
+      library = dlopen(kCudnnSoname, RTLD_NOW);
+    }
+    if (library == nullptr) {
+      const char* reason = dlerror();
+      return std::string("cannot load ") + kCudnnSoname + ": " + (reason ? reason : "unknown error") +
+             " (JAX's CUDA plugin normally loads it: is jax installed with CUDA support?)";
+    }
+    cudnn_frontend::cudnn_dlhandle = library;
+    return std::string();
+  }();
+  if (!failure.empty()) {
+    throw ExecutorError(failure);
+  }
+}
+
+// ===================================================================================================
+// 3. Stream capture
+// ===================================================================================================
+// XLA records a command buffer by capturing the handler on its stream in thread-local mode, which
+// makes this thread's cudaMalloc, stream creation and module loads fail. Creating a handle and
+// deserializing a graph do such things once and never touch the captured stream, so they run under
+// relaxed mode: the first call of a graph may then happen during capture.
+
+class RelaxedCaptureModeScope {
+ public:
+  RelaxedCaptureModeScope() {
+    CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    if (fe_detail::cu_thread_exchange_stream_capture_mode(&mode) == CUDA_SUCCESS) {
+      previous_mode_ = mode;
+    }
+  }
+
+  ~RelaxedCaptureModeScope() {
+    if (!previous_mode_) {
+      return;
+    }
+    CUstreamCaptureMode mode = *previous_mode_;
+    // The constructor already resolved the driver symbol, so this cannot fail to find it; a
+    // destructor must not throw in any case.
+    try {
+      fe_detail::cu_thread_exchange_stream_capture_mode(&mode);
+    } catch (const std::exception&) {
+    }
+  }
+
+  RelaxedCaptureModeScope(const RelaxedCaptureModeScope&) = delete;
+  RelaxedCaptureModeScope& operator=(const RelaxedCaptureModeScope&) = delete;
+
+ private:
+  std::optional<CUstreamCaptureMode> previous_mode_;
+};
+
+bool IsCapturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  CheckCuda(fe_detail::cuda_stream_is_capturing(stream, &status), "cudaStreamIsCapturing");
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// ===================================================================================================
+// 4. Cache entry files
+// ===================================================================================================
+// Layout (written by the Python disk cache):
+//   8 bytes  magic "SDPAGRPH"
+//   u32 LE   format version (1)
+//   u32 LE   CRC-32 of the payload (zlib.crc32)
+//   payload  one msgpack map with string keys, among them "key_hash" (str) and "blob" (bin)
+
+constexpr std::array<char, 8> kEntryMagic = {'S', 'D', 'P', 'A', 'G', 'R', 'P', 'H'};
+constexpr uint32_t kEntryFormatVersion = 1;
+constexpr size_t kEntryHeaderSize = kEntryMagic.size() + 2 * sizeof(uint32_t);
+
+// zlib's CRC-32 (reflected IEEE polynomial, initial value and final xor 0xFFFFFFFF), so that what
+// Python's zlib.crc32 wrote is what this checks.
+uint32_t Crc32(const uint8_t* data, size_t size) {
+  static constexpr std::array<uint32_t, 256> kTable = [] {
+    std::array<uint32_t, 256> table{};
+    for (uint32_t byte = 0; byte < table.size(); ++byte) {
+      uint32_t crc = byte;
+      for (int bit = 0; bit < 8; ++bit) {
+        crc = (crc & 1u) ? (0xEDB88320u ^ (crc >> 1)) : (crc >> 1);
+      }
+      table[byte] = crc;
+    }
+    return table;
+  }();
+  uint32_t crc = 0xFFFFFFFFu;
+  for (size_t i = 0; i < size; ++i) {
+    crc = kTable[(crc ^ data[i]) & 0xFFu] ^ (crc >> 8);
+  }
+  return crc ^ 0xFFFFFFFFu;
+}
+
+uint32_t ReadLittleEndian32(const uint8_t* bytes) {
+  return static_cast<uint32_t>(bytes[0]) | (static_cast<uint32_t>(bytes[1]) << 8) |
+         (static_cast<uint32_t>(bytes[2]) << 16) | (static_cast<uint32_t>(bytes[3]) << 24);
+}
+
+struct ByteRange {
+  const uint8_t* data;
+  size_t size;
+};
+
+// Reads the msgpack an entry needs (a map, str keys, str and bin values) and skips any other value.
+// Every length is checked against the end of the payload, so a corrupt or hostile file gives an
+// EntryFileError, never a read out of bounds.
+class MsgpackReader {
+ public:
+  MsgpackReader(const uint8_t* data, size_t size) : cursor_(data), end_(data + size) {}
+
+  uint64_t ReadMapHeader() {
+    const uint8_t tag = ReadByte();
+    if ((tag & 0xF0u) == 0x80u) return tag & 0x0Fu;
+    if (tag == 0xDE) return ReadBigEndian(2);
+    if (tag == 0xDF) return ReadBigEndian(4);
+    throw EntryFileError("payload is not a msgpack map");
+  }
+
+  bool NextIsString() const {
+    if (cursor_ == end_) return false;
+    const uint8_t tag = *cursor_;
+    return (tag & 0xE0u) == 0xA0u || tag == 0xD9 || tag == 0xDA || tag == 0xDB;
+  }
+
+  std::string_view ReadString() {
+    const uint8_t tag = ReadByte();
+    uint64_t length = 0;
+    if ((tag & 0xE0u) == 0xA0u) {
+      length = tag & 0x1Fu;
+    } else if (tag >= 0xD9 && tag <= 0xDB) {
+      length = ReadBigEndian(size_t{1} << (tag - 0xD9));
+    } else {
+      throw EntryFileError("msgpack value is not a string");
+    }
+    const uint8_t* bytes = Take(length);
+    return {reinterpret_cast<const char*>(bytes), static_cast<size_t>(length)};
+  }
+
+  ByteRange ReadBinary() {
+    const uint8_t tag = ReadByte();
+    if (tag < 0xC4 || tag > 0xC6) {
+      throw EntryFileError("msgpack value is not binary data");
+    }
+    const uint64_t length = ReadBigEndian(size_t{1} << (tag - 0xC4));
+    return {Take(length), static_cast<size_t>(length)};
+  }
+
+  // Skips one complete value of any type. Iterative, so nesting depth cannot exhaust the stack: each
+  // container adds its element count to `pending`, and every step consumes at least one byte.
+  void SkipValue() {
+    uint64_t pending = 1;
+    while (pending > 0) {
+      --pending;
+      const uint8_t tag = ReadByte();
+      if (tag <= 0x7F || tag >= 0xE0 || tag == 0xC0 || tag == 0xC2 || tag == 0xC3) {
+        continue;  // fixint, nil, false, true: the tag is the whole value
+      }
+      if ((tag & 0xF0u) == 0x80u) {
+        pending += 2u * (tag & 0x0Fu);  // fixmap
+        continue;
+      }
+      if ((tag & 0xF0u) == 0x90u) {
+        pending += tag & 0x0Fu;  // fixarray
+        continue;
+      }
+      if ((tag & 0xE0u) == 0xA0u) {
+        Take(tag & 0x1Fu);  // fixstr
+        continue;
+      }
+      switch (tag) {
+        case 0xC4: case 0xD9: Take(ReadBigEndian(1)); break;       // bin8, str8
+        case 0xC5: case 0xDA: Take(ReadBigEndian(2)); break;       // bin16, str16
+        case 0xC6: case 0xDB: Take(ReadBigEndian(4)); break;       // bin32, str32
+        case 0xC7: Take(ReadBigEndian(1) + 1); break;              // ext8: length, type, data
+        case 0xC8: Take(ReadBigEndian(2) + 1); break;              // ext16
+        case 0xC9: Take(ReadBigEndian(4) + 1); break;              // ext32
+        case 0xCA: Take(4); break;                                 // float32
+        case 0xCB: Take(8); break;                                 // float64
+        case 0xCC: case 0xD0: Take(1); break;                      // uint8, int8
+        case 0xCD: case 0xD1: Take(2); break;                      // uint16, int16
+        case 0xCE: case 0xD2: Take(4); break;                      // uint32, int32
+        case 0xCF: case 0xD3: Take(8); break;                      // uint64, int64
+        case 0xD4: Take(2); break;                                 // fixext1: type, data
+        case 0xD5: Take(3); break;                                 // fixext2
+        case 0xD6: Take(5); break;                                 // fixext4
+        case 0xD7: Take(9); break;                                 // fixext8
+        case 0xD8: Take(17); break;                                // fixext16
+        case 0xDC: pending += ReadBigEndian(2); break;             // array16
+        case 0xDD: pending += ReadBigEndian(4); break;             // array32
+        case 0xDE: pending += 2 * ReadBigEndian(2); break;         // map16
+        case 0xDF: pending += 2 * ReadBigEndian(4); break;         // map32
+        default: throw EntryFileError("invalid msgpack byte 0xc1");  // the one unused tag
+      }
+    }
+  }
+
+ private:
+  const uint8_t* Take(uint64_t count) {
+    if (count > static_cast<uint64_t>(end_ - cursor_)) {
+      throw EntryFileError("msgpack payload is truncated");
+    }
+    const uint8_t* start = cursor_;
+    cursor_ += count;
+    return start;
+  }
+
+  uint8_t ReadByte() { return *Take(1); }
+
+  uint64_t ReadBigEndian(size_t byte_count) {
+    const uint8_t* bytes = Take(byte_count);
+    uint64_t value = 0;
+    for (size_t i = 0; i < byte_count; ++i) {
+      value = (value << 8) | bytes[i];
+    }
+    return value;
+  }
+
+  const uint8_t* cursor_;
+  const uint8_t* end_;
+};
+
+std::vector<uint8_t> ReadFile(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) {
+    throw EntryFileError(std::string("cannot open: ") + std::strerror(errno));
+  }
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  if (file.bad()) {
+    throw EntryFileError("read error");
+  }
+  return bytes;
+}
+
+// Verifies the entry at `path` and returns its serialized graph.
+std::vector<uint8_t> ReadEntryBlob(const std::string& path, std::string_view expected_key) {
+  const std::vector<uint8_t> file = ReadFile(path);
+  if (file.size() < kEntryHeaderSize) {
+    throw EntryFileError("file is too short to be a cache entry");
+  }
+  if (std::memcmp(file.data(), kEntryMagic.data(), kEntryMagic.size()) != 0) {
+    throw EntryFileError("not a cache entry (bad magic)");
+  }
+  const uint32_t version = ReadLittleEndian32(file.data() + kEntryMagic.size());
+  if (version != kEntryFormatVersion) {
+    throw EntryFileError("unsupported format version " + std::to_string(version));
+  }
+  const uint32_t stored_crc = ReadLittleEndian32(file.data() + kEntryMagic.size() + 4);
+  const uint8_t* payload = file.data() + kEntryHeaderSize;
+  const size_t payload_size = file.size() - kEntryHeaderSize;
+  if (Crc32(payload, payload_size) != stored_crc) {
+    throw EntryFileError("checksum mismatch");
+  }
+
+  MsgpackReader reader(payload, payload_size);
+  std::optional<std::string_view> key_hash;
+  std::optional<ByteRange> blob;
+  for (uint64_t remaining = reader.ReadMapHeader(); remaining > 0; --remaining) {
+    if (!reader.NextIsString()) {
+      reader.SkipValue();  // a non-string key and its value belong to no field this reader needs
+      reader.SkipValue();
+      continue;
+    }
+    const std::string_view field = reader.ReadString();
+    if (field == "key_hash") {
+      key_hash = reader.ReadString();
+    } else if (field == "blob") {
+      blob = reader.ReadBinary();
+    } else {
+      reader.SkipValue();
+    }
+  }
+  if (!key_hash) {
+    throw EntryFileError("entry has no key_hash");
+  }
+  if (*key_hash != expected_key) {
+    throw EntryFileError("entry is for graph " + std::string(*key_hash));
+  }
+  if (!blob || blob->size == 0) {
+    throw EntryFileError("entry has no blob");
+  }
+  return std::vector<uint8_t>(blob->data, blob->data + blob->size);
+}
+
+// ===================================================================================================
+// 5. cuDNN handles
+// ===================================================================================================
+
+class CudnnHandle {
+ public:
+  // Binds the handle to the device current on this thread; XLA makes the call's device current.
+  static std::unique_ptr<CudnnHandle> CreateForCurrentDevice() {
+    cudnnHandle_t handle = nullptr;
+    CheckCudnn(fe_detail::create_handle(&handle), "cudnnCreate");
+    return std::make_unique<CudnnHandle>(handle);
+  }
+
+  explicit CudnnHandle(cudnnHandle_t handle) : handle_(handle) {}
+
+  ~CudnnHandle() {
+    try {
+      fe_detail::destroy_handle(handle_);  // nothing useful to do with a failure here
+    } catch (const std::exception&) {
+    }
+  }
+
+  CudnnHandle(const CudnnHandle&) = delete;
+  CudnnHandle& operator=(const CudnnHandle&) = delete;
+
+  cudnnHandle_t get() const { return handle_; }
+
+ private:
+  cudnnHandle_t handle_;
+};
+
+// One handle per (device, thread): a handle belongs to the device it was created on, and
+// cudnnSetStream followed by execute must not race with another thread re-pointing the same handle.
+// The pool owns every handle for the life of the process (see ExecutorState); each thread keeps a
+// non-owning index so the hot path takes no lock.
+class HandlePool {
+ public:
+  cudnnHandle_t ForCurrentThread(int device) {
+    thread_local std::unordered_map<int, cudnnHandle_t> handles_of_this_thread;
+    if (const auto found = handles_of_this_thread.find(device); found != handles_of_this_thread.end()) {
+      return found->second;
+    }
+    std::unique_ptr<CudnnHandle> handle;
+    {
+      RelaxedCaptureModeScope relaxed;  // cudnnCreate allocates device memory
+      handle = CudnnHandle::CreateForCurrentDevice();
+    }
+    const cudnnHandle_t raw_handle = handle->get();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      owned_.push_back(std::move(handle));
+    }
+    handles_of_this_thread.emplace(device, raw_handle);
+    return raw_handle;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::unique_ptr<CudnnHandle>> owned_;
+};
+
+// ===================================================================================================
+// 6. Graph registry
+// ===================================================================================================
+
+// A graph deserialized for one device. Immutable once built; the frontend's execute() is const and
+// safe to call from several threads with different handles.
+struct DeviceGraph {
+  cudnn_frontend::graph::Graph graph;
+  std::vector<int64_t> variant_pack_uids;  // the tensors execute() takes pointers for, in its order
+  int64_t workspace_size = 0;
+};
+
+std::unique_ptr<const DeviceGraph> Deserialize(const std::vector<uint8_t>& blob, cudnnHandle_t handle,
+                                               cudaStream_t xla_stream) {
+  RelaxedCaptureModeScope relaxed;
+  // The frontend's warmup runs the plan once inside a throwaway capture so that its kernels are
+  // loaded before anyone captures it for real; it synchronizes the device, which must not happen
+  // while XLA is capturing, so a graph first met during capture loads its kernels on first launch.
+  const bool warmup = !IsCapturing(xla_stream);
+  // On the default stream, the warmup captures a private stream of its own, never XLA's.
+  CheckCudnn(fe_detail::set_stream(handle, nullptr), "cudnnSetStream");
+  auto device_graph = std::make_unique<DeviceGraph>();
+  CheckFrontend(device_graph->graph.deserialize(handle, blob, /*enforce_precompiled=*/true, warmup),
+                "deserialize");
+  device_graph->variant_pack_uids = device_graph->graph.get_variant_pack_uids_sorted();
+  CheckFrontend(device_graph->graph.get_workspace_size(device_graph->workspace_size), "get_workspace_size");
+  return device_graph;
+}
+
+class GraphEntry {
+ public:
+  explicit GraphEntry(std::vector<uint8_t> blob) : blob_(std::move(blob)) {}
+
+  // Deserializes on the first call for `device` and returns the same graph afterwards. The device's
+  // mutex is held while deserializing, so each device deserializes at most once; a failure leaves
+  // the slot empty and the next call tries again.
+  const DeviceGraph& ForDevice(int device, cudnnHandle_t handle, cudaStream_t xla_stream,
+                               std::atomic<int64_t>& deserialize_count) {
+    DeviceSlot& slot = SlotFor(device);
+    std::lock_guard<std::mutex> lock(slot.mutex);
+    if (!slot.graph) {
+      slot.graph = Deserialize(blob_, handle, xla_stream);
+      deserialize_count.fetch_add(1, std::memory_order_relaxed);
+    }
+    return *slot.graph;
+  }
+
+ private:
+  struct DeviceSlot {
+    std::mutex mutex;
+    std::unique_ptr<const DeviceGraph> graph;
+  };
+
+  DeviceSlot& SlotFor(int device) {
+    std::lock_guard<std::mutex> lock(slots_mutex_);
+    std::unique_ptr<DeviceSlot>& slot = slots_[device];
+    if (!slot) {
+      slot = std::make_unique<DeviceSlot>();
+    }
+    return *slot;
+  }
+
+  const std::vector<uint8_t> blob_;
+  std::mutex slots_mutex_;
+  std::unordered_map<int, std::unique_ptr<DeviceSlot>> slots_;  // slots are never removed
+};
+
+class GraphRegistry {
+ public:
+  std::shared_ptr<GraphEntry> Find(const std::string& key) const {
+    std::shared_lock<std::shared_mutex> lock(mutex_);
+    const auto found = entries_.find(key);
+    return found == entries_.end() ? nullptr : found->second;
+  }
+
+  // Keeps the first blob registered under a key: a key names one graph configuration, and any blob
+  // built for it serves, so registering again is a no-op.
+  std::shared_ptr<GraphEntry> Insert(const std::string& key, std::vector<uint8_t> blob) {
+    auto entry = std::make_shared<GraphEntry>(std::move(blob));
+    std::unique_lock<std::shared_mutex> lock(mutex_);
+    return entries_.emplace(key, std::move(entry)).first->second;
+  }
+
+ private:
+  mutable std::shared_mutex mutex_;
+  std::unordered_map<std::string, std::shared_ptr<GraphEntry>> entries_;
+};
+
+struct ExecutorState {
+  GraphRegistry graphs;
+  HandlePool handles;
+  std::atomic<int64_t> deserialize_count{0};
+};
+
+// Never destroyed: a static destructor would run cudnnDestroy and the frontend's plan destructors at
+// process exit, after JAX may have torn down the CUDA context, which can crash the exiting
+// interpreter. The operating system reclaims everything instead (the frontend leaks its own loader
+// state for the same reason).
+ExecutorState& State() {
+  static ExecutorState* const state = std::make_unique<ExecutorState>().release();
+  return *state;
+}
+
+bool IsGraphKey(std::string_view key) {
+  constexpr size_t kSha256HexDigits = 64;
+  if (key.size() != kSha256HexDigits) return false;
+  for (const char c : key) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+
+std::shared_ptr<GraphEntry> FindOrLoadGraph(const std::string& key, std::string_view entry_path) {
+  if (std::shared_ptr<GraphEntry> entry = State().graphs.Find(key)) {
+    return entry;
+  }
+  const std::string not_loaded = "graph " + key + " not loaded in this process and ";
+  if (entry_path.empty()) {
+    throw ExecutorError(not_loaded + "no cache entry path was given");
+  }
+  const std::string path(entry_path);
+  try {
+    return State().graphs.Insert(key, ReadEntryBlob(path, key));
+  } catch (const EntryFileError& error) {
+    throw ExecutorError(not_loaded + path + ": " + error.what());
+  }
+}
+
+// ===================================================================================================
+// 7. Execute handler
+// ===================================================================================================
+
+struct TensorPointer {
+  int64_t uid;
+  void* pointer;
+};
+
+// Orders the call's pointers the way the graph's execute() takes them, and rejects a call that
+// misses a tensor of the graph, names one twice, or names one the graph does not have.
+std::vector<void*> VariantPack(const std::vector<TensorPointer>& given, const std::vector<int64_t>& needed) {
+  for (size_t i = 0; i < given.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (given[j].uid == given[i].uid) {
+        throw InvalidCallError("uid " + std::to_string(given[i].uid) + " is given twice");
+      }
+    }
+  }
+  std::vector<void*> pointers;
+  pointers.reserve(needed.size());
+  for (const int64_t uid : needed) {
+    const TensorPointer* match = nullptr;
+    for (const TensorPointer& candidate : given) {
+      if (candidate.uid == uid) match = &candidate;
+    }
+    if (match == nullptr) {
+      throw InvalidCallError("the graph needs uid " + std::to_string(uid) +
+                             ", which is not among the operands, results or scalars");
+    }
+    pointers.push_back(match->pointer);
+  }
+  if (given.size() != needed.size()) {
+    for (const TensorPointer& candidate : given) {
+      bool is_needed = false;
+      for (const int64_t uid : needed) is_needed = is_needed || uid == candidate.uid;
+      if (!is_needed) {
+        throw InvalidCallError("uid " + std::to_string(candidate.uid) + " is not a tensor of this graph");
+      }
+    }
+  }
+  return pointers;
+}
+
+void* OperandData(const ffi::RemainingArgs& operands, size_t index) {
+  ffi::ErrorOr<ffi::AnyBuffer> buffer = operands.get<ffi::AnyBuffer>(index);
+  if (!buffer.has_value()) {
+    throw InvalidCallError("operand " + std::to_string(index) + ": " + buffer.error().message());
+  }
+  return buffer->untyped_data();
+}
+
+ffi::AnyBuffer ResultBuffer(const ffi::RemainingRets& results, size_t index) {
+  ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> buffer = results.get<ffi::AnyBuffer>(index);
+  if (!buffer.has_value()) {
+    throw InvalidCallError("result " + std::to_string(index) + ": " + buffer.error().message());
+  }
+  return **buffer;
+}
+
+void RunGraph(cudaStream_t stream, int32_t device, const ffi::RemainingArgs& operands,
+              const ffi::RemainingRets& results, const std::string& key, std::string_view entry_path,
+              ffi::Span<const int64_t> uids, ffi::Span<const int64_t> scalar_uids,
+              ffi::Span<const float> scalar_values, int64_t workspace_size) {
+  if (results.size() == 0) {
+    throw InvalidCallError("the workspace must be passed as the last result");
+  }
+  const size_t tensor_results = results.size() - 1;
+  if (uids.size() != operands.size() + tensor_results) {
+    throw InvalidCallError(std::to_string(uids.size()) + " uids for " + std::to_string(operands.size()) +
+                           " operands and " + std::to_string(tensor_results) +
+                           " results (the workspace, the last result, has no uid)");
+  }
+  if (scalar_uids.size() != scalar_values.size()) {
+    throw InvalidCallError(std::to_string(scalar_uids.size()) + " scalar_uids for " +
+                           std::to_string(scalar_values.size()) + " scalar_values");
+  }
+
+  BindCudnnLibrary();
+  const std::shared_ptr<GraphEntry> entry = FindOrLoadGraph(key, entry_path);
+  const cudnnHandle_t handle = State().handles.ForCurrentThread(device);
+  const DeviceGraph& graph = entry->ForDevice(device, handle, stream, State().deserialize_count);
+
+  const ffi::AnyBuffer workspace = ResultBuffer(results, tensor_results);
+  if (workspace_size < graph.workspace_size) {
+    throw InvalidCallError("workspace_size is " + std::to_string(workspace_size) + " but the graph needs " +
+                           std::to_string(graph.workspace_size) + " bytes");
+  }
+  if (workspace.size_bytes() < static_cast<size_t>(graph.workspace_size)) {
+    throw InvalidCallError("the workspace result has " + std::to_string(workspace.size_bytes()) +
+                           " bytes but the graph needs " + std::to_string(graph.workspace_size));
+  }
+
+  std::vector<TensorPointer> given;
+  given.reserve(uids.size() + scalar_uids.size());
+  for (size_t i = 0; i < operands.size(); ++i) {
+    given.push_back({uids[i], OperandData(operands, i)});
+  }
+  for (size_t i = 0; i < tensor_results; ++i) {
+    given.push_back({uids[operands.size() + i], ResultBuffer(results, i).untyped_data()});
+  }
+  for (size_t i = 0; i < scalar_uids.size(); ++i) {
+    // cuDNN reads pass-by-value scalars from host memory when the plan is launched; the attribute
+    // storage outlives the call.
+    given.push_back({scalar_uids[i], const_cast<float*>(&scalar_values[i])});
+  }
+  std::vector<void*> pointers = VariantPack(given, graph.variant_pack_uids);
+
+  CheckCudnn(fe_detail::set_stream(handle, stream), "cudnnSetStream");
+  CheckFrontend(graph.graph.execute(handle, pointers.data(), static_cast<int>(pointers.size()),
+                                    workspace.untyped_data()),
+                "execute");
+}
+
+ffi::Error ExecuteGraph(cudaStream_t stream, int32_t device, ffi::RemainingArgs operands,
+                        ffi::RemainingRets results, std::string_view graph_key, std::string_view entry_path,
+                        ffi::Span<const int64_t> uids, ffi::Span<const int64_t> scalar_uids,
+                        ffi::Span<const float> scalar_values, int64_t workspace_size) {
+  const std::string key(graph_key);
+  try {
+    RunGraph(stream, device, operands, results, key, entry_path, uids, scalar_uids, scalar_values,
+             workspace_size);
+    return ffi::Error::Success();
+  } catch (const InvalidCallError& error) {
+    return ffi::Error::InvalidArgument("sdpagraph_execute, graph " + key + ": " + error.what());
+  } catch (const std::exception& error) {
+    return ffi::Error::Internal("sdpagraph_execute, graph " + key + ": " + error.what());
+  } catch (...) {
+    return ffi::Error::Internal("sdpagraph_execute, graph " + key + ": unknown exception");
+  }
+}
+
+// Status codes of the C entry points; loader.py maps them to messages.
+enum EntryPointStatus : int {
+  kStatusOk = 0,
+  kStatusInvalidKey = 1,    // not a 64-digit lowercase hex digest
+  kStatusEmptyBlob = 2,     // null or empty blob
+  kStatusEntryInvalid = 3,  // the cache entry file cannot be used (reason in the error buffer)
+  kStatusInternal = 4,      // out of memory or another unexpected failure
+};
+
+auto ExecuteBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .RemainingArgs()
+      .RemainingRets()
+      .Attr<std::string_view>("graph_key")
+      .Attr<std::string_view>("entry_path")
+      .Attr<ffi::Span<const int64_t>>("uids")
+      .Attr<ffi::Span<const int64_t>>("scalar_uids")
+      .Attr<ffi::Span<const float>>("scalar_values")
+      .Attr<int64_t>("workspace_size");
+}
+
+}  // namespace
+}  // namespace sdpagraph
+
+// ===================================================================================================
+// 8. C entry points
+// ===================================================================================================
+// None of them lets an exception out: each catches and answers with a status code.
+
+SDPAGRAPH_EXPORT XLA_FFI_Error* sdpagraph_execute(XLA_FFI_CallFrame* call_frame);
+
+#if SDPAGRAPH_COMMAND_BUFFER_COMPATIBLE
+XLA_FFI_DEFINE_HANDLER_SYMBOL(sdpagraph_execute, sdpagraph::ExecuteGraph, sdpagraph::ExecuteBinding(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+#else
+XLA_FFI_DEFINE_HANDLER_SYMBOL(sdpagraph_execute, sdpagraph::ExecuteGraph, sdpagraph::ExecuteBinding());
+#endif
+
+// Registers a serialized graph under its key. Idempotent: a key keeps its first blob.
+SDPAGRAPH_EXPORT int sdpagraph_register_graph(const char* key_digest, const uint8_t* blob, size_t size) {
+  if (key_digest == nullptr || !sdpagraph::IsGraphKey(key_digest)) return sdpagraph::kStatusInvalidKey;
+  if (blob == nullptr || size == 0) return sdpagraph::kStatusEmptyBlob;
+  try {
+    sdpagraph::State().graphs.Insert(key_digest, std::vector<uint8_t>(blob, blob + size));
+    return sdpagraph::kStatusOk;
+  } catch (...) {
+    return sdpagraph::kStatusInternal;
+  }
+}
+
+// Verifies the cache entry file at `path` and registers its graph under `key_digest`, as the
+// handler does on a registry miss; on failure writes the reason (NUL-terminated, truncated to
+// `error_size`) to `error`. Lets the Python side preload entries and test the file reader.
+SDPAGRAPH_EXPORT int sdpagraph_register_entry_file(const char* key_digest, const char* path, char* error,
+                                                   size_t error_size) {
+  if (key_digest == nullptr || !sdpagraph::IsGraphKey(key_digest)) return sdpagraph::kStatusInvalidKey;
+  const auto report = [&](const char* message) {
+    if (error != nullptr && error_size > 0) {
+      std::strncpy(error, message, error_size - 1);
+      error[error_size - 1] = '\0';
+    }
+  };
+  try {
+    sdpagraph::State().graphs.Insert(key_digest, sdpagraph::ReadEntryBlob(path == nullptr ? "" : path, key_digest));
+    return sdpagraph::kStatusOk;
+  } catch (const sdpagraph::EntryFileError& failure) {
+    report(failure.what());
+    return sdpagraph::kStatusEntryInvalid;
+  } catch (const std::exception& failure) {
+    report(failure.what());
+    return sdpagraph::kStatusInternal;
+  } catch (...) {
+    report("unknown exception");
+    return sdpagraph::kStatusInternal;
+  }
+}
+
+// Total graph deserializations in this process, over all keys and devices (for tests).
+SDPAGRAPH_EXPORT int64_t sdpagraph_deserialize_count(void) {
+  return sdpagraph::State().deserialize_count.load(std::memory_order_relaxed);
+}
+
+// 1 when sdpagraph_execute carries XLA's command-buffer-compatible trait in this build.
+SDPAGRAPH_EXPORT int sdpagraph_command_buffer_compatible(void) { return SDPAGRAPH_COMMAND_BUFFER_COMPATIBLE; }
+
+#define SDPAGRAPH_STRINGIFY_(x) #x
+#define SDPAGRAPH_STRINGIFY(x) SDPAGRAPH_STRINGIFY_(x)
+
+// The executor version and the header versions it was compiled against.
+SDPAGRAPH_EXPORT const char* sdpagraph_version(void) {
+  return "sdpagraph-executor 0.1.0 (cudnn-frontend " SDPAGRAPH_STRINGIFY(CUDNN_FRONTEND_MAJOR_VERSION) "."
+         SDPAGRAPH_STRINGIFY(CUDNN_FRONTEND_MINOR_VERSION) "." SDPAGRAPH_STRINGIFY(CUDNN_FRONTEND_PATCH_VERSION)
+         ", cuDNN headers " SDPAGRAPH_STRINGIFY(CUDNN_MAJOR) "." SDPAGRAPH_STRINGIFY(CUDNN_MINOR) "."
+         SDPAGRAPH_STRINGIFY(CUDNN_PATCHLEVEL) ", CUDA headers " SDPAGRAPH_STRINGIFY(CUDART_VERSION) ")";
+}
