@@ -161,22 +161,22 @@ def percentiles(samples_ns: list[int]) -> tuple[float, float]:
 def time_memory_hits(repeats: int) -> tuple[float, float]:
     cache = GraphCache()
     cache.get_or_build("hot", lambda: (b"x" * 100_000, {}))
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter_ns()
-        cache.get_or_build("hot", build_must_not_run)
-        samples.append(time.perf_counter_ns() - started)
-    return percentiles(samples)
+    return time_hits(lambda: cache, "hot", repeats)
 
 
 def time_disk_hits(directory: Path, mode: str, repeats: int, blob_kb: int) -> tuple[float, float]:
     """First lookup in a fresh cache: read, checksum, decode and (readwrite) record the use."""
     GraphCache(directory).put("disk", os.urandom(blob_kb * 1024), {"workspace": 1 << 20})
+    return time_hits(lambda: GraphCache(directory, mode=mode), "disk", repeats)
+
+
+def time_hits(make_cache, key: str, repeats: int) -> tuple[float, float]:
+    """(median, p99) of one get_or_build hit, each on the cache make_cache() returns (made untimed)."""
     samples = []
     for _ in range(repeats):
-        cache = GraphCache(directory, mode=mode)
+        cache = make_cache()
         started = time.perf_counter_ns()
-        cache.get_or_build("disk", build_must_not_run)
+        cache.get_or_build(key, build_must_not_run)
         samples.append(time.perf_counter_ns() - started)
     return percentiles(samples)
 
