@@ -6,6 +6,7 @@ import pytest
 
 from sdpagraph import cli
 from sdpagraph.cache import CacheKey, GraphCache, key_digest
+from sdpagraph.cache.disk import DiskStore
 
 KEY = CacheKey(spec="B4 S4096 H16 D128 bf16 causal", ir_hash="77aa", direction="forward",
                cudnn_version="9.19.0", frontend_version="1.32.0", gpu="sm90 NVIDIA H200")
@@ -121,3 +122,12 @@ def test_usage_errors_return_2(capsys):
     assert "--max-bytes must be a byte count" in capsys.readouterr().err
     assert cli.main(["cache"]) == 2
     assert cli.main([]) == 2
+
+
+def test_clear_keeps_what_another_process_is_publishing(cache_dir, capsys):
+    publisher = DiskStore(cache_dir, writable=True, lock_timeout_s=1)
+    with publisher.key_lock(KEY.digest()):
+        code, data = run_json(capsys, "cache", "clear", "--cache-dir", str(cache_dir))
+    assert code == 0 and (data["removed"], data["in_use"]) == (1, 1)
+    assert GraphCache(cache_dir).entry_path(KEY) and os.path.exists(publisher.lock_path(KEY.digest()))
+    assert GraphCache(cache_dir).entry_path("plain key") is None

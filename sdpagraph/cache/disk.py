@@ -153,10 +153,11 @@ class DiskStore:
 
     @contextmanager
     def key_lock(self, digest: str) -> Iterator[None]:
-        """Hold the cross-process lock of one key (for build-then-publish, or delete).
+        """Hold the cross-process lock of one key while building and publishing it.
 
-        Without a writable directory there is nothing to coordinate (each process keeps its
-        builds in memory), so this degrades to a no-op, warned once.
+        A read-only store has nothing to coordinate (each process keeps its builds in
+        memory), so this does nothing; when lock files cannot be created it does nothing
+        either, after one warning.
         """
         if not self.writable:
             yield
@@ -165,6 +166,7 @@ class DiskStore:
         try:
             _make_private_dirs(self.directory, os.path.dirname(lock.lock_file))
             lock.acquire()
+            held = True
         except filelock.Timeout:
             raise TimeoutError(
                 f"waited {self.lock_timeout_s:g} s for cache lock {lock.lock_file}: another process is "
@@ -173,23 +175,21 @@ class DiskStore:
             ) from None
         except OSError as error:
             self._warn_unwritable("creating a lock file", error)
-            yield
-            return
+            held = False
         try:
             yield
         finally:
-            lock.release()
+            if held:
+                lock.release()
 
     # -- scanning and removal ------------------------------------------------------------
 
     def scan(self) -> list[StoredFile]:
         """Every entry file (not temp or lock files); empty when the directory is missing."""
         found = []
-        for shard in _subdirectories(self.directory):
-            for item in _directory_items(shard):
-                digest, suffix = os.path.splitext(item.name)
-                if suffix != ENTRY_SUFFIX or not _DIGEST_NAME.match(digest):
-                    continue
+        for item in self._shard_items():
+            digest, suffix = os.path.splitext(item.name)
+            if suffix == ENTRY_SUFFIX and _DIGEST_NAME.match(digest):
                 with suppress(FileNotFoundError):  # removed since listed
                     info = item.stat()
                     found.append(StoredFile(digest, item.path, info.st_size, info.st_mtime_ns))
@@ -200,22 +200,16 @@ class DiskStore:
 
     def remove(self, stored: StoredFile) -> bool:
         """Delete a scanned entry unless another process holds its lock or it changed since the scan."""
-        if not self.writable:
-            return False
-        lock = self._file_lock(stored.digest)
-        try:
-            lock.acquire(blocking=False)
-        except (filelock.Timeout, OSError):
-            return False  # being published or rebuilt right now, or we may not write here
-        try:
-            if os.stat(stored.path).st_mtime_ns != stored.mtime_ns:
-                return False  # used or republished since the scan: no longer least recent
-            os.unlink(stored.path)
+        with self._lock_if_free(stored.digest) as held:
+            if not held:
+                return False  # being published or rebuilt right now, or we may not write here
+            try:
+                if os.stat(stored.path).st_mtime_ns != stored.mtime_ns:
+                    return False  # used or republished since the scan: no longer least recent
+                os.unlink(stored.path)
+            except OSError:
+                return False
             return True
-        except OSError:
-            return False
-        finally:
-            lock.release()
 
     def evict(self, max_bytes: int, keep: str | None = None) -> list[StoredFile]:
         """Remove least recently used entries until the total is <= max_bytes; never `keep`."""
@@ -237,13 +231,12 @@ class DiskStore:
             return 0
         cutoff = time.time() - STALE_TEMP_AGE_S
         removed = 0
-        for shard in _subdirectories(self.directory):
-            for item in _directory_items(shard):
-                if item.name.endswith(TEMP_SUFFIX):
-                    with suppress(OSError):
-                        if item.stat().st_mtime < cutoff:
-                            os.unlink(item.path)
-                            removed += 1
+        for item in self._shard_items():
+            if item.name.endswith(TEMP_SUFFIX):
+                with suppress(OSError):
+                    if item.stat().st_mtime < cutoff:
+                        os.unlink(item.path)
+                        removed += 1
         return removed
 
     def remove_idle_locks(self) -> int:
@@ -253,31 +246,39 @@ class DiskStore:
         holds a lock on a nameless file, so at worst it builds a graph another process is
         also building; entries stay whole because publication is an atomic rename.
         """
-        if not self.writable:
-            return 0
         removed = 0
-        for shard in _subdirectories(self.directory):
-            for item in _directory_items(shard):
-                digest, suffix = os.path.splitext(item.name)
-                if suffix == LOCK_SUFFIX and _DIGEST_NAME.match(digest):
-                    removed += self._remove_lock_file(digest)
+        for item in self._shard_items():
+            digest, suffix = os.path.splitext(item.name)
+            if suffix == LOCK_SUFFIX and _DIGEST_NAME.match(digest):
+                with self._lock_if_free(digest) as held, suppress(OSError):
+                    if held:
+                        os.unlink(item.path)
+                        removed += 1
         return removed
 
     # -- internals -----------------------------------------------------------------------
 
-    def _remove_lock_file(self, digest: str) -> int:
+    @contextmanager
+    def _lock_if_free(self, digest: str) -> Iterator[bool]:
+        """Take the key's lock without waiting; yields whether it is held (never in a read-only store)."""
         lock = self._file_lock(digest)
+        held = False
+        if self.writable:
+            try:
+                lock.acquire(blocking=False)
+                held = True
+            except (filelock.Timeout, OSError):
+                pass  # another process holds it, or this directory refuses lock files
         try:
-            lock.acquire(blocking=False)
-        except (filelock.Timeout, OSError):
-            return 0
-        try:
-            os.unlink(lock.lock_file)
-            return 1
-        except OSError:
-            return 0
+            yield held
         finally:
-            lock.release()
+            if held:
+                lock.release()
+
+    def _shard_items(self) -> Iterator[os.DirEntry[str]]:
+        for shard in _directory_items(self.directory):
+            if shard.is_dir(follow_symlinks=False):
+                yield from _directory_items(shard.path)
 
     def _file_lock(self, digest: str) -> filelock.UnixFileLock:
         # UnixFileLock explicitly: the kernel must release a dead holder's lock, which the
@@ -359,10 +360,6 @@ def _make_private_dirs(*directories: str) -> None:
     # gives the mode only to the last component, which is the one that matters.
     for directory in directories:
         os.makedirs(directory, mode=PRIVATE_DIR_MODE, exist_ok=True)
-
-
-def _subdirectories(directory: str) -> list[str]:
-    return [item.path for item in _directory_items(directory) if item.is_dir(follow_symlinks=False)]
 
 
 def _directory_items(directory: str) -> list[os.DirEntry[str]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Union
 
 # Bump when the entry file layout or the meaning of a key field changes: old entries then
@@ -36,20 +36,26 @@ class CacheKey:
     gpu: str  # compute capability and name, e.g. "sm90 NVIDIA H200"
 
     def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
+        values = {field.name: getattr(self, field.name) for field in fields(self)}
+        for name, value in values.items():
             if not isinstance(value, str):
                 raise TypeError(f"CacheKey.{name} must be a str, got {type(value).__name__}")
         if self.direction not in DIRECTIONS:
             raise ValueError(f"CacheKey.direction must be one of {DIRECTIONS}, got {self.direction!r}")
+        # Computed once, here: every lookup needs both, and JSON + sha256 on each call would
+        # take a third of a memory hit's budget. Not fields, so not part of eq/hash/repr.
+        canonical = json.dumps({**values, "format_version": FORMAT_VERSION},
+                               sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        object.__setattr__(self, "_canonical", canonical)
+        object.__setattr__(self, "_digest", _sha256_hex(canonical))
 
     def canonical(self) -> str:
         """Deterministic text of the key: compact JSON with sorted keys."""
-        fields = {**asdict(self), "format_version": FORMAT_VERSION}
-        return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return self._canonical
 
     def digest(self) -> str:
         """sha256 hex of the canonical text; names the entry file."""
-        return _sha256_hex(self.canonical())
+        return self._digest
 
     def versions(self) -> dict[str, object]:
         """The environment part of the key, stored in the entry for `cache ls`/`info`."""
@@ -90,11 +96,11 @@ def spec_of(text: str) -> str:
     a CacheKey's JSON yields its spec field, any other text is its own spec.
     """
     try:
-        fields = json.loads(text)
+        document = json.loads(text)
     except ValueError:
         return text
-    if isinstance(fields, dict) and isinstance(fields.get("spec"), str):
-        return fields["spec"]
+    if isinstance(document, dict) and isinstance(document.get("spec"), str):
+        return document["spec"]
     return text
 
 
