@@ -40,7 +40,12 @@ def write_half_then_hang(fd, data, write=os.write):
 
 cache = GraphCache(directory)
 if action == "get_or_build":
-    print(cache.get_or_build(key, build)[0].decode())
+    mark("ready")
+    while not os.path.exists(os.path.join(markers, "go")):  # start together, after the slow imports
+        time.sleep(0.005)
+    blob, _ = cache.get_or_build(key, build)
+    stats = cache.stats()
+    print(blob.decode(), stats["builds"], stats["disk_hits"])
 elif action == "hang_in_build":
     cache.get_or_build(key, hang_in_build)
 elif action == "die_mid_put":
@@ -85,10 +90,18 @@ def temp_files(directory):
 
 def test_processes_asking_for_one_missing_key_build_it_once(tmp_path, markers):
     children = [spawn(tmp_path / "cache", "shared key", "get_or_build", markers) for _ in range(6)]
+    deadline = time.monotonic() + 60
+    while len(events(markers, "ready")) < len(children):
+        assert time.monotonic() < deadline and all(child.poll() is None for child in children)
+        time.sleep(0.01)
+    (markers / "go").touch()
     outputs = [child.communicate(timeout=60) for child in children]
     assert all(child.returncode == 0 for child in children), outputs
     assert len(events(markers, "build")) == 1
-    assert len({stdout for stdout, _ in outputs}) == 1
+    blobs = {stdout.rsplit(" ", 2)[0] for stdout, _ in outputs}
+    assert len(blobs) == 1
+    # One process built; the five others waited on its lock and loaded its entry from disk.
+    assert sorted(stdout.split()[-2:] for stdout, _ in outputs) == [["0", "1"]] * 5 + [["1", "0"]]
 
 
 def test_lock_of_a_killed_builder_does_not_block(tmp_path, markers):

@@ -24,6 +24,8 @@ _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 @dataclass(frozen=True)
 class Report:
+    """The outcome of one command: `data` for --json, `text` for people, and the exit code."""
+
     data: Any  # JSON-able except for bytes, which to_json() summarizes
     text: str
     exit_code: int = 0

@@ -35,7 +35,7 @@ DEFAULT_LOCK_TIMEOUT_S = 300.0
 _COUNTERS = ("memory_hits", "disk_hits", "builds", "misses", "invalid_entries", "write_errors",
              "disk_load_seconds", "build_seconds", "lock_wait_seconds")
 
-Build = Callable[[], "tuple[bytes, dict[str, Any]]"]
+Build = Callable[[], tuple[bytes, dict[str, Any]]]
 
 
 class CacheMissError(LookupError):
@@ -139,11 +139,12 @@ class GraphCache:
             raise CacheMissError(self._miss_message(text, digest, found))
         with self._cross_process_lock(digest):
             found = self._find_on_disk(text, digest)  # published by another process while we waited?
-            if isinstance(found, Miss):
-                self._count("misses")
-                found = self._store(key, text, digest, *self._run_build(build))
+            if isinstance(found, Entry):
+                return found
+            self._count("misses")
+            built = self._store(key, text, digest, *self._run_build(build))
         self._evict(keep=digest)
-        return found
+        return built
 
     def _find(self, text: str, digest: str) -> Entry | Miss:
         entry = self._memory.get(digest)
