@@ -51,9 +51,9 @@ def test_entry_file_has_the_documented_layout(tmp_path):
 
 
 def test_meta_reads_the_same_from_memory_and_disk(tmp_path):
-    fresh = GraphCache(tmp_path).get_or_build("k", counting(meta={"shape": (4, 16)}))
+    fresh = GraphCache(tmp_path).get_or_build("k", counting(meta={"shape": (4, 16), "uids": {1: "q", 2: "k"}}))
     loaded = GraphCache(tmp_path).get("k")
-    assert fresh == loaded and fresh[1]["shape"] == [4, 16]
+    assert fresh == loaded and fresh[1]["shape"] == [4, 16] and fresh[1]["uids"] == {1: "q", 2: "k"}
 
 
 def test_put_and_get(tmp_path):

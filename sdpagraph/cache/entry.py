@@ -31,6 +31,8 @@ HEADER = struct.Struct("<8sII")  # magic, format version, crc32 of the payload
 
 ENTRY_SUFFIX = ".sdpg"
 
+_FIELD_TYPES = {"key": str, "key_hash": str, "blob": bytes, "meta": dict}  # required top-level fields
+
 
 class CorruptEntry(ValueError):
     """The bytes are not a valid entry (for the expected key); the message says why."""
@@ -90,12 +92,11 @@ def _unpack(payload: memoryview) -> Any:
     # hostile writer can produce anything, and msgpack signals that with a zoo of exception
     # types (ExtraData, FormatError, StackError, ValueError, TypeError, UnicodeDecodeError).
     try:
-        return msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        # strict_map_key=False: builders may key meta maps by int (operand UIDs).
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as error:  # noqa: BLE001 - every msgpack failure means the same thing here
         raise CorruptEntry(f"payload is not msgpack: {type(error).__name__}") from None
 
-
-_FIELD_TYPES = {"key": str, "key_hash": str, "blob": bytes, "meta": dict}
 
 
 def _entry_from_document(document: Any) -> Entry:
