@@ -23,6 +23,10 @@ FORMAT_VERSION = 1
 
 DIRECTIONS = ("forward", "backward", "inference")
 
+# Compact, sorted, UTF-8 JSON. One shared encoder: json.dumps with options builds a new
+# one per call, which is a noticeable part of making a key.
+_CANONICAL_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
 
 @dataclass(frozen=True)
 class CacheKey:
@@ -44,8 +48,7 @@ class CacheKey:
             raise ValueError(f"CacheKey.direction must be one of {DIRECTIONS}, got {self.direction!r}")
         # Computed once, here: every lookup needs both, and JSON + sha256 on each call would
         # take a third of a memory hit's budget. Not fields, so not part of eq/hash/repr.
-        canonical = json.dumps({**values, "format_version": FORMAT_VERSION},
-                               sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        canonical = _CANONICAL_JSON.encode({**values, "format_version": FORMAT_VERSION})
         object.__setattr__(self, "_canonical", canonical)
         object.__setattr__(self, "_digest", _sha256_hex(canonical))
 
