@@ -128,6 +128,6 @@ def test_clear_keeps_what_another_process_is_publishing(cache_dir, capsys):
     publisher = DiskStore(cache_dir, writable=True, lock_timeout_s=1)
     with publisher.key_lock(KEY.digest()):
         code, data = run_json(capsys, "cache", "clear", "--cache-dir", str(cache_dir))
-    assert code == 0 and (data["removed"], data["in_use"]) == (1, 1)
+    assert code == 0 and (data["removed"], data["in_use"], data["lock_files_removed"]) == (1, 1, 1)
     assert GraphCache(cache_dir).entry_path(KEY) and os.path.exists(publisher.lock_path(KEY.digest()))
     assert GraphCache(cache_dir).entry_path("plain key") is None

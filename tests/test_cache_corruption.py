@@ -1,5 +1,4 @@
 """Every kind of bad entry file is a miss with one warning: rebuilt, reported, or raised on."""
-import logging
 import os
 import struct
 import zlib

@@ -116,10 +116,9 @@ def clear(directory: str) -> Report:
         return _no_directory(directory, {"directory": directory, "removed": 0, "in_use": 0})
     files = store.scan()
     removed = sum(store.remove(stored) for stored in files)
-    store.remove_idle_locks()
-    store.remove_stale_temps()
     in_use = len(files) - removed
-    data = {"directory": store.directory, "removed": removed, "in_use": in_use}
+    data = {"directory": store.directory, "removed": removed, "in_use": in_use,
+            "lock_files_removed": store.remove_idle_locks(), "temp_files_removed": store.remove_stale_temps()}
     text = f"removed {_count_entries(removed)} from {store.directory}" + (f"; {in_use} in use, kept" if in_use else "")
     return Report(data, text)
 

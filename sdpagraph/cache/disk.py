@@ -12,7 +12,8 @@ mtime; eviction removes the least recently used entries and skips any entry whos
 another process holds (it is being published or rebuilt).
 
 Every OS failure (missing or read-only directory, full disk, permissions) degrades to
-"not on disk" with one warning; nothing here raises an OSError to the caller.
+"not on disk" with one warning. The one error raised is TimeoutError, when a lock's
+holder does not finish in time.
 """
 from __future__ import annotations
 
@@ -336,7 +337,8 @@ def _write_atomically(path: str, data: bytes, temp_prefix: str) -> None:
         with suppress(OSError):
             os.unlink(temp_path)
         raise
-    _fsync_directory(directory)
+    with suppress(OSError):  # best effort: some filesystems refuse fsync on a directory
+        _fsync_directory(directory)
 
 
 def _write_all(fd: int, data: bytes) -> None:
