@@ -19,8 +19,8 @@
 #include <dlfcn.h>
 
 #include <array>
-#include <cerrno>
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -106,10 +106,12 @@ void CheckCuda(cudaError_t status, const std::string& what) {
 // ===================================================================================================
 // 2. cuDNN library
 // ===================================================================================================
-// cuDNN is not linked: the frontend reaches it through cudnn_dlhandle, which points at the
+// Nothing CUDA is linked. cuDNN: the frontend reaches it through cudnn_dlhandle, which points at the
 // libcudnn.so.9 JAX's CUDA plugin has already loaded (RTLD_NOLOAD finds it by soname), so the
-// process keeps one cuDNN and one build of this library serves every cuDNN 9.x. The CUDA runtime
-// and driver are dlopen'ed by the frontend itself (libcudart.so.12/.13 by soname, libcuda.so.1).
+// process keeps one cuDNN and one build of this library serves every cuDNN 9.x. The CUDA runtime,
+// the driver and NVRTC the frontend dlopens itself, by soname: libcudart.so.12 or .13 (the copy
+// JAX loaded; if both majors are loaded it warns and takes 12, and CUDNN_FRONTEND_CUDART_LIB_NAME
+// picks one), libcuda.so.1, libnvrtc. The executor's own CUDA calls go through the same shims.
 
 void BindCudnnLibrary() {
   static const std::string failure = [] {
@@ -135,9 +137,10 @@ void BindCudnnLibrary() {
 // 3. Stream capture
 // ===================================================================================================
 // XLA records a command buffer by capturing the handler on its stream in thread-local mode, which
-// makes this thread's cudaMalloc, stream creation and module loads fail. Creating a handle and
-// deserializing a graph do such things once and never touch the captured stream, so they run under
-// relaxed mode: the first call of a graph may then happen during capture.
+// makes this thread's cudaMalloc, stream creation and module loads fail. XLA runs one warm-up
+// iteration outside capture first, so a graph is normally deserialized before; a capture that comes
+// first (a user's CUDA graph, an XLA without warm-up) must still work. Creating a handle and
+// deserializing a graph touch no captured stream, so they run under relaxed mode.
 
 class RelaxedCaptureModeScope {
  public:
