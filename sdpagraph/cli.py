@@ -32,6 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# -- sdpagraph demo -------------------------------------------------------------------------
+
+
+def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
+    demo = subparsers.add_parser("demo", help="run flex attention end to end (cuDNN on a GPU, else XLA)")
+    demo.add_argument("--seq", type=int, default=1024, help="sequence length (capped at 256 without a GPU)")
+    demo.set_defaults(handler=lambda args: _run_demo(args.seq))
+
+
+def _run_demo(seq: int) -> int:
+    from sdpagraph.demo import run_demo  # imports jax: keep `sdpagraph cache ...` fast
+
+    return run_demo(seq=seq)
+
+
 # -- sdpagraph cache ... -------------------------------------------------------------------
 
 
@@ -77,7 +92,7 @@ def _size_argument(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_cache_command]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_demo_command, add_cache_command]
 
 if __name__ == "__main__":
     sys.exit(main())
