@@ -1,7 +1,15 @@
 """The answer to "will this config run on cuDNN here, and if not, why?"."""
 from __future__ import annotations
 
+import re
+import weakref
 from dataclasses import dataclass
+
+from sdpagraph.cache import CacheMissError, GraphCache, default_cache
+from sdpagraph.graphs.builder import GraphBuildError, build
+from sdpagraph.graphs.ir import ScoreModIR
+from sdpagraph.graphs.mod_lowering import Unsupported
+from sdpagraph.spec import AttentionSpec
 
 BACKENDS = ("cudnn", "xla", "small_seq")
 
@@ -33,3 +41,87 @@ def environment_reason() -> str | None:
     except ImportError:
         return "cudnn frontend not installed (pip install 'sdpagraph[cuda]')"
     return None
+
+
+# Per-cache memo of answers (keyed weakly: a dropped cache takes its answers with it).
+_ANSWERS: "weakref.WeakKeyDictionary[GraphCache, dict]" = weakref.WeakKeyDictionary()
+
+
+def check_graphs(spec: AttentionSpec, ir: ScoreModIR | None, training: bool,
+                 cache: GraphCache | None = None) -> Support:
+    """Whether cuDNN builds the graphs `attention` would run for (spec, ir); never raises.
+
+    Builds through `graphs.builder.build` with the runtime's own keys: forward and
+    backward when `training`, else inference. A supported answer leaves the graphs in
+    `cache`, so the later call builds nothing. Answers, positive and negative, are
+    remembered per cache, so asking again costs a dictionary lookup.
+    """
+    cache = default_cache() if cache is None else cache
+    answers = _ANSWERS.setdefault(cache, {})
+    question = (spec, None if ir is None else ir.digest, training)
+    answer = answers.get(question)
+    if answer is None:
+        answer, final = _answer(spec, ir, training, cache)
+        if final:
+            answers[question] = answer
+    return answer
+
+
+def _answer(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, cache: GraphCache) -> tuple[Support, bool]:
+    """(answer, whether it stays true for this process)."""
+    reason = environment_reason()
+    if reason is not None:
+        return Support(False, "xla", reason), True
+    directions = ("forward", "backward") if training else ("inference",)
+    try:
+        for direction in directions:
+            build(spec, ir, direction, cache)
+    except Unsupported as error:
+        return Support(False, "xla", str(error)), True
+    except GraphBuildError as error:
+        return Support(False, "xla", condense_reason(spec, error)), True
+    except CacheMissError as error:  # strict mode; a later precompile may still add the graph
+        return Support(False, "xla", str(error)), False
+    except Exception as error:  # noqa: BLE001 - the query must answer, whatever went wrong
+        return Support(False, "xla", f"building the cuDNN graph failed unexpectedly: {type(error).__name__}: "
+                       f"{' '.join(str(error).split())[:300]}"), False
+    what = "forward and backward graphs" if training else "inference graph"
+    return Support(True, "cudnn", f"cuDNN builds the {what}"), True
+
+
+def condense_reason(spec: AttentionSpec, error: GraphBuildError) -> str:
+    """cuDNN's decline as one actionable sentence about this spec."""
+    for pattern, explain in _KNOWN_DECLINES:
+        if re.search(pattern, error.message, re.IGNORECASE):
+            sentence = explain(spec, error)
+            if sentence:
+                return sentence
+    first = re.split(r"(?<=[.;])\s", error.message, maxsplit=1)[0]
+    return f"cuDNN {error.cudnn_version} declined the {error.direction} graph: {first[:240]}"
+
+
+def _head_dim_reason(spec: AttentionSpec, error: GraphBuildError) -> str | None:
+    for name, dim in (("head dim", spec.head_dim), ("value head dim", spec.head_dim_v)):
+        if dim % 8:
+            return f"{name} {dim} is not a multiple of 8"
+    largest = max(spec.head_dim, spec.head_dim_v)
+    if spec.head_dim != spec.head_dim_v and largest > 128:
+        return (f"head dims {spec.head_dim}/{spec.head_dim_v} differ and exceed 128, which cuDNN "
+                f"{error.cudnn_version} does not support on this GPU")
+    if largest > 128:
+        return f"head dim {largest} is above what cuDNN {error.cudnn_version} supports for this graph on this GPU"
+    return None
+
+
+_KNOWN_DECLINES = (
+    (r"hidden_dim", _head_dim_reason),
+    (r"Ragged offsets are only supported with padding mask",
+     lambda spec, error: f"packed segments cannot be combined with a score_mod, chunk_size or mask on cuDNN "
+                         f"{error.cudnn_version}: a score_mod turns off the padding mask packed sequences need"),
+    (r"max_s_q > max_s_kv|max_s_q <= max_s_kv",
+     lambda spec, error: f"cuDNN {error.cudnn_version} needs T <= S for bottom-right causal masks and sliding "
+                         f"windows without sequence lengths (T={spec.q_len}, S={spec.kv_len})"),
+    (r"Bottom right causal mask is only supported with is_bias=False",
+     lambda spec, error: f"cuDNN {error.cudnn_version} cannot combine a bottom-right causal mask with a bias"),
+    (r"only Python \(CuTeDSL\) engines", lambda spec, error: error.message.split(" (")[0]),
+)

@@ -1,0 +1,162 @@
+"""Build the cuDNN SDPA graph of (spec, score_mod IR, direction), through the graph cache.
+
+    build(spec, ir, direction, cache=None) -> CompiledGraph      direction: forward | inference | backward
+
+The key is `CacheKey(spec.canonical(), ir hash, direction, cuDNN version, frontend
+version, "sm<cc> <gpu name>")`; the IR hash is `ir.forward_digest` for forward and
+inference graphs (they never run the bprop) and `ir.digest` for backward, "none"
+without a mod. A miss builds with heuristics [A, FALLBACK] and keeps only a cuDNN
+backend plan (a Python-engine plan cannot run from C++). The cache's stats count
+builds, so callers can check that a graph was not built twice.
+
+Executor contract (what the FFI executor / JAX side passes; `graphs.operands` computes it)
+-----------------------------------------------------------------------------------------
+Operands, in this order (`graph_io(spec, ir, direction)`); B batch, T/S query/key
+length, N/K query/kv heads, H/Hv head dims, M = spec.max_segments:
+
+    q (B,T,N,H), k (B,S,K,H), v (B,S,K,Hv)         io dtype (bf16/fp16), BSHD as the user passes them
+    o (B,T,N,Hv), dO (B,T,N,Hv)                    backward only, io dtype
+    stats                                          backward only, float32: (B,N,T) dense;
+                                                   (B,T,N) packed (one value per token and head)
+    bias  spec.bias_shape                          io dtype (cast a float32 bias first)
+    mask  spec.mask_shape                          int8, nonzero = attend
+    seq_len_q, seq_len_kv                          int32; dense padding: (B,), the valid lengths
+                                                   (pass the full T or S for a side without lengths);
+                                                   packed: (B*M,) = segment_metadata(...).seq_lens
+                                                   flattened (0 for unused slots)
+    ragged_offset_q, ragged_offset_kv,             packed only, int32 (B*M+1,): ELEMENT offsets of
+    ragged_offset_stats (not for inference)        each sequence's first token; with
+                                                   start[b,m] = b*T + offsets[b,m] (q side, b*S kv side):
+                                                   q: start*N*H, kv: start*K*H, stats: start*N; the
+                                                   last entry is the end of the buffer (B*T*N*H, ...)
+    array:<name>                                   score_mod aux arrays in ir.array_names order (only
+                                                   those the direction reads), 4-D broadcast shape,
+                                                   float32 (FLOAT) or int32 (INT)
+
+Results: forward o (B,T,N,Hv) + stats, inference o, backward dq, dk, dv (+ dbias with
+spec.bias_shape), shaped like their inputs. Rows cuDNN does not compute (padded queries,
+tokens between or after packed segments) are not written: zero them on the JAX side.
+Pass-by-value tensors (`CompiledGraph.pass_by_value`) are host values bound by UID.
+Packed (THD) graphs need H == Hv and take no bias, mask or per-position aux arrays.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sdpagraph.cache import CacheKey, GraphCache, default_cache
+from sdpagraph.graphs.compiled import CompiledGraph
+from sdpagraph.graphs.ir import ScoreModIR
+from sdpagraph.graphs.lowering import lower, new_graph
+from sdpagraph.graphs.operands import graph_io
+from sdpagraph.spec import AttentionSpec
+
+__all__ = ["BuildEnvironment", "GraphBuildError", "build", "build_environment", "graph_io", "graph_key"]
+
+NO_MOD = "none"
+
+
+@dataclass(frozen=True)
+class BuildEnvironment:
+    """What a plan is built for; part of every cache key."""
+
+    cudnn_version: str  # e.g. "9.19.0"
+    frontend_version: str  # e.g. "1.32.0"
+    gpu: str  # e.g. "sm90 NVIDIA H200"
+
+
+class GraphBuildError(RuntimeError):
+    """cuDNN declined or failed to build a graph; `message` is cuDNN's own text."""
+
+    def __init__(self, direction: str, message: str, cudnn_version: str):
+        super().__init__(f"cuDNN {cudnn_version} could not build the {direction} graph: {message}")
+        self.direction = direction
+        self.message = message
+        self.cudnn_version = cudnn_version
+
+
+def build_environment() -> BuildEnvironment:
+    """The cuDNN backend, the frontend and the GPU of this process (the first JAX GPU)."""
+    import cudnn
+    import jax
+
+    device = jax.devices("gpu")[0]
+    capability = str(device.compute_capability).replace(".", "")
+    version = int(cudnn.backend_version())
+    return BuildEnvironment(
+        cudnn_version=f"{version // 10000}.{version % 10000 // 100}.{version % 100}",
+        frontend_version=cudnn.__version__,
+        gpu=f"sm{capability} {device.device_kind}",
+    )
+
+
+def graph_key(spec: AttentionSpec, ir: ScoreModIR | None, direction: str, env: BuildEnvironment) -> CacheKey:
+    if ir is None:
+        ir_hash = NO_MOD
+    else:
+        ir_hash = ir.digest if direction == "backward" else ir.forward_digest
+    return CacheKey(spec.canonical(), ir_hash, direction, env.cudnn_version, env.frontend_version, env.gpu)
+
+
+def build(spec: AttentionSpec, ir: ScoreModIR | None, direction: str,
+          cache: GraphCache | None = None) -> CompiledGraph:
+    """The compiled `direction` graph of (spec, ir): from the cache, else built once.
+
+    Raises `Unsupported` (a config sdpagraph cannot lower), `GraphBuildError` (cuDNN
+    declined) or the cache's `CacheMissError` in strict mode.
+    """
+    cache = default_cache() if cache is None else cache
+    env = build_environment()
+    key = graph_key(spec, ir, direction, env)
+    blob, meta = cache.get_or_build(key, functools.partial(compile_graph, spec, ir, direction, env))
+    return CompiledGraph.from_meta(blob, meta)
+
+
+def compile_graph(spec: AttentionSpec, ir: ScoreModIR | None, direction: str,
+                  env: BuildEnvironment) -> tuple[bytes, dict[str, Any]]:
+    """Describe, build and serialize one graph: the cache's `build` callback."""
+    import cudnn
+
+    started = time.perf_counter()
+    graph = new_graph(spec, direction, cudnn)
+    lowering = lower(graph, spec, ir, direction, cudnn)
+    try:
+        graph.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        _keep_backend_plan(graph, direction, env)
+        blob = graph.serialize(as_bytes=True)
+        workspace_size = int(graph.get_workspace_size())
+    except GraphBuildError:
+        raise
+    except Exception as error:  # noqa: BLE001 - cuDNN reports declines with several exception types
+        raise GraphBuildError(direction, _one_line(error), env.cudnn_version) from error
+    compiled = CompiledGraph(
+        blob=bytes(blob),
+        workspace_size=workspace_size,
+        operand_roles=lowering.operand_roles,
+        result_roles=lowering.result_roles,
+        uids=lowering.uids,
+        pass_by_value=lowering.pass_by_value,
+        direction=direction,
+        versions={"cudnn": env.cudnn_version, "frontend": env.frontend_version, "gpu": env.gpu},
+        build_time_s=time.perf_counter() - started,
+    )
+    summary = f"{spec.summary()} {direction}" + ("" if ir is None else " +score_mod")
+    return compiled.blob, {**compiled.to_meta(), "summary": summary}
+
+
+def _keep_backend_plan(graph: Any, direction: str, env: BuildEnvironment) -> None:
+    """Walk past Python (CuTeDSL) engine plans: only backend plans serialize for the C++ executor."""
+    while graph.selected_engine is not None:
+        graph.deselect_engines([graph.selected_engine.name])
+        try:
+            graph.build_plans()
+        except Exception as error:  # noqa: BLE001 - the walk raises whatever the last plan raised
+            raise GraphBuildError(direction, "only Python (CuTeDSL) engines can run this graph, and the C++ "
+                                  f"executor runs cuDNN backend engines only ({_one_line(error)})",
+                                  env.cudnn_version) from error
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__

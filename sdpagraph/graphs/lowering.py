@@ -1,0 +1,190 @@
+"""AttentionSpec + ScoreModIR -> the tensors and the sdpa / sdpa_backward node of a cuDNN pygraph.
+
+`lower(graph, spec, ir, direction, cudnn)` describes one graph on a fresh pygraph; it
+does not build it. Tensors are created from `operands.describe` (BSHD memory through
+strides, no transposes), with the UIDs of `operands.uid_map`, so the executor can bind
+buffers by role.
+
+Masks: without a mod, the spec's masks become cuDNN's native flags (padding through
+sequence lengths, causal and windows as a diagonal band around the aligned diagonal).
+With a mod (a user score_mod, a chunk size or a boolean mask), cuDNN switches those
+flags off, so every mask is lowered into the mod (`graphs.masks`) and emitted after
+the user's IR (`graphs.mod_lowering`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sdpagraph.graphs.ir import FLOAT, INT, ScoreModIR
+from sdpagraph.graphs.masks import mask_ir, needs_mod
+from sdpagraph.graphs.mod_lowering import (
+    ModEmitter,
+    ModStage,
+    Unsupported,
+    cudnn_type_map,
+    pass_by_value_plan,
+)
+from sdpagraph.graphs.operands import ARRAY_PREFIX, TensorDesc, array_desc, describe, graph_io, uid_map
+from sdpagraph.spec import UNBOUNDED, AttentionSpec
+
+IO_TYPES = {"bfloat16": "BFLOAT16", "float16": "HALF"}
+HOST_TYPES = {FLOAT: "float32", INT: "int32"}  # how pass-by-value values are encoded
+SCALAR_DIMS = [1, 1, 1, 1]
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """What the executor needs to know about a described graph, besides its plan."""
+
+    operand_roles: tuple[str, ...]
+    result_roles: tuple[str, ...]
+    uids: dict[str, int]
+    pass_by_value: tuple[tuple[int, tuple[str, Any], str], ...]  # as CompiledGraph.pass_by_value
+
+
+def new_graph(spec: AttentionSpec, direction: str, cudnn: Any) -> Any:
+    """An empty pygraph with the spec's io type and fp32 intermediates and compute."""
+    return cudnn.pygraph(name=f"sdpagraph_{direction}", io_data_type=_io_type(spec, cudnn),
+                         intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT)
+
+
+def lower(graph: Any, spec: AttentionSpec, ir: ScoreModIR | None, direction: str, cudnn: Any) -> Lowering:
+    """Describe the `direction` graph of (spec, ir) on `graph`, a fresh pygraph from `new_graph`.
+
+    Raises `Unsupported` for configs this lowering cannot express.
+    """
+    _check_lowerable(spec, ir, direction)
+    operands, results = graph_io(spec, ir, direction)
+    descs = describe(spec, ir, direction)
+    stages = mod_stages(spec, ir)
+    plan = pass_by_value_plan(stages, direction)
+    uids = uid_map(operands + results + tuple(entry.role for entry in plan))
+    types = _storage_types(spec, cudnn)
+    scalar_types = cudnn_type_map(cudnn)
+
+    tensors: dict[str, Any] = {}
+    for role in sorted(operands, key=lambda r: not r.startswith("ragged_offset_")):  # offsets first: q, k, v use them
+        desc = descs[role]
+        tensors[role] = graph.tensor(name=role, dim=list(desc.dims), stride=list(desc.strides),
+                                     data_type=types[desc.dtype], uid=uids[role],
+                                     ragged_offset=tensors[desc.ragged_offset] if desc.ragged_offset else None)
+    for entry in plan:
+        tensors[entry.role] = graph.tensor(name=entry.role, dim=SCALAR_DIMS, stride=SCALAR_DIMS,
+                                           data_type=scalar_types[entry.dtype], is_pass_by_value=True,
+                                           uid=uids[entry.role])
+    emitter = ModEmitter(stages, plan, tensors, scalar_types) if stages else None
+    options = _sdpa_options(spec, tensors, emitter, direction, cudnn)
+
+    if direction == "backward":
+        if spec.bias_shape is not None:
+            options["dBias"] = graph.tensor(name="dbias", dim=list(descs["dbias"].dims),
+                                            stride=list(descs["dbias"].strides), data_type=types["io"])
+        dq, dk, dv = graph.sdpa_backward(name="sdpa_backward", q=tensors["q"], k=tensors["k"], v=tensors["v"],
+                                         o=tensors["o"], dO=tensors["dO"], stats=tensors["stats"], **options)
+        outputs = {"dq": dq, "dk": dk, "dv": dv, "dbias": options.get("dBias")}
+    else:
+        o, stats = graph.sdpa(name="sdpa", q=tensors["q"], k=tensors["k"], v=tensors["v"],
+                              generate_stats=direction == "forward", **options)
+        outputs = {"o": o, "stats": stats}
+    for role in results:
+        _mark_output(outputs[role], descs[role], uids[role], types, tensors)
+
+    pass_by_value = tuple((uids[entry.role], entry.source, HOST_TYPES[entry.dtype]) for entry in plan)
+    return Lowering(operands, results, uids, pass_by_value)
+
+
+def mod_stages(spec: AttentionSpec, ir: ScoreModIR | None) -> list[ModStage]:
+    """The mod's stages: the user's IR, then the masks; none when native flags suffice."""
+    if not needs_mod(spec, ir):
+        return []
+    stages = []
+    if ir is not None:
+        stages.append(ModStage(ir, {name: ARRAY_PREFIX + name for name in ir.array_names}))
+    masks = mask_ir(spec)
+    if masks is not None:
+        stages.append(ModStage(masks, {name: name for name in masks.array_names}))
+    return stages
+
+
+def _sdpa_options(spec: AttentionSpec, tensors: dict[str, Any], emitter: ModEmitter | None, direction: str,
+                  cudnn: Any) -> dict[str, Any]:
+    options: dict[str, Any] = {"attn_scale": spec.scale}
+    if spec.bias_shape is not None:
+        options["bias"] = tensors["bias"]
+    # THD always passes per-sequence lengths; dense graphs pass them to the native
+    # padding mask, while a mod reads them itself (cuDNN turns padding off with a mod).
+    with_lengths = bool(spec.segments) or (emitter is None and spec.has_padding)
+    if with_lengths:
+        options.update(seq_len_q=tensors["seq_len_q"], seq_len_kv=tensors["seq_len_kv"])
+    if spec.segments:
+        # The totals bound the packed token axes (and the backward's workspace) by B*T, not B*M*T.
+        options.update(max_total_seq_len_q=spec.batch * spec.q_len, max_total_seq_len_kv=spec.batch * spec.kv_len)
+    if emitter is not None:
+        options["score_mod"] = emitter.forward
+        if direction == "backward":
+            options["score_mod_bprop"] = emitter.bprop
+        return options
+    if with_lengths:
+        options["use_padding_mask"] = True
+    left, right = native_band(spec)
+    if left is not None or right is not None:
+        alignment = cudnn.diagonal_alignment
+        options["diagonal_alignment"] = (alignment.BOTTOM_RIGHT if spec.causal_alignment == "bottom_right"
+                                         else alignment.TOP_LEFT)
+        if left is not None:
+            options["diagonal_band_left_bound"] = left
+        if right is not None:
+            options["diagonal_band_right_bound"] = right
+    return options
+
+
+def native_band(spec: AttentionSpec) -> tuple[int | None, int | None]:
+    """(diagonal_band_left_bound, diagonal_band_right_bound) for the spec's causal mask and window.
+
+    cuDNN keeps key k of query q when `k + left_bound > diag` (so `left_bound = left + 1`)
+    and `k <= diag + right_bound`; None leaves a side open.
+    """
+    left, right = spec.window
+    left_bound = left + 1 if left != UNBOUNDED else None
+    right_bound = right if right != UNBOUNDED else None
+    if spec.is_causal:
+        right_bound = 0
+    return left_bound, right_bound
+
+
+def _mark_output(tensor: Any, desc: TensorDesc, uid: int, types: dict[str, Any], tensors: dict[str, Any]) -> None:
+    tensor.set_output(True).set_dim(list(desc.dims)).set_stride(list(desc.strides))
+    tensor.set_data_type(types[desc.dtype]).set_uid(uid)
+    if desc.ragged_offset:
+        tensor.set_ragged_offset(tensors[desc.ragged_offset])
+
+
+def _io_type(spec: AttentionSpec, cudnn: Any) -> Any:
+    if spec.dtype not in IO_TYPES:
+        raise Unsupported(f"cuDNN SDPA takes bfloat16 or float16 inputs, not {spec.dtype}")
+    return getattr(cudnn.data_type, IO_TYPES[spec.dtype])
+
+
+def _storage_types(spec: AttentionSpec, cudnn: Any) -> dict[str, Any]:
+    data_type = cudnn.data_type
+    return {"io": _io_type(spec, cudnn), "float32": data_type.FLOAT, "int32": data_type.INT32,
+            "int8": data_type.INT8}
+
+
+def _check_lowerable(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> None:
+    if direction == "backward" and ir is not None and ir.grad_output is None:
+        raise Unsupported("the score_mod has no bprop: pass score_mod_bprop or use differentiable ops")
+    if not spec.segments:
+        return
+    if spec.head_dim_v != spec.head_dim:
+        raise Unsupported(f"packed segments need the value head dim ({spec.head_dim_v}) to equal the "
+                          f"query/key head dim ({spec.head_dim}): both share one ragged offset per side")
+    if spec.bias_shape is not None or spec.mask_shape is not None:
+        raise Unsupported("bias and mask arrays cannot be combined with packed segments: their (T, S) axes "
+                          "do not map onto packed sequences")
+    for name in (ir.array_names if ir is not None else ()):
+        shape = array_desc(ir, name).dims
+        if shape[0] != 1 or shape[2] != 1 or shape[3] != 1:
+            raise Unsupported(f"score_mod array {name!r} of shape {shape} cannot be combined with packed "
+                              "segments: only per-head arrays (1, N, 1, 1) map onto packed sequences")

@@ -1,0 +1,172 @@
+"""ScoreModIR -> cuDNN pointwise ops, inside sdpa's score_mod / score_mod_bprop callbacks.
+
+A graph's mod runs in stages: the user's IR, then the spec's masks (`graphs.masks`).
+The forward callback applies them in that order; the bprop callback applies their
+bprops in reverse (mask bprop first, then the user's). Every op gets an explicit
+compute type and result type: cuDNN declines backward graphs whose callback
+intermediates are untyped (measured on cuDNN 9.19, see DESIGN.md).
+
+Leaves are graph tensors created on the outer pygraph before `sdpa` is called (cuDNN
+calls the callbacks later, while it lowers the graph): scalars and literals become
+[1,1,1,1] pass-by-value tensors, aux arrays are the graph's input operands.
+
+The bprop may use forward tensors (softcap's bprop reads the pre-tanh value), so the
+node -> tensor map of each stage lives on the `ModEmitter` of one graph, shared by its
+two callbacks, and is reset whenever cuDNN calls the forward callback again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from sdpagraph.graphs.ir import BOOL, FLOAT, INT, OP_PARAMS, ScoreModIR
+from sdpagraph.graphs.operands import CONST_PREFIX, SCALAR_PREFIX
+
+BOUND_LEAVES = ("score", "dscore")
+
+
+class Unsupported(ValueError):
+    """sdpagraph cannot express this config as a cuDNN graph; the message says why in one sentence."""
+
+
+@dataclass(frozen=True)
+class ModStage:
+    """One IR of the mod and the operand role that feeds each of its aux arrays."""
+
+    ir: ScoreModIR
+    array_roles: Mapping[str, str]  # array name -> operand role
+
+
+@dataclass(frozen=True)
+class PassByValue:
+    """A [1,1,1,1] host-bound tensor: ("scalar", name) bound at run time, or ("const", value) baked."""
+
+    role: str
+    dtype: str
+    source: tuple[str, Any]
+
+
+def live_nodes(ir: ScoreModIR, direction: str) -> set[int]:
+    """Nodes a graph of `direction` emits: the forward part, or everything for backward."""
+    return set(range(len(ir.nodes))) if direction == "backward" else ir.forward_nodes()
+
+
+def pass_by_value_plan(stages: list[ModStage], direction: str) -> list[PassByValue]:
+    """Every pass-by-value tensor the stages read, in a deterministic order.
+
+    Scalars keep their names; equal literals (same type and value) share one tensor.
+    """
+    plan: list[PassByValue] = []
+    roles: set[str] = set()
+    for stage in stages:
+        for index in sorted(live_nodes(stage.ir, direction)):
+            node = stage.ir.nodes[index]
+            if node.op == "scalar":
+                name = stage.ir.scalar_names[node.attr("slot")]
+                entry = PassByValue(SCALAR_PREFIX + name, node.dtype, ("scalar", name))
+            elif node.op == "const":
+                if node.dtype == BOOL:
+                    raise Unsupported("boolean literals in a score_mod are not supported on cuDNN; "
+                                         "write a comparison instead")
+                if _literal_role(plan, node) is not None:
+                    continue
+                literals = sum(p.source[0] == "const" for p in plan)
+                entry = PassByValue(f"{CONST_PREFIX}{literals}", node.dtype, ("const", node.attr("value")))
+            else:
+                continue
+            if entry.role not in roles:
+                roles.add(entry.role)
+                plan.append(entry)
+    return plan
+
+
+def _literal_role(plan: list[PassByValue], node) -> str | None:
+    """The plan's tensor for a literal node (repr tells -0.0 from 0.0 and matches NaN)."""
+    for entry in plan:
+        if entry.source[0] == "const" and entry.dtype == node.dtype and repr(entry.source[1]) == repr(node.attr("value")):
+            return entry.role
+    return None
+
+
+@dataclass
+class _StageState:
+    stage: ModStage
+    leaves: dict[int, Any]  # node index -> pre-created graph tensor
+    values: dict[int, Any] = field(default_factory=dict)
+    score: Any = None
+
+
+class ModEmitter:
+    """The score_mod and score_mod_bprop callbacks of one cuDNN graph."""
+
+    def __init__(self, stages: list[ModStage], plan: list[PassByValue], tensors: Mapping[str, Any],
+                 cudnn_types: Mapping[str, Any]):
+        """`tensors`: role -> pre-created graph tensor (operands and pass-by-value)."""
+        self._types = cudnn_types
+        self._states = [_StageState(stage, _leaf_tensors(stage, plan, tensors)) for stage in stages]
+
+    def forward(self, graph: Any, score: Any) -> Any:
+        for state in self._states:
+            state.values = {}
+            state.score = score
+            score = self._emit(graph, state, state.stage.ir.output, score=score)
+        return score
+
+    def bprop(self, graph: Any, dscore: Any) -> Any:
+        for state in reversed(self._states):
+            dscore = self._emit(graph, state, state.stage.ir.grad_output, score=state.score, dscore=dscore)
+        return dscore
+
+    def _emit(self, graph: Any, state: _StageState, root: int, **bound: Any) -> Any:
+        nodes = state.stage.ir.nodes
+        for index in sorted(_missing(nodes, root, state.values)):
+            node = nodes[index]
+            if node.op in BOUND_LEAVES:
+                state.values[index] = bound[node.op]
+            elif index in state.leaves:
+                state.values[index] = state.leaves[index]
+            else:
+                state.values[index] = self._apply(graph, node, [state.values[a] for a in node.args])
+        return state.values[root]
+
+    def _apply(self, graph: Any, node, operands: list) -> Any:
+        kwargs: dict[str, Any] = dict(zip(OP_PARAMS[node.op], operands))
+        if node.op == "gen_index":
+            kwargs["axis"] = node.attr("axis")
+        # The result type doubles as the compute type: BOOLEAN for comparisons and
+        # logic (as cuDNN's own masks do), INT32 for index arithmetic, FLOAT otherwise.
+        result = getattr(graph, node.op)(**kwargs, compute_data_type=self._types[node.dtype])
+        result.set_data_type(self._types[node.dtype])
+        return result
+
+
+def _leaf_tensors(stage: ModStage, plan: list[PassByValue], tensors: Mapping[str, Any]) -> dict[int, Any]:
+    ir = stage.ir
+    roles: dict[int, str] = {}
+    for index, node in enumerate(ir.nodes):
+        if node.op == "scalar":
+            roles[index] = SCALAR_PREFIX + ir.scalar_names[node.attr("slot")]
+        elif node.op == "array":
+            roles[index] = stage.array_roles[ir.array_names[node.attr("slot")]]
+        elif node.op == "const":
+            roles[index] = _literal_role(plan, node)
+    # Leaves this direction never emits have no tensor (and no plan entry); they are never looked up.
+    return {index: tensors[role] for index, role in roles.items() if role in tensors}
+
+
+def _missing(nodes, root: int, known: Mapping[int, Any]) -> set[int]:
+    """Nodes `root` needs that have no tensor yet."""
+    missing: set[int] = set()
+    stack = [root]
+    while stack:
+        index = stack.pop()
+        if index in missing or index in known:
+            continue
+        missing.add(index)
+        stack.extend(nodes[index].args)
+    return missing
+
+
+def cudnn_type_map(cudnn: Any) -> dict[str, Any]:
+    return {FLOAT: cudnn.data_type.FLOAT, INT: cudnn.data_type.INT32, BOOL: cudnn.data_type.BOOLEAN}
+

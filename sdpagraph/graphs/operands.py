@@ -1,0 +1,157 @@
+"""Which device buffers a compiled graph takes and returns, in which order, and how cuDNN sees them.
+
+This is the contract between the graph builder and whoever executes a graph (the FFI
+executor, the JAX wrapper, the GPU tests); `sdpagraph/graphs/builder.py` documents it
+for callers. Everything here is a pure function of `(spec, ir, direction)`, so the JAX
+side can compute the operand order without cuDNN or a GPU.
+
+Roles name the buffers: "q", "k", "v", "o", "dO", "stats", "bias", "mask",
+"seq_len_q", "seq_len_kv", "ragged_offset_q", "ragged_offset_kv",
+"ragged_offset_stats", "array:<name>" (score_mod aux arrays), and the results
+"o", "stats", "dq", "dk", "dv", "dbias". Pass-by-value scalars are named
+"scalar:<name>" and "const:<i>"; they are not device operands.
+
+UIDs are positions in one fixed list (operands, then results, then pass-by-value
+roles), plus one: deterministic, never random, so a serialized graph's variant pack
+can be rebuilt from the roles alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sdpagraph.cache.keys import DIRECTIONS
+from sdpagraph.graphs.ir import FLOAT, ScoreModIR
+from sdpagraph.spec import AttentionSpec
+
+ARRAY_PREFIX = "array:"
+SCALAR_PREFIX = "scalar:"
+CONST_PREFIX = "const:"
+BACKWARD_INPUTS = ("o", "dO", "stats")
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    """How cuDNN sees one buffer: logical dims and element strides, storage type, ragged offsets.
+
+    `dtype` is "io" (the spec's bfloat16/float16), "float32", "int32" or "int8".
+    `ragged_offset` names the role holding this tensor's per-sequence start offsets (THD).
+    """
+
+    dims: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str
+    ragged_offset: str | None = None
+
+
+def graph_io(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(operand roles in FFI order, result roles in FFI order) for one graph."""
+    _check_direction(direction)
+    operands = ["q", "k", "v"]
+    if direction == "backward":
+        operands += BACKWARD_INPUTS
+    if spec.bias_shape is not None:
+        operands.append("bias")
+    if spec.mask_shape is not None:
+        operands.append("mask")
+    if spec.has_padding or spec.segments:
+        operands += ["seq_len_q", "seq_len_kv"]
+    if spec.segments:
+        operands += ["ragged_offset_q", "ragged_offset_kv"]
+        if direction != "inference":
+            operands.append("ragged_offset_stats")
+    operands += [ARRAY_PREFIX + name for name in used_names(ir, "array", direction)]
+
+    if direction == "backward":
+        results = ["dq", "dk", "dv"] + (["dbias"] if spec.bias_shape is not None else [])
+    else:
+        results = ["o", "stats"] if direction == "forward" else ["o"]
+    return tuple(operands), tuple(results)
+
+
+def used_names(ir: ScoreModIR | None, kind: str, direction: str) -> tuple[str, ...]:
+    """The scalar or array names the graph reads, in slot order.
+
+    Forward and inference graphs run only the forward part of the mod, so a tensor
+    that only the bprop reads is not one of their operands.
+    """
+    if ir is None:
+        return ()
+    names = ir.scalar_names if kind == "scalar" else ir.array_names
+    if direction == "backward":
+        return names
+    live = ir.forward_nodes()
+    used = {ir.nodes[i].attr("slot") for i in live if ir.nodes[i].op == kind}
+    return tuple(name for slot, name in enumerate(names) if slot in used)
+
+
+def uid_map(roles: tuple[str, ...]) -> dict[str, int]:
+    """Role -> UID: its position in `roles` plus one."""
+    if len(set(roles)) != len(roles):
+        raise ValueError(f"duplicate roles in {roles}")
+    return {role: index + 1 for index, role in enumerate(roles)}
+
+
+def num_sequences(spec: AttentionSpec) -> int:
+    """Sequences cuDNN sees: B dense, B * max_segments when packed (THD)."""
+    return spec.batch * spec.max_segments if spec.segments else spec.batch
+
+
+def describe(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> dict[str, TensorDesc]:
+    """TensorDesc of every operand and result role of the graph."""
+    operands, results = graph_io(spec, ir, direction)
+    return {role: _describe_role(spec, ir, role) for role in operands + results}
+
+
+def _describe_role(spec: AttentionSpec, ir: ScoreModIR | None, role: str) -> TensorDesc:
+    b, t, s = num_sequences(spec), spec.q_len, spec.kv_len
+    n, k, h, hv = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim_v
+    packed = bool(spec.segments)
+    token_major = {  # role -> (heads, length, head dim, ragged offset role)
+        "q": (n, t, h, "ragged_offset_q"), "dq": (n, t, h, "ragged_offset_q"),
+        "o": (n, t, hv, "ragged_offset_q"), "dO": (n, t, hv, "ragged_offset_q"),
+        "k": (k, s, h, "ragged_offset_kv"), "dk": (k, s, h, "ragged_offset_kv"),
+        "v": (k, s, hv, "ragged_offset_kv"), "dv": (k, s, hv, "ragged_offset_kv"),
+    }
+    if role in token_major:
+        heads, length, dim, offset = token_major[role]
+        # BSHD memory described as [B, heads, length, dim]: no transposes.
+        return TensorDesc((b, heads, length, dim), (length * heads * dim, dim, heads * dim, 1), "io",
+                          offset if packed else None)
+    if role == "stats":
+        if packed:  # one fp32 per (token, head), tokens major, like q's rows
+            return TensorDesc((b, n, t, 1), (t * n, 1, n, 1), "float32", "ragged_offset_stats")
+        return TensorDesc((b, n, t, 1), (n * t, t, 1, 1), "float32")
+    if role in ("bias", "dbias"):
+        return _row_major(spec.bias_shape, "io")
+    if role == "mask":
+        return _row_major(spec.mask_shape, "int8")
+    if role in ("seq_len_q", "seq_len_kv"):
+        return _row_major((b, 1, 1, 1), "int32")
+    if role.startswith("ragged_offset_"):
+        return _row_major((b + 1, 1, 1, 1), "int32")
+    if role.startswith(ARRAY_PREFIX):
+        return array_desc(ir, role[len(ARRAY_PREFIX):])
+    raise ValueError(f"unknown operand role {role!r}")
+
+
+def array_desc(ir: ScoreModIR | None, name: str) -> TensorDesc:
+    """A score_mod aux array: its 4-D broadcast shape, row-major, float32 or int32."""
+    if ir is None or name not in ir.array_names:
+        raise ValueError(f"score_mod has no array {name!r}")
+    slot = ir.array_names.index(name)
+    node = next(n for _, n in ir.slots("array") if n.attr("slot") == slot)
+    return _row_major(tuple(node.attr("shape")), "float32" if node.dtype == FLOAT else "int32")
+
+
+def _row_major(shape: tuple[int, ...], dtype: str) -> TensorDesc:
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return TensorDesc(tuple(shape), tuple(reversed(strides)), dtype)
+
+
+def _check_direction(direction: str) -> None:
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")

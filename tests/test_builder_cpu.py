@@ -1,0 +1,483 @@
+"""The cuDNN graph builder without a GPU: operand contract, lowering structure, mod semantics, cache path.
+
+The lowering is exercised three ways: against a fake pygraph that records every call,
+against the real `cudnn.pygraph` up to its IR-level validate() (no backend needed),
+and numerically, by emitting the mod into the score_mod recorder and evaluating it
+with jax.numpy against the XLA backend's own masks.
+"""
+import dataclasses
+import time
+
+import jax.numpy as jnp
+import msgpack
+import numpy as np
+import pytest
+
+from sdpagraph import mods
+from sdpagraph.cache import GraphCache
+from sdpagraph.graphs import builder, support
+from sdpagraph.graphs.compiled import CompiledGraph
+from sdpagraph.graphs.ir import BOOL, FLOAT, INT, TensorInfo, trace_score_mod
+from sdpagraph.graphs.ir_eval import evaluate
+from sdpagraph.graphs.lowering import lower, mod_stages, native_band
+from sdpagraph.graphs.mod_lowering import ModEmitter, Unsupported, pass_by_value_plan
+from sdpagraph.graphs.operands import describe, graph_io, uid_map
+from sdpagraph.jax_api.xla import RuntimeInputs, _layout, allowed_mask
+from sdpagraph.spec import AttentionSpec
+
+cudnn = pytest.importorskip("cudnn")
+
+SCALAR = TensorInfo("scalar", FLOAT)
+DIRECTIONS = ("forward", "inference", "backward")
+
+
+def make_spec(**overrides):
+    fields = dict(batch=2, q_len=128, kv_len=128, num_heads=8, num_kv_heads=2, head_dim=64, head_dim_v=64,
+                  dtype="bfloat16", scale=0.125)
+    fields.update(overrides)
+    return AttentionSpec(**fields)
+
+
+def softcap_ir():
+    return trace_score_mod(mods.softcap(30.0), {"cap": SCALAR})
+
+
+# ----------------------------------------------------------------------------- fake pygraph
+
+class FakeTensor:
+    """Records what the lowering sets on a tensor."""
+
+    def __init__(self, name, **attrs):
+        self.name = name
+        self.attrs = dict(attrs)
+
+    def __getattr__(self, method):
+        if not method.startswith("set_"):
+            raise AttributeError(method)
+
+        def setter(value):
+            self.attrs[method[len("set_"):]] = value
+            return self
+
+        return setter
+
+    def __repr__(self):
+        return f"FakeTensor({self.name})"
+
+
+class FakeGraph:
+    """Stands in for cudnn.pygraph (outer calls) and for the graph cuDNN hands to callbacks."""
+
+    def __init__(self):
+        self.tensors = {}
+        self.nodes = []  # (op, kwargs)
+        self.results = []  # what each node returned
+
+    def tensor(self, name, **attrs):
+        self.tensors[name] = FakeTensor(name, **attrs)
+        return self.tensors[name]
+
+    def sdpa(self, **kwargs):
+        stats = FakeTensor("stats") if kwargs["generate_stats"] else None
+        return self._record("sdpa", kwargs, [FakeTensor("o"), stats])
+
+    def sdpa_backward(self, **kwargs):
+        return self._record("sdpa_backward", kwargs, [FakeTensor("dq"), FakeTensor("dk"), FakeTensor("dv")])
+
+    def __getattr__(self, op):  # pointwise ops inside callbacks
+        return lambda **kwargs: self._record(op, kwargs, FakeTensor(f"%{len(self.nodes)}", op=op, inputs=kwargs))
+
+    def _record(self, op, kwargs, result):
+        self.nodes.append((op, kwargs))
+        self.results.append(result)
+        return result
+
+
+def lower_fake(spec, ir, direction):
+    graph = FakeGraph()
+    lowering = lower(graph, spec, ir, direction, cudnn)
+    (op, options), = graph.nodes
+    return graph, lowering, op, options
+
+
+# ----------------------------------------------------------------------------- operand contract
+
+def test_operand_order_per_direction():
+    spec = make_spec(bias_shape=(1, 8, 128, 128), has_q_lengths=True)
+    assert graph_io(spec, None, "forward") == (("q", "k", "v", "bias", "seq_len_q", "seq_len_kv"), ("o", "stats"))
+    assert graph_io(spec, None, "inference") == (("q", "k", "v", "bias", "seq_len_q", "seq_len_kv"), ("o",))
+    assert graph_io(spec, None, "backward") == (
+        ("q", "k", "v", "o", "dO", "stats", "bias", "seq_len_q", "seq_len_kv"), ("dq", "dk", "dv", "dbias"))
+    packed = make_spec(segments="self", max_segments=4)
+    assert graph_io(packed, None, "forward")[0] == (
+        "q", "k", "v", "seq_len_q", "seq_len_kv", "ragged_offset_q", "ragged_offset_kv", "ragged_offset_stats")
+    assert "ragged_offset_stats" not in graph_io(packed, None, "inference")[0]
+    with pytest.raises(ValueError, match="direction"):
+        graph_io(spec, None, "sideways")
+
+
+def test_aux_arrays_follow_ir_order_and_bprop_only_arrays_are_backward_only():
+    infos = {"slopes": TensorInfo("array", FLOAT, (1, 8, 1, 1)), "gain": TensorInfo("array", FLOAT, (1, 8, 1, 1))}
+    ir = trace_score_mod(lambda g, s, t: s + t["slopes"], infos, lambda g, d, t: d * t["gain"])
+    assert graph_io(make_spec(), ir, "forward")[0] == ("q", "k", "v", "array:slopes")
+    assert graph_io(make_spec(), ir, "backward")[0][-2:] == ("array:slopes", "array:gain")
+
+
+def test_tensor_descriptions_are_bshd_strides_and_thd_offsets():
+    spec = make_spec(q_len=256, kv_len=128, head_dim_v=32)
+    descs = describe(spec, None, "backward")
+    assert descs["q"].dims == (2, 8, 256, 64) and descs["q"].strides == (256 * 8 * 64, 64, 8 * 64, 1)
+    assert descs["v"].dims == (2, 2, 128, 32) and descs["v"].strides == (128 * 2 * 32, 32, 2 * 32, 1)
+    assert descs["o"].dims == (2, 8, 256, 32) and descs["dv"] == descs["v"] and descs["dq"] == descs["q"]
+    assert descs["stats"].dims == (2, 8, 256, 1) and descs["stats"].dtype == "float32"
+    packed = describe(make_spec(segments="self", max_segments=3), None, "forward")
+    assert packed["q"].dims[0] == 6 and packed["q"].ragged_offset == "ragged_offset_q"
+    assert packed["stats"].strides == (128 * 8, 1, 8, 1) and packed["stats"].ragged_offset == "ragged_offset_stats"
+    assert packed["ragged_offset_kv"].dims == (7, 1, 1, 1) and packed["seq_len_q"].dims == (6, 1, 1, 1)
+
+
+def test_uids_are_positions_and_stable():
+    spec = make_spec(is_causal=True)
+    first = lower_fake(spec, softcap_ir(), "backward")[1]
+    again = lower_fake(spec, softcap_ir(), "backward")[1]
+    assert first == again
+    assert sorted(first.uids.values()) == list(range(1, len(first.uids) + 1))
+    assert uid_map(("q", "k")) == {"q": 1, "k": 2}
+    with pytest.raises(ValueError):
+        uid_map(("q", "q"))
+
+
+# ----------------------------------------------------------------------------- lowering structure
+
+@pytest.mark.parametrize("causal, alignment, window, expected", [
+    (True, "top_left", (-1, -1), ("TOP_LEFT", None, 0)),
+    (True, "bottom_right", (-1, -1), ("BOTTOM_RIGHT", None, 0)),
+    (False, "top_left", (64, 0), ("TOP_LEFT", 65, 0)),
+    (False, "top_left", (32, 32), ("TOP_LEFT", 33, 32)),
+    (True, "top_left", (16, 8), ("TOP_LEFT", 17, 0)),
+])
+def test_native_masks_become_cudnn_flags(causal, alignment, window, expected):
+    spec = make_spec(is_causal=causal, causal_alignment=alignment, window=window)
+    _, _, op, options = lower_fake(spec, None, "forward")
+    alignment_name, left, right = expected
+    assert op == "sdpa" and "score_mod" not in options
+    assert options["diagonal_alignment"] == getattr(cudnn.diagonal_alignment, alignment_name)
+    assert options.get("diagonal_band_left_bound") == left and options["diagonal_band_right_bound"] == right
+    assert native_band(spec) == (left, right)
+
+
+def test_padding_gqa_and_bias_natively():
+    spec = make_spec(has_kv_lengths=True, bias_shape=(1, 8, 128, 128))
+    graph, lowering, _, options = lower_fake(spec, None, "backward")
+    assert options["use_padding_mask"] is True
+    assert options["seq_len_q"] is graph.tensors["seq_len_q"] and options["attn_scale"] == 0.125
+    assert graph.tensors["k"].attrs["dim"] == [2, 2, 128, 64] and graph.tensors["q"].attrs["dim"] == [2, 8, 128, 64]
+    assert graph.tensors["seq_len_q"].attrs["data_type"] == cudnn.data_type.INT32
+    assert options["dBias"].attrs["output"] is True and options["dBias"].attrs["uid"] == lowering.uids["dbias"]
+    assert "diagonal_alignment" not in options
+
+
+def test_packed_outputs_carry_uids_layouts_and_ragged_offsets():
+    spec = make_spec(segments="cross", max_segments=2, is_causal=True)
+    graph, lowering, _, options = lower_fake(spec, None, "forward")
+    assert options["use_padding_mask"] is True and options["max_total_seq_len_q"] == 2 * 128
+    assert graph.tensors["q"].attrs["ragged_offset"] is graph.tensors["ragged_offset_q"]
+    assert graph.tensors["v"].attrs["ragged_offset"] is graph.tensors["ragged_offset_kv"]
+    o, stats = graph.results[0]
+    assert o.attrs["output"] and o.attrs["uid"] == lowering.uids["o"] and o.attrs["dim"] == [4, 8, 128, 64]
+    assert o.attrs["ragged_offset"] is graph.tensors["ragged_offset_q"]
+    assert stats.attrs["data_type"] == cudnn.data_type.FLOAT and stats.attrs["stride"] == [128 * 8, 1, 8, 1]
+    assert stats.attrs["ragged_offset"] is graph.tensors["ragged_offset_stats"]
+
+
+def test_a_score_mod_turns_native_flags_into_a_typed_mod():
+    spec = make_spec(is_causal=True, window=(32, -1), has_q_lengths=True)
+    graph, lowering, op, options = lower_fake(spec, softcap_ir(), "forward")
+    assert op == "sdpa" and callable(options["score_mod"])
+    for flag in ("use_padding_mask", "diagonal_alignment", "diagonal_band_right_bound", "seq_len_q"):
+        assert flag not in options
+    assert dict((source, dtype) for _, source, dtype in lowering.pass_by_value)[("scalar", "cap")] == "float32"
+    assert graph.tensors["scalar:cap"].attrs["is_pass_by_value"] is True
+
+    callback_graph = FakeGraph()
+    out = options["score_mod"](callback_graph, FakeTensor("score"))
+    ops = [op for op, _ in callback_graph.nodes]
+    assert ops[:3] == ["div", "tanh", "mul"] and ops[-1] == "binary_select"
+    assert out.attrs["op"] == "binary_select" and out.attrs["inputs"]["mask"].attrs["data_type"] == cudnn.data_type.BOOLEAN
+    for _, kwargs in callback_graph.nodes:  # every intermediate is typed (cuDNN declines untyped backward graphs)
+        assert kwargs["compute_data_type"] in (cudnn.data_type.FLOAT, cudnn.data_type.INT32, cudnn.data_type.BOOLEAN)
+    assert options["score_mod"](FakeGraph(), FakeTensor("score")).attrs["op"] == "binary_select"  # re-callable
+
+
+def test_backward_bprop_reuses_forward_tensors_of_the_same_graph():
+    spec = make_spec(is_causal=True)
+    _, _, op, options = lower_fake(spec, softcap_ir(), "backward")
+    assert op == "sdpa_backward"
+    callback_graph = FakeGraph()
+    options["score_mod"](callback_graph, FakeTensor("score"))
+    forward_ops = len(callback_graph.nodes)
+    pre_tanh = next(t for t in callback_graph.results if t.attrs["op"] == "div")
+    grad = options["score_mod_bprop"](callback_graph, FakeTensor("dS"))
+    bprop_ops = [op for op, _ in callback_graph.nodes[forward_ops:]]
+    assert bprop_ops[0] == "binary_select" and "tanh_backward" in bprop_ops  # mask bprop first, then softcap's
+    tanh_backward = next(kw for op, kw in callback_graph.nodes[forward_ops:] if op == "tanh_backward")
+    assert tanh_backward["input"] is pre_tanh
+    assert grad.attrs["op"] in ("mul", "div")
+
+
+def test_chunk_and_mask_go_through_a_mod_even_without_a_score_mod():
+    spec = make_spec(chunk_size=32, mask_shape=(2, 1, 128, 128))
+    graph, lowering, _, options = lower_fake(spec, None, "backward")
+    assert "score_mod" in options and "score_mod_bprop" in options
+    assert graph.tensors["mask"].attrs["data_type"] == cudnn.data_type.INT8
+    assert not [role for role in lowering.operand_roles if role.startswith("array:")]
+
+
+def test_configs_the_lowering_cannot_express_raise_unsupported():
+    with pytest.raises(Unsupported, match="float32"):
+        builder.new_graph(make_spec(dtype="float32"), "forward", cudnn)
+    with pytest.raises(Unsupported, match="value head dim"):
+        lower_fake(make_spec(segments="self", max_segments=2, head_dim_v=32), None, "forward")
+    with pytest.raises(Unsupported, match="packed"):
+        lower_fake(make_spec(segments="self", max_segments=2, bias_shape=(2, 8, 128, 128)), None, "forward")
+    bool_literal = trace_score_mod(lambda g, s, t: g.binary_select(input0=s, input1=0.0, mask=True), {})
+    with pytest.raises(Unsupported, match="boolean literal"):
+        lower_fake(make_spec(), bool_literal, "forward")
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("case", ["native", "mod", "packed", "mask_bias"])
+def test_real_pygraph_accepts_the_description(direction, case):
+    """Up to the IR-level validate(), which needs no cuDNN backend library."""
+    spec, ir = {
+        "native": (make_spec(is_causal=True, window=(64, 0), has_q_lengths=True), None),
+        "mod": (make_spec(is_causal=True, causal_alignment="bottom_right", kv_len=256), softcap_ir()),
+        "packed": (make_spec(segments="self", max_segments=4, is_causal=True), None),
+        "mask_bias": (make_spec(mask_shape=(1, 1, 128, 128), bias_shape=(1, 8, 128, 128)), None),
+    }[case]
+    graph = builder.new_graph(spec, direction, cudnn)
+    lowering = lower(graph, spec, ir, direction, cudnn)
+    graph.validate()
+    (node,) = graph._nodes
+    outputs = {t.uid for t in node.outputs.values() if t is not None}
+    assert {lowering.uids[role] for role in lowering.result_roles} <= outputs
+
+
+# ----------------------------------------------------------------------------- mod semantics on the CPU
+
+def emitted_ir(spec, ir, direction):
+    """Run the graph's two callbacks on the score_mod recorder: the exact op stream cuDNN would get."""
+    stages = mod_stages(spec, ir)
+    plan = pass_by_value_plan(stages, direction)
+    operands, _ = graph_io(spec, ir, direction)
+    descs = describe(spec, ir, direction)
+    infos = {entry.role: TensorInfo("scalar", entry.dtype) for entry in plan}
+    infos.update({role: TensorInfo("array", INT if descs[role].dtype.startswith("int") else FLOAT, descs[role].dims)
+                  for role in operands if role.startswith(("array:", "seq_len", "mask"))})
+    names = {FLOAT: "FLOAT", INT: "INT32", BOOL: "BOOLEAN"}
+    emitters = {}
+
+    def forward(graph, score, tensors):
+        emitters["it"] = ModEmitter(stages, plan, tensors, names)
+        return emitters["it"].forward(graph, score)
+
+    bprop = (lambda graph, dscore, tensors: emitters["it"].bprop(graph, dscore)) if direction == "backward" else None
+    return trace_score_mod(forward, infos, bprop), plan
+
+
+def dense_inputs(spec, rng):
+    q_lengths = jnp.asarray(rng.integers(1, spec.q_len + 1, spec.batch), jnp.int32) if spec.has_q_lengths else None
+    kv_lengths = jnp.asarray(rng.integers(1, spec.kv_len + 1, spec.batch), jnp.int32) if spec.has_kv_lengths else None
+    mask = jnp.asarray(rng.random(spec.mask_shape) < 0.7) if spec.mask_shape else None
+    return RuntimeInputs(mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths)
+
+
+def operand_arrays(spec, inputs):
+    """What the JAX side passes for the mask mod's arrays (lengths default to the full side)."""
+    full_q = jnp.full((spec.batch,), spec.q_len, jnp.int32)
+    full_kv = jnp.full((spec.batch,), spec.kv_len, jnp.int32)
+    arrays = {
+        "seq_len_q": (full_q if inputs.q_lengths is None else inputs.q_lengths).reshape(-1, 1, 1, 1),
+        "seq_len_kv": (full_kv if inputs.kv_lengths is None else inputs.kv_lengths).reshape(-1, 1, 1, 1),
+    }
+    if inputs.mask is not None:
+        arrays["mask"] = inputs.mask.astype(jnp.int32)
+    return arrays
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(is_causal=True),
+    dict(is_causal=True, causal_alignment="bottom_right", q_len=96, kv_len=160),
+    dict(is_causal=True, causal_alignment="bottom_right", q_len=160, kv_len=96),
+    dict(window=(16, 0), causal_alignment="bottom_right", q_len=64, kv_len=128, has_kv_lengths=True),
+    dict(window=(8, 8)),
+    dict(chunk_size=24, is_causal=True),
+    dict(chunk_size=32, causal_alignment="bottom_right", q_len=48, kv_len=128),
+    dict(has_q_lengths=True, has_kv_lengths=True, is_causal=True, causal_alignment="bottom_right"),
+    dict(mask_shape=(2, 1, 128, 128), window=(-1, 4)),
+])
+@pytest.mark.parametrize("with_user_mod", [False, True])
+def test_emitted_mod_matches_the_xla_backend(overrides, with_user_mod):
+    spec = make_spec(**overrides)
+    # Without a user mod, an identity mod forces the mod path: every mask goes into the mod.
+    ir = softcap_ir() if with_user_mod else trace_score_mod(lambda g, s, t: s, {})
+    rng = np.random.default_rng(0)
+    inputs = dense_inputs(spec, rng)
+    layout = _layout(spec, inputs)
+    index = (jnp.arange(spec.batch)[:, None, None, None], jnp.arange(spec.num_heads)[None, :, None, None],
+             layout.q_pos[:, None, :, None], layout.kv_pos[:, None, None, :])
+    score = jnp.asarray(rng.normal(size=(spec.batch, spec.num_heads, spec.q_len, spec.kv_len)) * 40, jnp.float32)
+    dscore = jnp.asarray(rng.normal(size=score.shape), jnp.float32)
+    scalars = {"cap": 30.0}
+
+    emitted, plan = emitted_ir(spec, ir, "backward")
+    values = {entry.role: scalars[entry.source[1]] if entry.source[0] == "scalar" else entry.source[1]
+              for entry in plan}
+    logits, grad = evaluate(emitted, score, scalars=values, arrays=operand_arrays(spec, inputs), index=index,
+                            dscore=dscore)
+
+    expected, expected_grad = evaluate(ir, score, scalars=scalars, arrays={}, index=index, dscore=dscore)
+    allowed = allowed_mask(spec, inputs, layout)
+    np.testing.assert_allclose(logits, jnp.where(allowed, expected, -jnp.inf), rtol=1e-6)
+    np.testing.assert_allclose(grad, jnp.where(allowed, expected_grad, 0.0), rtol=1e-6, atol=1e-6)
+
+
+def test_forward_graphs_emit_no_bprop_only_constants():
+    ir = trace_score_mod(lambda g, s, t: s * 2.0, {}, lambda g, d, t: d * 7.0)
+    forward = lower_fake(make_spec(), ir, "forward")[1]
+    backward = lower_fake(make_spec(), ir, "backward")[1]
+    assert [source for _, source, _ in forward.pass_by_value] == [("const", 2.0)]
+    assert ("const", 7.0) in [source for _, source, _ in backward.pass_by_value]
+
+
+# ----------------------------------------------------------------------------- CompiledGraph and the cache
+
+def compiled_example(**overrides):
+    fields = dict(blob=b"\x00plan", workspace_size=4096, operand_roles=("q", "k", "v"), result_roles=("o", "stats"),
+                  uids={"q": 1, "k": 2, "v": 3, "o": 4, "stats": 5, "scalar:cap": 6, "const:0": 7},
+                  pass_by_value=((6, ("scalar", "cap"), "float32"), (7, ("const", float("-inf")), "float32")),
+                  direction="forward", versions={"cudnn": "9.19.0", "frontend": "1.32.0", "gpu": "sm90 H200"},
+                  build_time_s=0.8)
+    fields.update(overrides)
+    return CompiledGraph(**fields)
+
+
+def test_compiled_graph_round_trips_through_msgpack_meta():
+    compiled = compiled_example()
+    meta = msgpack.unpackb(msgpack.packb(compiled.to_meta(), use_bin_type=True), raw=False, strict_map_key=True)
+    assert CompiledGraph.from_meta(compiled.blob, meta) == compiled
+    values = compiled.pass_by_value_values({"cap": 30})
+    assert values == {6: np.float32(30.0), 7: np.float32(-np.inf)} and isinstance(values[6], np.float32)
+    with pytest.raises(KeyError, match="cap"):
+        compiled.pass_by_value_values({})
+    with pytest.raises(ValueError, match="meta version"):
+        CompiledGraph.from_meta(b"", {**meta, "meta_version": 0})
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A build environment and a compile step that need no GPU; records what was compiled."""
+    compiled = []
+    env = builder.BuildEnvironment("9.19.0", "1.32.0", "sm90 NVIDIA H200")
+
+    def compile_graph(spec, ir, direction, env):
+        if spec.head_dim % 8:
+            raise builder.GraphBuildError(direction, "[cudnn_frontend] Error: Num hidden_dim should be less than "
+                                          "or equal to 256 and hidden_dim should be multiple of 8", env.cudnn_version)
+        graph = FakeGraph()
+        lowering = lower(graph, spec, ir, direction, cudnn)
+        compiled.append((spec, direction))
+        result = compiled_example(operand_roles=lowering.operand_roles, result_roles=lowering.result_roles,
+                                  uids=lowering.uids, pass_by_value=lowering.pass_by_value, direction=direction)
+        return result.blob, result.to_meta()
+
+    monkeypatch.setattr(builder, "build_environment", lambda: env)
+    monkeypatch.setattr(builder, "compile_graph", compile_graph)
+    monkeypatch.setattr(support, "environment_reason", lambda: None)
+    return compiled
+
+
+def test_build_goes_through_the_cache_once_per_key(fake_gpu, tmp_path):
+    cache = GraphCache(tmp_path)
+    spec = make_spec(is_causal=True)
+    first = builder.build(spec, softcap_ir(), "forward", cache)
+    again = builder.build(spec, softcap_ir(), "forward", cache)
+    assert first == again and cache.stats()["builds"] == 1
+    builder.build(spec, softcap_ir(), "backward", cache)
+    builder.build(spec, None, "forward", cache)
+    assert cache.stats()["builds"] == 3
+    fresh_process = GraphCache(tmp_path)  # the disk layer serves a new process without building
+    assert builder.build(spec, softcap_ir(), "forward", fresh_process) == first
+    assert fresh_process.stats()["builds"] == 0
+
+
+def test_keys_hash_the_forward_part_for_forward_graphs():
+    env = builder.BuildEnvironment("9.19.0", "1.32.0", "sm90 NVIDIA H200")
+    custom = trace_score_mod(lambda g, s, t: s * 2.0, {}, lambda g, d, t: d * 3.0)
+    derived = trace_score_mod(lambda g, s, t: s * 2.0, {})
+    spec = make_spec()
+    assert builder.graph_key(spec, custom, "forward", env) == builder.graph_key(spec, derived, "forward", env)
+    assert builder.graph_key(spec, custom, "backward", env) != builder.graph_key(spec, derived, "backward", env)
+    assert builder.graph_key(spec, None, "inference", env).ir_hash == "none"
+
+
+def test_support_builds_the_runtime_graphs_and_remembers_answers(fake_gpu, tmp_path):
+    cache = GraphCache(tmp_path)
+    spec = make_spec(is_causal=True)
+    answer = support.check_graphs(spec, softcap_ir(), True, cache)
+    assert answer.supported and answer.backend == "cudnn"
+    assert [direction for _, direction in fake_gpu] == ["forward", "backward"]
+    builder.build(spec, softcap_ir(), "forward", cache)  # what attention() does next
+    builder.build(spec, softcap_ir(), "backward", cache)
+    assert cache.stats()["builds"] == 2
+    assert support.check_graphs(spec, None, False, cache).reason == "cuDNN builds the inference graph"
+
+
+def test_support_declines_with_one_actionable_sentence(fake_gpu, tmp_path):
+    cache = GraphCache(tmp_path)
+    answer = support.check_graphs(make_spec(head_dim=68, head_dim_v=68), None, True, cache)
+    assert not answer.supported and answer.backend == "xla"
+    assert answer.reason == "head dim 68 is not a multiple of 8"
+    assert support.check_graphs(make_spec(dtype="float32"), None, True, cache).reason == (
+        "cuDNN SDPA takes bfloat16 or float16 inputs, not float32")
+    generic = builder.GraphBuildError("backward", "No valid engine configs for SDPA_BWD. Details follow.", "9.19.0")
+    assert support.condense_reason(make_spec(), generic) == (
+        "cuDNN 9.19.0 declined the backward graph: No valid engine configs for SDPA_BWD.")
+
+
+def test_support_never_raises(fake_gpu, monkeypatch, tmp_path):
+    def broken(*args):
+        raise RuntimeError("driver exploded\nwith details")
+
+    monkeypatch.setattr(builder, "compile_graph", broken)
+    answer = support.check_graphs(make_spec(), None, True, GraphCache(tmp_path))
+    assert not answer.supported and "driver exploded with details" in answer.reason
+
+
+def test_cached_answers_cost_at_most_50_microseconds(fake_gpu, tmp_path):
+    cache = GraphCache(tmp_path)
+    questions = [(make_spec(is_causal=True), softcap_ir(), True), (make_spec(head_dim=68, head_dim_v=68), None, True)]
+    for spec, ir, training in questions:
+        support.check_graphs(spec, ir, training, cache)
+    builds = cache.stats()["builds"]
+    for spec, ir, training in questions:
+        calls = 2000
+        started = time.perf_counter()
+        for _ in range(calls):
+            support.check_graphs(spec, ir, training, cache)
+        per_call = (time.perf_counter() - started) / calls
+        assert per_call <= 50e-6, f"cached answer took {per_call * 1e6:.1f} us"
+    assert cache.stats()["builds"] == builds
+
+
+def test_no_gpu_answer_comes_from_the_environment(tmp_path):
+    answer = support.check_graphs(make_spec(), None, True, GraphCache(tmp_path))
+    if support.environment_reason() is not None:  # this CPU machine
+        assert not answer.supported and answer.reason == support.environment_reason()
+
+
+def test_spec_fields_all_reach_the_key():
+    env = builder.BuildEnvironment("9.19.0", "1.32.0", "sm90 NVIDIA H200")
+    base = builder.graph_key(make_spec(), None, "forward", env)
+    for field, value in [("scale", 0.5), ("max_segments", 3), ("causal_alignment", "bottom_right")]:
+        assert builder.graph_key(dataclasses.replace(make_spec(), **{field: value}), None, "forward", env) != base
