@@ -211,8 +211,11 @@ def attention(
     )
     q, k, v = (_as_4d(x, call.unbatched) for x in (query, key, value))
     backend = _choose_backend(call, implementation, training)
-    run = xla_attention if backend == "xla" else cudnn_backend.attention
-    out, lse = run(call.spec, q, k, v, call.inputs, call.score_mod)
+    if backend == "xla":
+        out, lse = xla_attention(call.spec, q, k, v, call.inputs, call.score_mod)
+    else:  # the inference graph has no softmax stats: a residual needs the training graph
+        out, lse = cudnn_backend.attention(call.spec, q, k, v, call.inputs, call.score_mod,
+                                           training=training or return_residual)
     if call.unbatched:
         out, lse = out[0], lse[0]
     if return_residual:

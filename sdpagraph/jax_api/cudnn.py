@@ -1,20 +1,190 @@
-"""The cuDNN backend of `attention`: support query and execution through the FFI executor."""
+"""The cuDNN backend of `attention`: the support query, and execution through the FFI executor.
+
+Graphs are built (or loaded from the cache) at trace time, registered with the C++
+executor, and called with `jax.ffi.ffi_call`. A `jax.custom_vjp` runs the forward
+graph (O and softmax stats) when differentiating and the backward graph for the
+gradients of query, key, value and bias; a call that is not differentiated runs the
+forward graph when `training=True` and the smaller inference graph otherwise.
+"""
 from __future__ import annotations
 
-from typing import Any
+import functools
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sdpagraph import ffi
+from sdpagraph.cache import default_cache
+from sdpagraph.graphs.builder import build, build_environment, graph_key
+from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.ir import ScoreModIR
-from sdpagraph.graphs.support import Support, environment_reason
+from sdpagraph.graphs.operands import ARRAY_PREFIX
+from sdpagraph.graphs.support import Support, check_graphs, environment_reason
+from sdpagraph.jax_api.segments import segment_metadata, segment_run_ids
+from sdpagraph.jax_api.xla import RuntimeInputs
 from sdpagraph.spec import AttentionSpec
 
 
 def support(spec: AttentionSpec, score_mod: ScoreModIR | None, *, training: bool) -> Support:
     """Whether the cuDNN graphs this call needs build here (forward, and backward when training)."""
-    reason = environment_reason()
-    if reason is None:
-        reason = "the cuDNN execution path is not available in this build"
-    return Support(False, "xla", reason)
+    reason = environment_reason() or ffi.unavailable_reason()
+    if reason is not None:
+        return Support(False, "xla", reason)
+    return check_graphs(spec, score_mod, training)
 
 
-def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: Any, score_mod: ScoreModIR | None):
-    raise NotImplementedError("the cuDNN execution path is not available in this build")
+@dataclass(frozen=True)
+class _Static:
+    """Everything static about one call (hashable: custom_vjp's non-differentiable argument)."""
+
+    spec: AttentionSpec
+    ir: ScoreModIR | None
+    scalars: tuple[tuple[str, Any], ...]
+    training: bool
+
+
+# ----------------------------------------------------------------------------- one FFI call
+
+def _scalar_bits(compiled: CompiledGraph, scalars: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """(uids, 4-byte host representation of each pass-by-value scalar, as int32 bit patterns)."""
+    values = compiled.pass_by_value_values(scalars)
+    uids = np.array(sorted(values), np.int64)
+    bits = np.array([np.array(values[u]).astype(values[u].dtype).view(np.int32) for u in uids], np.int32)
+    return uids, bits.reshape(-1)
+
+
+def _run_graph(static: _Static, direction: str, operands: Mapping[str, Any],
+               results: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
+    """Build or fetch the `direction` graph, register it with the executor, and call it."""
+    cache = default_cache()
+    compiled = build(static.spec, static.ir, direction, cache)
+    key = graph_key(static.spec, static.ir, direction, build_environment())
+    digest = key.digest
+    ffi.register_graph(digest, compiled.blob)
+    scalar_uids, scalar_bits = _scalar_bits(compiled, dict(static.scalars))
+    result_shapes = [results[role] for role in compiled.result_roles]
+    result_shapes.append(jax.ShapeDtypeStruct((compiled.workspace_size,), jnp.uint8))
+    call = jax.ffi.ffi_call(ffi.EXECUTOR_TARGET, result_shapes, vmap_method="sequential")
+    outputs = call(
+        *(operands[role] for role in compiled.operand_roles),
+        graph_key=digest,
+        entry_path=cache.entry_path(key) or "",
+        uids=np.array([compiled.uids[r] for r in compiled.operand_roles + compiled.result_roles], np.int64),
+        scalar_uids=scalar_uids,
+        scalar_values=scalar_bits,
+        workspace_size=np.int64(compiled.workspace_size),
+    )
+    return dict(zip(compiled.result_roles, outputs[:-1]))
+
+
+# ----------------------------------------------------------------------------- operands
+
+class _Validity(NamedTuple):
+    """Which token rows cuDNN computes (a pytree, so it can pass through custom_vjp)."""
+
+    q: Any  # (B, T) bool
+    kv: Any  # (B, S) bool
+
+
+def _packed_operands(spec: AttentionSpec, inputs: RuntimeInputs) -> dict[str, Any]:
+    """seq lens and ragged element offsets of the B*M packed sequences (THD), in O(T)."""
+    operands = {}
+    sides = (("q", inputs.q_segment_ids, spec.q_len, (spec.num_heads * spec.head_dim,)),
+             ("kv", inputs.kv_segment_ids, spec.kv_len, (spec.num_kv_heads * spec.head_dim,)))
+    for side, ids, length, (row_elements,) in sides:
+        meta = segment_metadata(ids, spec.max_segments)
+        starts = meta.offsets[:, :-1] + (jnp.arange(spec.batch, dtype=jnp.int32) * length)[:, None]
+        starts = jnp.concatenate([starts.reshape(-1), jnp.array([spec.batch * length], jnp.int32)])
+        operands[f"seq_len_{side}"] = meta.seq_lens.reshape(-1).astype(jnp.int32)
+        operands[f"ragged_offset_{side}"] = starts * row_elements
+        if side == "q":
+            operands["ragged_offset_stats"] = starts * spec.num_heads
+    return operands
+
+
+def _operands(spec: AttentionSpec, inputs: RuntimeInputs) -> tuple[dict[str, Any], _Validity]:
+    """Every non-differentiable device operand by role, and which rows cuDNN writes."""
+    operands: dict[str, Any] = {}
+    b, t, s = spec.batch, spec.q_len, spec.kv_len
+    if inputs.mask is not None:
+        operands["mask"] = jnp.broadcast_to(inputs.mask, spec.mask_shape).astype(jnp.int8)
+    for name, value in (inputs.mod_arrays or {}).items():
+        operands[ARRAY_PREFIX + name] = value
+    if spec.segments:
+        operands.update(_packed_operands(spec, inputs))
+        q_run, kv_run = segment_run_ids(inputs.q_segment_ids), segment_run_ids(inputs.kv_segment_ids)
+        validity = _Validity((q_run > 0) & (q_run <= spec.max_segments), (kv_run > 0) & (kv_run <= spec.max_segments))
+    else:
+        q_len = jnp.full((b,), t, jnp.int32) if inputs.q_lengths is None else jnp.asarray(inputs.q_lengths, jnp.int32)
+        kv_len = jnp.full((b,), s, jnp.int32) if inputs.kv_lengths is None else jnp.asarray(inputs.kv_lengths, jnp.int32)
+        if spec.has_padding:
+            operands["seq_len_q"], operands["seq_len_kv"] = q_len, kv_len
+        validity = _Validity(jnp.arange(t)[None, :] < q_len[:, None], jnp.arange(s)[None, :] < kv_len[:, None])
+    return operands, validity
+
+
+def _zero_rows(x: Any, valid: Any) -> Any:
+    """Zero the token rows cuDNN leaves unwritten (x: (B, L, heads, dim), valid: (B, L))."""
+    return jnp.where(valid[:, :, None, None], x, jnp.zeros((), x.dtype))
+
+
+# ----------------------------------------------------------------------------- custom_vjp
+
+def _stats_shape(spec: AttentionSpec) -> tuple[int, ...]:
+    # Packed graphs keep one fp32 stat per (token, head), token major; dense ones (B, N, T).
+    b, n, t = spec.batch, spec.num_heads, spec.q_len
+    return (b, t, n) if spec.segments else (b, n, t)
+
+
+def _forward(static: _Static, q, k, v, bias, aux, direction: str):
+    spec = static.spec
+    results = {"o": jax.ShapeDtypeStruct((spec.batch, spec.q_len, spec.num_heads, spec.head_dim_v), q.dtype),
+               "stats": jax.ShapeDtypeStruct(_stats_shape(spec), jnp.float32)}
+    operands = {"q": q, "k": k, "v": v, "bias": bias, **aux}
+    out = _run_graph(static, direction, operands, results)
+    return out["o"], out.get("stats")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _core(static: _Static, q, k, v, bias, aux, validity):
+    return _forward(static, q, k, v, bias, aux, "forward" if static.training else "inference")
+
+
+def _core_fwd(static: _Static, q, k, v, bias, aux, validity):
+    o, stats = _forward(static, q, k, v, bias, aux, "forward")
+    return (o, stats), (q, k, v, bias, aux, validity, o, stats)
+
+
+def _core_bwd(static: _Static, residuals, cotangents):
+    q, k, v, bias, aux, validity, o, stats = residuals
+    d_o, _ = cotangents  # the stats (logsumexp) are returned without a gradient, as jax does
+    spec = static.spec
+    results = {"dq": jax.ShapeDtypeStruct(q.shape, q.dtype), "dk": jax.ShapeDtypeStruct(k.shape, k.dtype),
+               "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
+    if bias is not None:
+        results["dbias"] = jax.ShapeDtypeStruct(spec.bias_shape, bias.dtype)
+    operands = {"q": q, "k": k, "v": v, "o": o, "dO": d_o.astype(o.dtype), "stats": stats, "bias": bias, **aux}
+    grads = _run_graph(static, "backward", operands, results)
+    dq = _zero_rows(grads["dq"], validity.q)
+    dk, dv = (_zero_rows(grads[role], validity.kv) for role in ("dk", "dv"))
+    return dq, dk, dv, grads.get("dbias"), None, None
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: RuntimeInputs,
+              score_mod: ScoreModIR | None, *, training: bool = True) -> tuple[Any, Any]:
+    """Return (output (B, T, N, H_v), logsumexp (B, N, T) or None for the inference graph)."""
+    static = _Static(spec, score_mod, tuple(sorted((inputs.mod_scalars or {}).items())), training)
+    aux, validity = _operands(spec, inputs)
+    bias = None if inputs.bias is None else jnp.broadcast_to(inputs.bias, spec.bias_shape).astype(query.dtype)
+    out, stats = _core(static, query, key, value, bias, aux, validity)
+    out = _zero_rows(out, validity.q)
+    if stats is None:
+        return out, None
+    lse = jnp.swapaxes(stats, 1, 2) if spec.segments else stats
+    return out, jnp.where(validity.q[:, None, :], lse, -jnp.inf)
