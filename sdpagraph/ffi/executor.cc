@@ -599,6 +599,39 @@ struct TensorPointer {
   void* pointer;
 };
 
+// The `scalar_values` attribute: the 4-byte host value of each pass-by-value scalar, as a float32
+// array, or as an int32 array (an int32 scalar, or any scalar's bit pattern). cuDNN reads each
+// value as its tensor's data type, so the executor only hands out pointers into this storage.
+struct HostScalars {
+  const uint32_t* words;
+  size_t count;
+};
+
+}  // namespace
+}  // namespace sdpagraph
+
+template <>
+struct xla::ffi::AttrDecoding<sdpagraph::HostScalars> {
+  using Type = sdpagraph::HostScalars;
+
+  static bool Isa(XLA_FFI_AttrType type, void* attr) {
+    if (type != XLA_FFI_AttrType_ARRAY) return false;
+    const XLA_FFI_DataType dtype = static_cast<XLA_FFI_Array*>(attr)->dtype;
+    return dtype == XLA_FFI_DataType_F32 || dtype == XLA_FFI_DataType_S32;
+  }
+
+  static std::optional<Type> Decode(XLA_FFI_AttrType type, void* attr, DiagnosticEngine& diagnostic) {
+    if (!Isa(type, attr)) {
+      return diagnostic.Emit("scalar_values must be a float32 or int32 array");
+    }
+    const auto* array = static_cast<XLA_FFI_Array*>(attr);
+    return Type{static_cast<const uint32_t*>(array->data), array->size};
+  }
+};
+
+namespace sdpagraph {
+namespace {
+
 // Orders the call's pointers the way the graph's execute() takes them, and rejects a call that
 // misses a tensor of the graph, names one twice, or names one the graph does not have.
 std::vector<void*> VariantPack(const std::vector<TensorPointer>& given, const std::vector<int64_t>& needed) {
@@ -652,8 +685,8 @@ ffi::AnyBuffer ResultBuffer(const ffi::RemainingRets& results, size_t index) {
 
 void RunGraph(cudaStream_t stream, int32_t device, const ffi::RemainingArgs& operands,
               const ffi::RemainingRets& results, const std::string& key, std::string_view entry_path,
-              ffi::Span<const int64_t> uids, ffi::Span<const int64_t> scalar_uids,
-              ffi::Span<const float> scalar_values, int64_t workspace_size) {
+              ffi::Span<const int64_t> uids, ffi::Span<const int64_t> scalar_uids, HostScalars scalar_values,
+              int64_t workspace_size) {
   if (results.size() == 0) {
     throw InvalidCallError("the workspace must be passed as the last result");
   }
@@ -663,9 +696,9 @@ void RunGraph(cudaStream_t stream, int32_t device, const ffi::RemainingArgs& ope
                            " operands and " + std::to_string(tensor_results) +
                            " results (the workspace, the last result, has no uid)");
   }
-  if (scalar_uids.size() != scalar_values.size()) {
+  if (scalar_uids.size() != scalar_values.count) {
     throw InvalidCallError(std::to_string(scalar_uids.size()) + " scalar_uids for " +
-                           std::to_string(scalar_values.size()) + " scalar_values");
+                           std::to_string(scalar_values.count) + " scalar_values");
   }
 
   BindCudnnLibrary();
@@ -694,7 +727,7 @@ void RunGraph(cudaStream_t stream, int32_t device, const ffi::RemainingArgs& ope
   for (size_t i = 0; i < scalar_uids.size(); ++i) {
     // cuDNN reads pass-by-value scalars from host memory when the plan is launched; the attribute
     // storage outlives the call.
-    given.push_back({scalar_uids[i], const_cast<float*>(&scalar_values[i])});
+    given.push_back({scalar_uids[i], const_cast<uint32_t*>(scalar_values.words + i)});
   }
   std::vector<void*> pointers = VariantPack(given, graph.variant_pack_uids);
 
@@ -707,7 +740,7 @@ void RunGraph(cudaStream_t stream, int32_t device, const ffi::RemainingArgs& ope
 ffi::Error ExecuteGraph(cudaStream_t stream, int32_t device, ffi::RemainingArgs operands,
                         ffi::RemainingRets results, std::string_view graph_key, std::string_view entry_path,
                         ffi::Span<const int64_t> uids, ffi::Span<const int64_t> scalar_uids,
-                        ffi::Span<const float> scalar_values, int64_t workspace_size) {
+                        HostScalars scalar_values, int64_t workspace_size) {
   const std::string key(graph_key);
   try {
     RunGraph(stream, device, operands, results, key, entry_path, uids, scalar_uids, scalar_values,
@@ -741,7 +774,7 @@ auto ExecuteBinding() {
       .Attr<std::string_view>("entry_path")
       .Attr<ffi::Span<const int64_t>>("uids")
       .Attr<ffi::Span<const int64_t>>("scalar_uids")
-      .Attr<ffi::Span<const float>>("scalar_values")
+      .Attr<HostScalars>("scalar_values")
       .Attr<int64_t>("workspace_size");
 }
 

@@ -30,7 +30,9 @@ attributes
                                                   the workspace, in the same order
     scalar_uids       np.ndarray[np.int64]        uids of the graph's pass-by-value scalars
                                                   (np.zeros(0, np.int64) when none)
-    scalar_values     np.ndarray[np.float32]      their values, same order and length
+    scalar_values     np.ndarray[np.float32]      their 4-byte host values, same order and length:
+                      or np.ndarray[np.int32]     float32 values, or int32 values / bit patterns
+                                                  (cuDNN reads each as its tensor's data type)
     workspace_size    np.int64                    bytes the workspace result was sized for
     ================  ==========================  ===============================================
 
