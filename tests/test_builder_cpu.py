@@ -203,6 +203,8 @@ def test_a_score_mod_turns_native_flags_into_a_typed_mod():
     out = options["score_mod"](callback_graph, FakeTensor("score"))
     ops = [op for op, _ in callback_graph.nodes]
     assert ops[:3] == ["div", "tanh", "mul"] and ops[-1] == "binary_select"
+    assert not [op for op in ops if op.startswith("logical_")]  # masks chain selects (see graphs.masks)
+    assert {dtype for _, _, dtype in lowering.pass_by_value} == {"float32"}
     assert out.attrs["op"] == "binary_select" and out.attrs["inputs"]["mask"].attrs["data_type"] == cudnn.data_type.BOOLEAN
     for _, kwargs in callback_graph.nodes:  # every intermediate is typed (cuDNN declines untyped backward graphs)
         assert kwargs["compute_data_type"] in (cudnn.data_type.FLOAT, cudnn.data_type.INT32, cudnn.data_type.BOOLEAN)
@@ -229,7 +231,7 @@ def test_chunk_and_mask_go_through_a_mod_even_without_a_score_mod():
     spec = make_spec(chunk_size=32, mask_shape=(2, 1, 128, 128))
     graph, lowering, _, options = lower_fake(spec, None, "backward")
     assert "score_mod" in options and "score_mod_bprop" in options
-    assert graph.tensors["mask"].attrs["data_type"] == cudnn.data_type.INT8
+    assert graph.tensors["mask"].attrs["data_type"] == cudnn.data_type.BOOLEAN
     assert not [role for role in lowering.operand_roles if role.startswith("array:")]
 
 
@@ -271,8 +273,9 @@ def emitted_ir(spec, ir, direction):
     plan = pass_by_value_plan(stages, direction)
     operands, _ = graph_io(spec, ir, direction)
     descs = describe(spec, ir, direction)
-    infos = {entry.role: TensorInfo("scalar", entry.dtype) for entry in plan}
-    infos.update({role: TensorInfo("array", INT if descs[role].dtype.startswith("int") else FLOAT, descs[role].dims)
+    infos = {entry.role: TensorInfo("scalar", FLOAT) for entry in plan}  # pass-by-value tensors are FLOAT
+    array_types = {"float32": FLOAT, "int32": INT, "bool": BOOL}
+    infos.update({role: TensorInfo("array", array_types[descs[role].dtype], descs[role].dims)
                   for role in operands if role.startswith(("array:", "seq_len", "mask"))})
     names = {FLOAT: "FLOAT", INT: "INT32", BOOL: "BOOLEAN"}
     emitters = {}
@@ -301,7 +304,7 @@ def operand_arrays(spec, inputs):
         "seq_len_kv": (full_kv if inputs.kv_lengths is None else inputs.kv_lengths).reshape(-1, 1, 1, 1),
     }
     if inputs.mask is not None:
-        arrays["mask"] = inputs.mask.astype(jnp.int32)
+        arrays["mask"] = inputs.mask
     return arrays
 
 
@@ -440,9 +443,9 @@ def test_support_declines_with_one_actionable_sentence(fake_gpu, tmp_path):
     assert answer.reason == "head dim 68 is not a multiple of 8"
     assert support.check_graphs(make_spec(dtype="float32"), None, True, cache).reason == (
         "cuDNN SDPA takes bfloat16 or float16 inputs, not float32")
-    generic = builder.GraphBuildError("backward", "No valid engine configs for SDPA_BWD. Details follow.", "9.19.0")
+    generic = builder.GraphBuildError("backward", "Tensor q has bad strides. Details follow.", "9.19.0")
     assert support.condense_reason(make_spec(), generic) == (
-        "cuDNN 9.19.0 declined the backward graph: No valid engine configs for SDPA_BWD.")
+        "cuDNN 9.19.0 declined the backward graph: Tensor q has bad strides.")
 
 
 def test_support_never_raises(fake_gpu, monkeypatch, tmp_path):

@@ -19,7 +19,7 @@ length, N/K query/kv heads, H/Hv head dims, M = spec.max_segments:
     stats                                          backward only, float32: (B,N,T) dense;
                                                    (B,T,N) packed (one value per token and head)
     bias  spec.bias_shape                          io dtype (cast a float32 bias first)
-    mask  spec.mask_shape                          int8, nonzero = attend
+    mask  spec.mask_shape                          bool (one byte), True = attend
     seq_len_q, seq_len_kv                          int32; dense padding: (B,), the valid lengths
                                                    (pass the full T or S for a side without lengths);
                                                    packed: (B*M,) = segment_metadata(...).seq_lens
@@ -36,7 +36,8 @@ length, N/K query/kv heads, H/Hv head dims, M = spec.max_segments:
 Results: forward o (B,T,N,Hv) + stats, inference o, backward dq, dk, dv (+ dbias with
 spec.bias_shape), shaped like their inputs. Rows cuDNN does not compute (padded queries,
 tokens between or after packed segments) are not written: zero them on the JAX side.
-Pass-by-value tensors (`CompiledGraph.pass_by_value`) are host values bound by UID.
+Pass-by-value tensors (`CompiledGraph.pass_by_value`) are float32 host values bound by UID
+(int scalars too).
 Packed (THD) graphs need H == Hv and take no bias, mask or per-position aux arrays.
 """
 from __future__ import annotations

@@ -26,8 +26,8 @@ class CompiledGraph:
     uids:           role -> cuDNN tensor UID, for operands, results and pass-by-value tensors
     pass_by_value:  (uid, source, dtype) of each [1,1,1,1] host-bound tensor: source is
                     ("scalar", name), bound from score_mod_tensors at run time, or
-                    ("const", value), a literal of the mod; dtype "float32" or "int32"
-                    is how the executor must encode the value
+                    ("const", value), a literal of the mod; dtype ("float32") is how the
+                    executor must encode the value
     direction:      "forward", "inference" or "backward"
     versions:       {"cudnn", "frontend", "gpu"} the plan was built for
     build_time_s:   seconds the build took

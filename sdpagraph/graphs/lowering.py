@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sdpagraph.graphs.ir import FLOAT, INT, ScoreModIR
+from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.masks import mask_ir, needs_mod
 from sdpagraph.graphs.mod_lowering import (
     ModEmitter,
@@ -29,7 +29,7 @@ from sdpagraph.graphs.operands import ARRAY_PREFIX, TensorDesc, array_desc, desc
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
 
 IO_TYPES = {"bfloat16": "BFLOAT16", "float16": "HALF"}
-HOST_TYPES = {FLOAT: "float32", INT: "int32"}  # how pass-by-value values are encoded
+PASS_BY_VALUE_TYPE = "float32"  # every pass-by-value tensor (see graphs.mod_lowering)
 SCALAR_DIMS = [1, 1, 1, 1]
 
 
@@ -61,7 +61,6 @@ def lower(graph: Any, spec: AttentionSpec, ir: ScoreModIR | None, direction: str
     plan = pass_by_value_plan(stages, direction)
     uids = uid_map(operands + results + tuple(entry.role for entry in plan))
     types = _storage_types(spec, cudnn)
-    scalar_types = cudnn_type_map(cudnn)
 
     tensors: dict[str, Any] = {}
     for role in sorted(operands, key=lambda r: not r.startswith("ragged_offset_")):  # offsets first: q, k, v use them
@@ -71,9 +70,9 @@ def lower(graph: Any, spec: AttentionSpec, ir: ScoreModIR | None, direction: str
                                      ragged_offset=tensors[desc.ragged_offset] if desc.ragged_offset else None)
     for entry in plan:
         tensors[entry.role] = graph.tensor(name=entry.role, dim=SCALAR_DIMS, stride=SCALAR_DIMS,
-                                           data_type=scalar_types[entry.dtype], is_pass_by_value=True,
+                                           data_type=cudnn.data_type.FLOAT, is_pass_by_value=True,
                                            uid=uids[entry.role])
-    emitter = ModEmitter(stages, plan, tensors, scalar_types) if stages else None
+    emitter = ModEmitter(stages, plan, tensors, cudnn_type_map(cudnn)) if stages else None
     options = _sdpa_options(spec, tensors, emitter, direction, cudnn)
 
     if direction == "backward":
@@ -90,7 +89,7 @@ def lower(graph: Any, spec: AttentionSpec, ir: ScoreModIR | None, direction: str
     for role in results:
         _mark_output(outputs[role], descs[role], uids[role], types, tensors)
 
-    pass_by_value = tuple((uids[entry.role], entry.source, HOST_TYPES[entry.dtype]) for entry in plan)
+    pass_by_value = tuple((uids[entry.role], entry.source, PASS_BY_VALUE_TYPE) for entry in plan)
     return Lowering(operands, results, uids, pass_by_value)
 
 
@@ -169,7 +168,7 @@ def _io_type(spec: AttentionSpec, cudnn: Any) -> Any:
 def _storage_types(spec: AttentionSpec, cudnn: Any) -> dict[str, Any]:
     data_type = cudnn.data_type
     return {"io": _io_type(spec, cudnn), "float32": data_type.FLOAT, "int32": data_type.INT32,
-            "int8": data_type.INT8}
+            "bool": data_type.BOOLEAN}
 
 
 def _check_lowerable(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> None:

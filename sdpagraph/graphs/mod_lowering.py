@@ -9,6 +9,10 @@ intermediates are untyped (measured on cuDNN 9.19, see DESIGN.md).
 Leaves are graph tensors created on the outer pygraph before `sdpa` is called (cuDNN
 calls the callbacks later, while it lowers the graph): scalars and literals become
 [1,1,1,1] pass-by-value tensors, aux arrays are the graph's input operands.
+Pass-by-value tensors are always FLOAT, also for int scalars and literals (exact below
+2**24; ops convert to their compute type): FLOAT pass-by-value tensors are what the
+measured score_mod graphs used, and on cuDNN 9.19 (H100) every mod with an INT32 one
+found no engine.
 
 The bprop may use forward tensors (softcap's bprop reads the pre-tanh value), so the
 node -> tensor map of each stage lives on the `ModEmitter` of one graph, shared by its
@@ -39,10 +43,9 @@ class ModStage:
 
 @dataclass(frozen=True)
 class PassByValue:
-    """A [1,1,1,1] host-bound tensor: ("scalar", name) bound at run time, or ("const", value) baked."""
+    """A [1,1,1,1] FLOAT host-bound tensor: ("scalar", name) bound at run time, or ("const", value) baked."""
 
     role: str
-    dtype: str
     source: tuple[str, Any]
 
 
@@ -54,7 +57,7 @@ def live_nodes(ir: ScoreModIR, direction: str) -> set[int]:
 def pass_by_value_plan(stages: list[ModStage], direction: str) -> list[PassByValue]:
     """Every pass-by-value tensor the stages read, in a deterministic order.
 
-    Scalars keep their names; equal literals (same type and value) share one tensor.
+    Scalars keep their names; equal literals (as floats) share one tensor.
     """
     plan: list[PassByValue] = []
     roles: set[str] = set()
@@ -63,15 +66,15 @@ def pass_by_value_plan(stages: list[ModStage], direction: str) -> list[PassByVal
             node = stage.ir.nodes[index]
             if node.op == "scalar":
                 name = stage.ir.scalar_names[node.attr("slot")]
-                entry = PassByValue(SCALAR_PREFIX + name, node.dtype, ("scalar", name))
+                entry = PassByValue(SCALAR_PREFIX + name, ("scalar", name))
             elif node.op == "const":
                 if node.dtype == BOOL:
                     raise Unsupported("boolean literals in a score_mod are not supported on cuDNN; "
-                                         "write a comparison instead")
+                                      "write a comparison instead")
                 if _literal_role(plan, node) is not None:
                     continue
                 literals = sum(p.source[0] == "const" for p in plan)
-                entry = PassByValue(f"{CONST_PREFIX}{literals}", node.dtype, ("const", node.attr("value")))
+                entry = PassByValue(f"{CONST_PREFIX}{literals}", ("const", float(node.attr("value"))))
             else:
                 continue
             if entry.role not in roles:
@@ -83,7 +86,7 @@ def pass_by_value_plan(stages: list[ModStage], direction: str) -> list[PassByVal
 def _literal_role(plan: list[PassByValue], node) -> str | None:
     """The plan's tensor for a literal node (repr tells -0.0 from 0.0 and matches NaN)."""
     for entry in plan:
-        if entry.source[0] == "const" and entry.dtype == node.dtype and repr(entry.source[1]) == repr(node.attr("value")):
+        if entry.source[0] == "const" and repr(entry.source[1]) == repr(float(node.attr("value"))):
             return entry.role
     return None
 

@@ -20,20 +20,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sdpagraph.cache.keys import DIRECTIONS
-from sdpagraph.graphs.ir import FLOAT, ScoreModIR
+from sdpagraph.graphs.ir import BOOL, FLOAT, INT, ScoreModIR
 from sdpagraph.spec import AttentionSpec
 
 ARRAY_PREFIX = "array:"
 SCALAR_PREFIX = "scalar:"
 CONST_PREFIX = "const:"
 BACKWARD_INPUTS = ("o", "dO", "stats")
+ARRAY_TYPES = {FLOAT: "float32", INT: "int32", BOOL: "bool"}  # IR array dtype -> storage
 
 
 @dataclass(frozen=True)
 class TensorDesc:
     """How cuDNN sees one buffer: logical dims and element strides, storage type, ragged offsets.
 
-    `dtype` is "io" (the spec's bfloat16/float16), "float32", "int32" or "int8".
+    `dtype` is "io" (the spec's bfloat16/float16), "float32", "int32" or "bool" (one byte).
     `ragged_offset` names the role holding this tensor's per-sequence start offsets (THD).
     """
 
@@ -124,7 +125,7 @@ def _describe_role(spec: AttentionSpec, ir: ScoreModIR | None, role: str) -> Ten
     if role in ("bias", "dbias"):
         return _row_major(spec.bias_shape, "io")
     if role == "mask":
-        return _row_major(spec.mask_shape, "int8")
+        return _row_major(spec.mask_shape, "bool")
     if role in ("seq_len_q", "seq_len_kv"):
         return _row_major((b, 1, 1, 1), "int32")
     if role.startswith("ragged_offset_"):
@@ -135,12 +136,12 @@ def _describe_role(spec: AttentionSpec, ir: ScoreModIR | None, role: str) -> Ten
 
 
 def array_desc(ir: ScoreModIR | None, name: str) -> TensorDesc:
-    """A score_mod aux array: its 4-D broadcast shape, row-major, float32 or int32."""
+    """A score_mod aux array: its 4-D broadcast shape, row-major, float32, int32 or bool."""
     if ir is None or name not in ir.array_names:
         raise ValueError(f"score_mod has no array {name!r}")
     slot = ir.array_names.index(name)
     node = next(n for _, n in ir.slots("array") if n.attr("slot") == slot)
-    return _row_major(tuple(node.attr("shape")), "float32" if node.dtype == FLOAT else "int32")
+    return _row_major(tuple(node.attr("shape")), ARRAY_TYPES[node.dtype])
 
 
 def _row_major(shape: tuple[int, ...], dtype: str) -> TensorDesc:

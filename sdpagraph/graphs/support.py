@@ -124,4 +124,6 @@ _KNOWN_DECLINES = (
     (r"Bottom right causal mask is only supported with is_bias=False",
      lambda spec, error: f"cuDNN {error.cudnn_version} cannot combine a bottom-right causal mask with a bias"),
     (r"only Python \(CuTeDSL\) engines", lambda spec, error: error.message.split(" (")[0]),
+    (r"No valid engine configs",
+     lambda spec, error: f"cuDNN {error.cudnn_version} has no engine for the {error.direction} graph of this config"),
 )

@@ -36,16 +36,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
+def _output_path(stem, suffix):
+    """A file under $OUT, one per pytest-xdist worker; None without $OUT."""
+    if not os.environ.get("OUT"):
+        return None
+    return os.path.join(os.environ["OUT"], f"{stem}-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}{suffix}")
+
+
 @pytest.fixture(scope="session")
-def build_times():
-    """Rows (graph kind, direction, seconds, blob bytes, workspace bytes); printed and saved under $OUT at the end."""
+def report():
+    """report(line): print it and keep it under $OUT (xdist workers' stdout is not shown)."""
+    path = _output_path("report", ".txt")
+
+    def write(line):
+        print(line)
+        if path:
+            with open(path, "a") as out:
+                out.write(line + "\n")
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def build_times(report):
+    """Rows (graph kind, direction, seconds, blob bytes, workspace bytes); reported and saved at the end."""
     rows = []
     yield rows
-    if not rows:
-        return
-    print("\nbuild times:")
     for kind, direction, seconds, size, workspace in rows:
-        print(f"  {kind:<28} {direction:<10} {seconds * 1e3:8.0f} ms  {size / 1024:6.1f} KiB  ws {workspace}")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "build_times.json"), "w") as out:
+        report(f"build {kind:<28} {direction:<10} {seconds * 1e3:8.0f} ms  {size / 1024:6.1f} KiB  ws {workspace}")
+    path = _output_path("build_times", ".json")
+    if rows and path:
+        with open(path, "w") as out:
             json.dump(rows, out, indent=1)

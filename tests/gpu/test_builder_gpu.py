@@ -10,6 +10,9 @@ compares output, softmax stats and dq/dk/dv(/dbias) with the XLA backend's forwa
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,15 +28,18 @@ import jax.numpy as jnp  # noqa: E402
 from sdpagraph import mods  # noqa: E402
 from sdpagraph.cache import GraphCache  # noqa: E402
 from sdpagraph.graphs import builder, support  # noqa: E402
+from sdpagraph.graphs.ir import BOOL, FLOAT, INT, TensorInfo, trace_score_mod  # noqa: E402
 from sdpagraph.graphs.lowering import lower, new_graph  # noqa: E402
 from sdpagraph.jax_api.attention import prepare_call  # noqa: E402
 from sdpagraph.jax_api.segments import segment_metadata  # noqa: E402
 from sdpagraph.jax_api.xla import _layout, allowed_mask, xla_attention  # noqa: E402
+from sdpagraph.spec import AttentionSpec  # noqa: E402
 
 FORWARD_TOLERANCE = 1e-2  # relative L2 error, bf16/fp16 inputs, fp32 accumulation on both sides
 BACKWARD_TOLERANCE = 2e-2
 TORCH_TYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 HEURISTICS = [cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK]
+HERE = os.path.dirname(os.path.abspath(__file__))
 blob_failures: list[str] = []  # serialized graphs that did not execute (the tests then run a rebuilt graph)
 
 
@@ -150,7 +156,7 @@ def operand_buffers(case: Case, inputs: dict, roles) -> dict[str, "torch.Tensor"
     io = TORCH_TYPES[case.dtype]
     buffers = {name: to_torch(host[name], io) for name in ("q", "k", "v", "bias") if name in host}
     if "mask" in host:
-        buffers["mask"] = to_torch(host["mask"], torch.int8)
+        buffers["mask"] = to_torch(host["mask"], torch.bool)
     if spec.segments:
         buffers.update(packed_metadata(spec, call.inputs.q_segment_ids, call.inputs.kv_segment_ids))
     elif spec.has_padding:
@@ -211,6 +217,7 @@ def execute(compiled, spec, ir, buffers: dict, scalars: dict, handle) -> dict[st
         graph.execute(pack, workspace, handle=handle)
     except Exception as error:  # noqa: BLE001 - recorded; test_serialized_graphs_execute reports it
         blob_failures.append(f"{spec.summary()} {compiled.direction}: {type(error).__name__}: {error}")
+        print(f"serialized graph did not execute ({blob_failures[-1]}); running a rebuilt graph")
         graph = rebuilt_graph(spec, ir, compiled.direction)
         graph.execute(pack, workspace, handle=handle)
     torch.cuda.synchronize()
@@ -249,62 +256,157 @@ def host(tensor) -> np.ndarray:
     return tensor.float().cpu().numpy()
 
 
-# ----------------------------------------------------------------------------- tests
+# ----------------------------------------------------------------------------- score_mod op support
 
-@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
-def test_forward_and_backward_match_xla(case, cache, handle, build_times):
-    inputs = make_inputs(case)
-    call = inputs["call"]
-    spec, ir = call.spec, call.score_mod
-    answer = support.check_graphs(spec, ir, True, cache)
-    print(f"[{case.name}] {spec.summary()}: supported={answer.supported} ({answer.reason})")
-    if not answer.supported:
-        if case.may_decline:
-            pytest.skip(f"cuDNN declines: {answer.reason}")
-        pytest.fail(f"not supported: {answer.reason}")
-    builds = cache.stats()["builds"]
-    forward = builder.build(spec, ir, "forward", cache)
-    backward = builder.build(spec, ir, "backward", cache)
-    assert cache.stats()["builds"] == builds, "the support query's graphs were rebuilt"
-    for compiled in (forward, backward):
-        build_times.append((case.name, compiled.direction, compiled.build_time_s, len(compiled.blob),
-                            compiled.workspace_size))
+def _positions(graph, score):
+    return graph.gen_index(input=score, axis=2), graph.gen_index(input=score, axis=3)
 
-    buffers = operand_buffers(case, inputs, forward.operand_roles)
-    scalars = call.inputs.mod_scalars or {}
-    out = execute(forward, spec, ir, buffers, scalars, handle)
-    buffers.update(o=out["o"], stats=out["stats"], dO=to_torch(inputs["host"]["dO"], TORCH_TYPES[case.dtype]))
-    grads = execute(backward, spec, ir, buffers, scalars, handle)
 
-    expected_out, expected_lse, expected_grads = reference(inputs)
-    layout = _layout(spec, call.inputs)
-    allowed = np.asarray(allowed_mask(spec, call.inputs, layout))
-    has_key = np.broadcast_to(allowed.any(-1), (spec.batch, spec.num_heads, spec.q_len))  # (B, N, T)
-    rows = np.transpose(has_key, (0, 2, 1))[..., None]  # (B, T, N, 1): query rows with a visible key
-    unreachable = np.asarray(layout.q_valid)[:, :, None, None] & ~rows  # valid rows that see no key: must be 0
-    kv_rows = np.asarray(layout.kv_valid)[:, :, None, None]
-    stats = host(out["stats"])
-    stats = np.transpose(stats, (0, 2, 1)) if spec.segments else stats
+def _masked(graph, score, keep):
+    return graph.binary_select(input0=score, input1=float("-inf"), mask=keep)
 
-    errors = {
-        "o": rel_err(host(out["o"]), expected_out, rows),
-        "stats": rel_err(stats, expected_lse, has_key),
-        "dq": rel_err(host(grads["dq"]), expected_grads["dq"], rows),
-        "dk": rel_err(host(grads["dk"]), expected_grads["dk"], kv_rows),
-        "dv": rel_err(host(grads["dv"]), expected_grads["dv"], kv_rows),
-    }
-    if "dbias" in grads:
-        errors["dbias"] = rel_err(host(grads["dbias"]), expected_grads["dbias"])
-    unreachable_max = max(float(np.abs(host(out["o"])[np.broadcast_to(unreachable, out["o"].shape)]).max(initial=0)),
-                          float(np.abs(host(grads["dq"])[np.broadcast_to(unreachable, grads["dq"].shape)]).max(initial=0)))
-    print(f"[{case.name}] rel err " + " ".join(f"{k} {v:.2e}" for k, v in errors.items())
-          + f" | fully masked rows: {int(unreachable.sum())}, max |o|,|dq| there {unreachable_max:.2e}"
-          + f" | build {forward.build_time_s * 1e3:.0f}/{backward.build_time_s * 1e3:.0f} ms")
-    for name, error in errors.items():
-        tolerance = FORWARD_TOLERANCE if name in ("o", "stats") else BACKWARD_TOLERANCE
-        assert error < tolerance, f"{name}: relative error {error:.3e} >= {tolerance}"
-    assert unreachable_max == 0.0, "rows with no visible key must give 0 output and 0 dq"
 
+def _probe_literal_cmp(g, s, t):
+    q, k = _positions(g, s)
+    return _masked(g, s, g.cmp_lt(input=k, comparison=64))
+
+
+def _probe_chained_selects(g, s, t):
+    q, k = _positions(g, s)
+    return _masked(g, _masked(g, s, g.cmp_le(input=k, comparison=q)), g.cmp_ge(input=k, comparison=q - 8.0))
+
+
+def _probe_logical_and(g, s, t):
+    q, k = _positions(g, s)
+    return _masked(g, s, g.logical_and(a=g.cmp_le(input=k, comparison=q), b=g.cmp_ge(input=k, comparison=q - 8.0)))
+
+
+def _probe_logical_or(g, s, t):
+    q, k = _positions(g, s)
+    return _masked(g, s, g.logical_or(a=g.cmp_le(input=k, comparison=q), b=g.cmp_lt(input=k, comparison=16)))
+
+
+def _probe_logical_not(g, s, t):
+    q, k = _positions(g, s)
+    return _masked(g, s, g.logical_not(input=g.cmp_gt(input=k, comparison=q)))
+
+
+def _probe_min_max_int(g, s, t):
+    q, k = _positions(g, s)
+    clipped = g.max(input0=g.min(input0=g.sub(a=k, b=q), input1=4), input1=-4)
+    return g.add(a=s, b=g.mul(a=clipped, b=0.1))
+
+
+def _probe_max_float(g, s, t):
+    return g.max(input0=s, input1=-1.0)
+
+
+def _probe_cmp_eq_int(g, s, t):
+    q, k = _positions(g, s)
+    return _masked(g, s, g.cmp_eq(input=g.sub(a=k, b=q), comparison=0))
+
+
+def _probe_floor_div_cmp_eq(g, s, t):
+    q, k = _positions(g, s)
+    same = g.cmp_eq(input=g.floor(input=g.div(a=q, b=32.0)), comparison=g.floor(input=g.div(a=k, b=32.0)))
+    return _masked(g, s, same)
+
+
+def _probe_mod_int(g, s, t):
+    q, k = _positions(g, s)
+    return _masked(g, s, g.cmp_eq(input=g.mod(input0=k, input1=2), comparison=0))
+
+
+def _probe_select_arrays(g, s, t):
+    q, k = _positions(g, s)
+    return g.add(a=s, b=g.binary_select(input0=t["a"], input1=t["b"], mask=g.cmp_ge(input=k, comparison=q)))
+
+
+def _probe_int_array_cmp(g, s, t):
+    q, k = _positions(g, s)
+    return _masked(g, s, g.cmp_lt(input=k, comparison=t["length"]))
+
+
+def _probe_bool_array(g, s, t):
+    return _masked(g, s, t["mask"])
+
+
+def _probe_abs_int(g, s, t):
+    q, k = _positions(g, s)
+    return g.add(a=s, b=g.mul(a=g.abs(input=g.sub(a=k, b=q)), b=-0.01))
+
+
+def _probe_int_scalar(g, s, t):
+    q, k = _positions(g, s)
+    return _masked(g, s, g.cmp_lt(input=k, comparison=t["n"]))
+
+
+PER_HEAD = TensorInfo("array", FLOAT, (1, 8, 1, 1))
+OP_PROBES = {  # name -> (score_mod, tensors); each is built forward and backward on B1 T128 S128 N8 H64
+    "literal_cmp": (_probe_literal_cmp, {}),
+    "chained_selects": (_probe_chained_selects, {}),
+    "logical_and": (_probe_logical_and, {}),
+    "logical_or": (_probe_logical_or, {}),
+    "logical_not": (_probe_logical_not, {}),
+    "min_max_int": (_probe_min_max_int, {}),
+    "max_float": (_probe_max_float, {}),
+    "cmp_eq_int": (_probe_cmp_eq_int, {}),
+    "floor_div_cmp_eq": (_probe_floor_div_cmp_eq, {}),
+    "mod_int": (_probe_mod_int, {}),
+    "select_arrays": (_probe_select_arrays, {"a": PER_HEAD, "b": PER_HEAD}),
+    "int_array_cmp": (_probe_int_array_cmp, {"length": TensorInfo("array", INT, (1, 1, 1, 1))}),
+    "bool_array": (_probe_bool_array, {"mask": TensorInfo("array", BOOL, (1, 1, 128, 128))}),
+    "abs_int": (_probe_abs_int, {}),
+    "int_scalar": (_probe_int_scalar, {"n": TensorInfo("scalar", INT)}),
+}
+# What sdpagraph's own mask lowering (graphs.masks) emits: these must build.
+MASK_LOWERING_PROBES = ("literal_cmp", "chained_selects", "floor_div_cmp_eq", "int_array_cmp", "bool_array")
+
+
+def run_op_probes(names):
+    """Entry point of the probe subprocess: one line per probe and direction."""
+    env = builder.build_environment()
+    spec = AttentionSpec(batch=1, q_len=128, kv_len=128, num_heads=8, num_kv_heads=8, head_dim=64, head_dim_v=64,
+                         dtype="bfloat16", scale=0.125)
+    for name in names:
+        fn, tensors = OP_PROBES[name]
+        ir = trace_score_mod(fn, tensors)
+        outcome = []
+        for direction in ("forward", "backward"):
+            print(f"PROBE-START {name} {direction}", flush=True)
+            try:
+                builder.compile_graph(spec, ir, direction, env)
+                outcome.append(f"{direction} builds")
+            except Exception as error:  # noqa: BLE001 - the outcome is the finding
+                outcome.append(f"{direction} declined ({' '.join(str(error).split())[-160:]})")
+        print(f"PROBE {name}: {'; '.join(outcome)}", flush=True)
+
+
+def test_score_mod_op_support(report):
+    """Which pointwise ops cuDNN's score_mod fusion takes, each in its own process (a decline may crash)."""
+    pending, outcomes = list(OP_PROBES), {}
+    script = f"import sys; sys.path.insert(0, {HERE!r}); import test_builder_gpu as t; t.run_op_probes(sys.argv[1:])"
+    while pending:
+        done = subprocess.run([sys.executable, "-c", script, *pending], capture_output=True, text=True, timeout=300)
+        started = None
+        for line in done.stdout.splitlines():
+            if line.startswith("PROBE-START "):
+                started = line.split()[1]
+            elif line.startswith("PROBE "):
+                name, outcome = line[len("PROBE "):].split(": ", 1)
+                outcomes[name] = outcome
+        if started is not None and started not in outcomes:
+            outcomes[started] = f"crashed the process (exit {done.returncode}): {done.stderr.strip()[-200:]}"
+        if started is None:
+            pytest.fail(f"probe process failed before probing: {done.stderr[-2000:]}")
+        pending = [name for name in pending if name not in outcomes]
+    for name, outcome in outcomes.items():
+        report(f"[op probe] {name:<18} {outcome}")
+    broken = [name for name in MASK_LOWERING_PROBES if outcomes[name] != "forward builds; backward builds"]
+    assert not broken, f"ops of sdpagraph's mask lowering do not build: {broken}"
+
+
+# ----------------------------------------------------------------------------- tests (the grid last: it takes longest)
 
 def test_inference_graph_matches_training_forward(cache, handle, build_times):
     case = Case("inference_causal", 2, 512, 512, 8, 2, 128, options=dict(is_causal=True, score_mod=mods.softcap(30.0)))
@@ -357,11 +459,66 @@ def test_serialized_graphs_execute_and_reload_from_disk(cache, handle):
 
 
 @pytest.mark.parametrize("head_dim, expect", [(68, "multiple of 8"), (72, None), (512, None)])
-def test_unsupported_configs_answer_with_a_reason(cache, head_dim, expect):
+def test_unsupported_configs_answer_with_a_reason(cache, head_dim, expect, report):
     call = make_inputs(Case(f"h{head_dim}", 1, 128, 128, 8, 8, head_dim))["call"]
     answer = support.check_graphs(call.spec, None, True, cache)
-    print(f"[head dim {head_dim}] supported={answer.supported} backend={answer.backend} reason: {answer.reason}")
+    report(f"[head dim {head_dim}] supported={answer.supported} backend={answer.backend} reason: {answer.reason}")
     if expect is not None:
         assert not answer.supported and answer.backend == "xla" and expect in answer.reason
     float32 = make_inputs(dataclasses.replace(Case("f32", 1, 128, 128, 8, 8, 64), dtype="float32"))["call"]
     assert "bfloat16 or float16" in support.check_graphs(float32.spec, None, True, cache).reason
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_forward_and_backward_match_xla(case, cache, handle, build_times, report):
+    inputs = make_inputs(case)
+    call = inputs["call"]
+    spec, ir = call.spec, call.score_mod
+    answer = support.check_graphs(spec, ir, True, cache)
+    report(f"[{case.name}] {spec.summary()}: supported={answer.supported} ({answer.reason})")
+    if not answer.supported:
+        if case.may_decline:
+            pytest.skip(f"cuDNN declines: {answer.reason}")
+        pytest.fail(f"not supported: {answer.reason}")
+    builds = cache.stats()["builds"]
+    forward = builder.build(spec, ir, "forward", cache)
+    backward = builder.build(spec, ir, "backward", cache)
+    assert cache.stats()["builds"] == builds, "the support query's graphs were rebuilt"
+    for compiled in (forward, backward):
+        build_times.append((case.name, compiled.direction, compiled.build_time_s, len(compiled.blob),
+                            compiled.workspace_size))
+
+    buffers = operand_buffers(case, inputs, forward.operand_roles)
+    scalars = call.inputs.mod_scalars or {}
+    out = execute(forward, spec, ir, buffers, scalars, handle)
+    buffers.update(o=out["o"], stats=out["stats"], dO=to_torch(inputs["host"]["dO"], TORCH_TYPES[case.dtype]))
+    grads = execute(backward, spec, ir, buffers, scalars, handle)
+
+    expected_out, expected_lse, expected_grads = reference(inputs)
+    layout = _layout(spec, call.inputs)
+    allowed = np.asarray(allowed_mask(spec, call.inputs, layout))
+    has_key = np.broadcast_to(allowed.any(-1), (spec.batch, spec.num_heads, spec.q_len))  # (B, N, T)
+    rows = np.transpose(has_key, (0, 2, 1))[..., None]  # (B, T, N, 1): query rows with a visible key
+    unreachable = np.asarray(layout.q_valid)[:, :, None, None] & ~rows  # valid rows that see no key: must be 0
+    kv_rows = np.asarray(layout.kv_valid)[:, :, None, None]
+    stats = host(out["stats"])
+    stats = np.transpose(stats, (0, 2, 1)) if spec.segments else stats
+
+    errors = {
+        "o": rel_err(host(out["o"]), expected_out, rows),
+        "stats": rel_err(stats, expected_lse, has_key),
+        "dq": rel_err(host(grads["dq"]), expected_grads["dq"], rows),
+        "dk": rel_err(host(grads["dk"]), expected_grads["dk"], kv_rows),
+        "dv": rel_err(host(grads["dv"]), expected_grads["dv"], kv_rows),
+    }
+    if "dbias" in grads:
+        errors["dbias"] = rel_err(host(grads["dbias"]), expected_grads["dbias"])
+    unreachable_max = max(float(np.abs(host(out["o"])[np.broadcast_to(unreachable, out["o"].shape)]).max(initial=0)),
+                          float(np.abs(host(grads["dq"])[np.broadcast_to(unreachable, grads["dq"].shape)]).max(initial=0)))
+    report(f"[{case.name}] rel err " + " ".join(f"{k} {v:.2e}" for k, v in errors.items())
+          + f" | fully masked rows: {int(unreachable.sum())}, max |o|,|dq| there {unreachable_max:.2e}"
+          + f" | build {forward.build_time_s * 1e3:.0f}/{backward.build_time_s * 1e3:.0f} ms")
+    for name, error in errors.items():
+        tolerance = FORWARD_TOLERANCE if name in ("o", "stats") else BACKWARD_TOLERANCE
+        assert error < tolerance, f"{name}: relative error {error:.3e} >= {tolerance}"
+    assert unreachable_max == 0.0, "rows with no visible key must give 0 output and 0 dq"
