@@ -1,0 +1,219 @@
+"""sdpagraph.attention on cuDNN through the FFI executor, against the XLA backend on the same GPU.
+
+Skipped without a GPU (conftest.py). Covers the JAX path end to end: jit, grad (query,
+key, value, bias), the inference graph, zero rebuilds after check_support, 16 threads,
+a fresh process restored from JAX's persistent compilation cache, command buffers, and
+the HLO bytes one call site adds.
+"""
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import sdpagraph
+from sdpagraph import ffi, mods
+from sdpagraph.cache import GraphCache, set_default_cache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_cache(tmp_path_factory):
+    cache = GraphCache(str(tmp_path_factory.mktemp("graphs")))
+    set_default_cache(cache)
+    yield cache
+    set_default_cache(None)
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def random_ids(rng, B, T, max_segments):
+    ids = np.zeros((B, T), np.int32)
+    for b in range(B):
+        cuts = np.sort(rng.choice(np.arange(1, T - 8), max_segments - 1, replace=False))
+        bounds = [0, *cuts, T - int(rng.integers(0, 8))]
+        for m in range(max_segments):
+            ids[b, bounds[m]:bounds[m + 1]] = m + 1
+    return jnp.asarray(ids)
+
+
+def case_kwargs(name, rng, B, T, S, N):
+    slopes = rng.random(N).astype(np.float32) * 0.2
+    table = rng.standard_normal((N, 9)).astype(np.float32)
+    return {
+        "plain": dict(),
+        "causal": dict(is_causal=True),
+        "bottom_right": dict(is_causal=True, causal_alignment="bottom_right"),
+        "window_left": dict(local_window_size=(64, 0)),
+        "window_two_sided": dict(local_window_size=(32, 32)),
+        "padding": dict(is_causal=True, query_seq_lengths=jnp.asarray(rng.integers(T // 2, T + 1, B), jnp.int32),
+                        key_value_seq_lengths=jnp.asarray(rng.integers(S // 2, S + 1, B), jnp.int32)),
+        "segments": dict(is_causal=True, segment_ids=random_ids(rng, B, T, 3), max_segments_per_seq=3),
+        "chunk": dict(is_causal=True, chunk_size=128),
+        "softcap_causal": dict(is_causal=True, score_mod=mods.softcap(30.0)),
+        "alibi": dict(score_mod=mods.compose(mods.alibi(slopes), mods.causal())),
+        "relative_bias": dict(score_mod=mods.relative_position_bias(table, 4)),
+        "prefix_lm": dict(score_mod=mods.prefix_lm(100)),
+    }[name]
+
+
+CASES = ["plain", "causal", "bottom_right", "window_left", "window_two_sided", "padding", "segments", "chunk",
+         "softcap_causal", "alibi", "relative_bias", "prefix_lm"]
+# Every case in bf16 with 8/8 heads; head layouts and fp16 where they change the graph most.
+GRID = ([(name, (8, 8), "bfloat16") for name in CASES]
+        + [(name, heads, "bfloat16") for name in ("causal", "padding", "softcap_causal") for heads in ((8, 2), (8, 1))]
+        + [(name, (8, 2), "float16") for name in ("causal", "softcap_causal")])
+
+
+@pytest.mark.parametrize("name,heads,dtype", GRID, ids=[f"{n}-{h[0]}/{h[1]}-{d}" for n, h, d in GRID])
+def test_cudnn_matches_xla_forward_and_grads(name, heads, dtype, report):
+    rng = np.random.default_rng()
+    B, T, S, H = 3, 384, 512 if name == "bottom_right" else 384, 128
+    N, K = heads
+    q, k, v, do = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in
+                   ((B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H)))
+    kwargs = case_kwargs(name, rng, B, T, S, N)
+    support = sdpagraph.check_support(q, k, v, **kwargs)
+    if not support.supported:
+        report(f"unsupported {name} {heads} {dtype}: {support.reason}")
+        pytest.xfail(support.reason)
+
+    def loss(impl, q, k, v):
+        out = sdpagraph.attention(q, k, v, implementation=impl, **kwargs)
+        return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
+
+    grad = lambda impl: jax.jit(jax.value_and_grad(functools.partial(loss, impl), argnums=(0, 1, 2), has_aux=True))
+    (_, out), grads = grad("cudnn")(q, k, v)
+    (_, out_ref), grads_ref = grad("xla")(q, k, v)
+    errors = [rel_err(out, out_ref)] + [rel_err(a, b) for a, b in zip(grads, grads_ref)]
+    report(f"{name:<18} {heads} {dtype}: rel err out {errors[0]:.1e} dq {errors[1]:.1e} dk {errors[2]:.1e} dv {errors[3]:.1e}")
+    assert all(np.isfinite(errors)) and max(errors) < 2e-2, errors
+
+
+def test_bias_gradient_and_inference_graph():
+    rng = np.random.default_rng()
+    B, T, N, H = 2, 256, 8, 64
+    q, k, v = (jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.bfloat16) for _ in range(3))
+    bias = jnp.asarray(rng.standard_normal((1, N, T, T)), jnp.bfloat16)
+
+    def loss(impl, q, bias):
+        return jnp.sum(sdpagraph.attention(q, k, v, bias, implementation=impl).astype(jnp.float32) ** 2)
+
+    ours = jax.jit(jax.grad(functools.partial(loss, "cudnn"), argnums=(0, 1)))(q, bias)
+    ref = jax.jit(jax.grad(functools.partial(loss, "xla"), argnums=(0, 1)))(q, bias)
+    assert rel_err(ours[0], ref[0]) < 2e-2 and rel_err(ours[1], ref[1]) < 2e-2
+    serve = sdpagraph.attention(q, k, v, bias, implementation="cudnn", training=False)
+    assert rel_err(serve, sdpagraph.attention(q, k, v, bias, implementation="xla")) < 2e-2
+
+
+def test_check_support_then_attention_builds_nothing_more(private_cache):
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 640, 4, 64)), jnp.bfloat16) for _ in range(3))
+    kwargs = dict(is_causal=True, score_mod=mods.softcap(17.0), local_window_size=(96, 0))
+    assert sdpagraph.check_support(q, k, v, **kwargs).supported
+    builds = private_cache.stats()["builds"]
+    jax.block_until_ready(jax.jit(jax.grad(lambda q: jnp.sum(sdpagraph.attention(q, k, v, **kwargs).astype(jnp.float32))))(q))
+    assert private_cache.stats()["builds"] == builds
+
+
+def test_sixteen_threads_share_one_deserialized_graph():
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 256, 4, 64)), jnp.bfloat16) for _ in range(3))
+    f = jax.jit(lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=True, score_mod=mods.softcap(9.0),
+                                                    implementation="cudnn"))
+    expected = np.asarray(f(q, k, v))
+    before = ffi.deserialize_count()
+    results, errors = [], []
+
+    def worker():
+        try:
+            for _ in range(10):
+                results.append(np.asarray(f(q, k, v)))
+        except Exception as error:  # collected and asserted below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 160
+    assert all(np.array_equal(r, expected) for r in results)
+    assert ffi.deserialize_count() == before
+
+
+def test_unsupported_config_falls_back_with_a_reason(caplog):
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 128, 2, 68)), jnp.bfloat16) for _ in range(3))
+    support = sdpagraph.check_support(q, k, v)
+    assert not support.supported and support.backend == "xla" and "68" in support.reason
+    caplog.set_level("INFO", logger="sdpagraph")
+    out = sdpagraph.attention(q, k, v)
+    assert rel_err(out, sdpagraph.attention(q, k, v, implementation="xla")) == 0
+    with pytest.raises(ValueError, match="68"):
+        sdpagraph.attention(q, k, v, implementation="cudnn")
+
+
+def test_hlo_bytes_per_call_site(report):
+    q = jax.ShapeDtypeStruct((2, 512, 8, 128), jnp.bfloat16)
+    one = jax.jit(lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=True, implementation="cudnn"))
+    two = jax.jit(lambda q, k, v: sdpagraph.attention(sdpagraph.attention(q, k, v, is_causal=True,
+                                                                          implementation="cudnn"), k, v,
+                                                      is_causal=True, implementation="cudnn"))
+    size = lambda f: len(f.lower(q, q, q).as_text())  # noqa: E731
+    per_site = size(two) - size(one)
+    report(f"HLO text per attention call site (forward): {per_site} bytes")
+    assert per_site < 4096
+
+
+FRESH_PROCESS = textwrap.dedent("""
+    import json, os, sys, time
+    import jax, jax.numpy as jnp, numpy as np
+    jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    import sdpagraph
+    from sdpagraph import mods
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 512, 4, 64)), jnp.bfloat16) for _ in range(3))
+    f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(sdpagraph.attention(
+        q, k, v, is_causal=True, score_mod=mods.softcap(20.0), implementation="cudnn").astype(jnp.float32) ** 2),
+        argnums=(0, 1, 2)))
+    start = time.perf_counter()
+    grads = jax.block_until_ready(f(q, k, v))
+    print(json.dumps({"seconds": time.perf_counter() - start,
+                      "checksum": [float(jnp.sum(jnp.abs(g.astype(jnp.float32)))) for g in grads]}))
+""")
+
+
+def run_fresh(tmp_path, extra_env=None):
+    script = tmp_path / "fresh.py"
+    script.write_text(FRESH_PROCESS)
+    env = dict(os.environ, SDPAGRAPH_CACHE_DIR=str(tmp_path / "graphs"), PYTHONPATH=os.pathsep.join(
+        [ROOT, os.environ.get("PYTHONPATH", "")]), **(extra_env or {}))
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "jax-cache")], env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_fresh_process_from_persistent_compilation_cache_and_command_buffers(tmp_path, report):
+    first = run_fresh(tmp_path)
+    restored = run_fresh(tmp_path)
+    buffered = run_fresh(tmp_path, {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=CUSTOM_CALL,FUSION"})
+    report(f"fresh process fwd+bwd first call: cold {first['seconds']:.2f} s, restored {restored['seconds']:.2f} s, "
+           f"command buffers {buffered['seconds']:.2f} s")
+    assert np.allclose(first["checksum"], restored["checksum"], rtol=1e-6)
+    assert np.allclose(first["checksum"], buffered["checksum"], rtol=1e-6)
