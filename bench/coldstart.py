@@ -1,0 +1,89 @@
+"""Cold start: the first jitted forward+backward call in a fresh process. Needs a GPU.
+
+    python bench/coldstart.py [--out DIR]
+
+bf16 B4 T4096 N16 H128. sdpagraph runs softcap(30)+causal through score_mod with
+(a) an empty graph cache and (b) a warm on-disk cache (precompiled by (a)), counting
+cuDNN builds; (c) jax.nn.dot_product_attention(implementation="cudnn"), plain causal,
+without and with JAX's persistent compilation cache. Each number is a new process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD = r"""
+import json, sys, time
+import jax, jax.numpy as jnp, numpy as np
+which, jax_cache = sys.argv[1], sys.argv[2]
+if jax_cache:
+    jax.config.update("jax_compilation_cache_dir", jax_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+import sdpagraph
+from sdpagraph import mods
+from sdpagraph.cache import default_cache
+rng = np.random.default_rng(0)
+q, k, v = (jnp.asarray(rng.standard_normal((4, 4096, 16, 128)), jnp.bfloat16) for _ in range(3))
+jax.block_until_ready((q, k, v))
+if which == "sdpagraph":
+    attn = lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=True, score_mod=mods.softcap(30.0), implementation="cudnn")
+else:
+    attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+step = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
+start = time.perf_counter()
+jax.block_until_ready(step(q, k, v))
+first = time.perf_counter() - start
+print(json.dumps({"first_call_s": first, "cudnn_builds": default_cache().stats()["builds"]}))
+"""
+
+
+def child(which: str, graph_dir: str, jax_cache: str = "", mode: str = "readwrite") -> dict:
+    env = dict(os.environ, SDPAGRAPH_CACHE_DIR=graph_dir, SDPAGRAPH_CACHE_MODE=mode)
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", CHILD, which, jax_cache], env=env, capture_output=True,
+                            text=True, timeout=300)
+    if result.returncode != 0:
+        return {"error": result.stderr.strip().splitlines()[-1][:300] if result.stderr else "failed"}
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    row["process_s"] = time.perf_counter() - started
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        graphs, jax_cache = os.path.join(tmp, "graphs"), os.path.join(tmp, "jax-cache")
+        rows = [
+            ("(a) sdpagraph softcap+causal, empty graph cache", child("sdpagraph", graphs)),
+            ("(b) sdpagraph softcap+causal, warm graph cache (strict)", child("sdpagraph", graphs, mode="strict")),
+            ("(c) jax cudnn causal, no JAX compilation cache", child("jax", graphs)),
+            ("(c) jax cudnn causal, JAX compilation cache (filling)", child("jax", graphs, jax_cache)),
+            ("(c) jax cudnn causal, JAX compilation cache (warm)", child("jax", graphs, jax_cache)),
+            ("(d) sdpagraph, warm graph cache + JAX compilation cache (filling)", child("sdpagraph", graphs, jax_cache, "strict")),
+            ("(d) sdpagraph, warm graph cache + JAX compilation cache (warm)", child("sdpagraph", graphs, jax_cache, "strict")),
+        ]
+    lines = ["| scenario | first fwd+bwd call s | cuDNN builds | whole process s |", "|---|---|---|---|"]
+    for name, row in rows:
+        if "error" in row:
+            lines.append(f"| {name} | error: {row['error']} | | |")
+        else:
+            lines.append(f"| {name} | {row['first_call_s']:.3f} | {row['cudnn_builds']} | {row['process_s']:.1f} |")
+    text = "\n".join(lines)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "coldstart.md"), "w") as f:
+        f.write(f"bf16 B4 T4096 N16 H128, first jitted value_and_grad call per fresh process, {time.strftime('%Y-%m-%d')}\n\n"
+                + text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
