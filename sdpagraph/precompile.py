@@ -1,0 +1,507 @@
+"""Precompile every graph of a spec file into a cache directory, and verify a directory.
+
+    precompile(specs, cache_dir=DIR, jobs=N)   build what DIR lacks; a report per graph
+    verify(specs, cache_dir=DIR)               does DIR hold every graph, for this GPU and cuDNN?
+
+Both ask the builder for the runtime's own cache keys, so "in DIR" means "the runtime
+finds it": a graph built for another GPU, cuDNN or frontend version has another key and
+counts as missing. Entries are published atomically by the cache, so an interrupted
+precompile leaves whole entries only, and running it again builds just the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shlex
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, TextIO
+
+from sdpagraph.cache import GraphCache
+from sdpagraph.cache.admin import _table, format_age
+from sdpagraph.cache.disk import DiskStore, Miss
+from sdpagraph.cache.graph_cache import DEFAULT_LOCK_TIMEOUT_S
+from sdpagraph.cache.keys import key_digest, key_text, key_versions
+from sdpagraph.graphs.builder import GraphBuildError, build, build_environment, graph_key
+from sdpagraph.graphs.mod_lowering import Unsupported
+from sdpagraph.graphs.support import check_graphs, environment_reason
+from sdpagraph.specfile import SpecEntry, SpecFileError, load_entries
+
+STATUSES = ("built", "cached", "unsupported", "failed")
+STATUS_LABELS = {"built": "built", "cached": "already there", "unsupported": "unsupported", "failed": "failed"}
+# Precompile fills a directory that is meant to be shipped whole: evicting least recently
+# used entries (the runtime's disk budget) would drop graphs it has just built.
+NO_EVICTION = sys.maxsize
+# Without a terminal, a status line this often (a CI log wants a heartbeat, not a flood).
+PLAIN_PROGRESS_INTERVAL_S = 10.0
+PARENT_POLL_INTERVAL_S = 0.5
+EXIT_CANNOT_RUN = 2
+EXIT_INTERRUPTED = 130
+
+
+class BuilderUnavailable(RuntimeError):
+    """This process cannot build or key cuDNN graphs (no GPU, no cuDNN frontend)."""
+
+
+@dataclass(frozen=True)
+class Builder:
+    """What precompile and verify need from the graph builder; tests pass fakes.
+
+    Its functions must be picklable (module-level), since `--jobs` workers receive it.
+    """
+
+    build: Callable[..., Any]  # (spec, ir, direction, cache=GraphCache) -> graph, through `cache`
+    graph_key: Callable[..., Any]  # (spec, ir, direction) -> the runtime's CacheKey on this machine
+    check_graphs: Callable[..., Any]  # (spec, ir, training, cache) -> Support
+    declines: tuple[type[BaseException], ...]  # what `build` raises for a config it does not support
+    unavailable: Callable[[], str | None]  # why this process cannot build at all, or None
+
+
+def cudnn_builder() -> Builder:
+    """The real builder (sdpagraph.graphs.builder), for the GPU and cuDNN of this process."""
+    return Builder(build=build, graph_key=_cudnn_graph_key, check_graphs=check_graphs,
+                   declines=(Unsupported, GraphBuildError), unavailable=environment_reason)
+
+
+def _cudnn_graph_key(spec: Any, ir: Any, direction: str) -> Any:
+    return graph_key(spec, ir, direction, build_environment())
+
+
+def _usable(builder: Builder | None, task: str) -> Builder:
+    builder = cudnn_builder() if builder is None else builder
+    reason = builder.unavailable()
+    if reason is not None:
+        raise BuilderUnavailable(f"cannot {task} on this machine: {reason}. Graphs are built and keyed for the "
+                                 "GPU, cuDNN and cudnn-frontend of the machine that runs this: use one like "
+                                 "the serving machines.")
+    return builder
+
+
+# -- precompile ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GraphResult:
+    """What precompile did for one graph of one entry."""
+
+    entry: int  # index in the merged entry list
+    direction: str
+    status: str  # one of STATUSES
+    detail: str = ""  # unsupported: the check_support reason; failed: the error
+    seconds: float = 0.0
+
+
+class _ExitCode:
+    """The command's exit status from a report's `ok`."""
+
+    ok: bool
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+
+@dataclass(frozen=True)
+class PrecompileReport(_ExitCode):
+    cache_dir: str
+    entries: tuple[SpecEntry, ...]
+    graphs: tuple[GraphResult, ...]  # by entry, then in the entry's direction order
+    elapsed_s: float
+    strict: bool = False
+
+    def counts(self) -> dict[str, int]:
+        found = Counter(graph.status for graph in self.graphs)
+        return {status: found[status] for status in STATUSES}
+
+    @property
+    def ok(self) -> bool:
+        """No graph failed (and, when strict, none is unsupported)."""
+        counts = self.counts()
+        return counts["failed"] == 0 and not (self.strict and counts["unsupported"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cache_dir": self.cache_dir,
+            "elapsed_s": self.elapsed_s,
+            "strict": self.strict,
+            "ok": self.ok,
+            "counts": self.counts(),
+            "graphs": [{"entry": graph.entry, "direction": graph.direction, "status": graph.status,
+                        "detail": graph.detail, "seconds": graph.seconds,
+                        "spec": self.entries[graph.entry].describe()} for graph in self.graphs],
+        }
+
+    def text(self) -> str:
+        rows = [[str(graph.entry), graph.direction, STATUS_LABELS[graph.status],
+                 f"{graph.seconds:.1f} s" if graph.status == "built" else "",
+                 self.entries[graph.entry].describe(), graph.detail] for graph in self.graphs]
+        lines = [_table(["#", "GRAPH", "STATUS", "TIME", "SPEC", "NOTE"], rows)] if rows else []
+        lines.append(f"{len(self.graphs)} graphs in {self.cache_dir}: {_count_line(self.counts())}; "
+                     f"{format_age(self.elapsed_s)}")
+        if self.counts()["failed"]:
+            lines.append("failed graphs are not in the cache: run the same command again to retry them")
+        if self.strict and self.counts()["unsupported"]:
+            lines.append("--strict: unsupported graphs count as failures")
+        return "\n".join(lines)
+
+
+def precompile(specs: Any, cache_dir: str | os.PathLike[str], *, jobs: int = 1, strict: bool = False,
+               progress: bool | TextIO = True, builder: Builder | None = None) -> PrecompileReport:
+    """Build every graph of every entry of `specs` into the cache directory `cache_dir`.
+
+    `specs`: a spec file path, several, or SpecEntry objects (merged, duplicates dropped).
+    `jobs`: build processes (cuDNN builds are CPU-bound). `progress`: a live status line on
+    stderr (True), on the given stream, or none (False). `strict`: unsupported graphs make
+    the report not ok. Graphs already in the directory are not built again.
+    Raises BuilderUnavailable where graphs cannot be built (no GPU, no cuDNN frontend).
+    """
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    builder = _usable(builder, "precompile")
+    entries = tuple(load_entries(specs))
+    directory = os.path.abspath(os.fspath(cache_dir))
+    stream = sys.stderr if progress is True else (progress or None)
+    meter = Progress(sum(len(entry.directions) for entry in entries), stream) if stream else None
+    started = time.monotonic()
+    results: list[GraphResult] = []
+
+    def collect(entry_results: list[GraphResult]) -> None:
+        results.extend(entry_results)
+        if meter is not None:
+            meter.add(entry_results)
+
+    tasks = [(index, entry, directory, builder) for index, entry in enumerate(entries)]
+    try:
+        _run_tasks(tasks, jobs, collect)
+    finally:
+        if meter is not None:
+            meter.close()
+    results.sort(key=lambda result: result.entry)  # stable: keeps each entry's direction order
+    return PrecompileReport(directory, entries, tuple(results), time.monotonic() - started, strict)
+
+
+def _run_tasks(tasks: list[tuple], jobs: int, collect: Callable[[list[GraphResult]], None]) -> None:
+    if jobs == 1 or len(tasks) <= 1:
+        for task in tasks:
+            collect(_precompile_entry(task))
+        return
+    # spawn, not fork: a forked child would inherit a parent's CUDA context, which CUDA forbids.
+    executor = ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_start_worker, initargs=(os.getpid(),))
+    futures = {executor.submit(_precompile_entry, task): task for task in tasks}
+    try:
+        for future in as_completed(futures):
+            collect(_entry_results(future, futures[future]))
+    finally:
+        # Interrupted: queued entries are dropped, builds in flight finish and publish whole.
+        executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _entry_results(future: Future, task: tuple[int, SpecEntry, str, Builder]) -> list[GraphResult]:
+    try:
+        return future.result()
+    except BrokenProcessPool:  # a worker died (a crash in native code, the OOM killer): no hang, a failure
+        index, entry = task[0], task[1]
+        return [GraphResult(index, direction, "failed", "a build process died (crashed or was killed) while "
+                            "this precompile ran") for direction in entry.directions]
+
+
+def _start_worker(parent_pid: int) -> None:
+    _without_gpu_preallocation()
+    # Ctrl-C reaches the whole process group; the parent alone decides (it stops the workers).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    # A parent killed outright (SIGKILL) cannot stop its workers, and they would wait for work
+    # forever: they leave by themselves when they become orphans.
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_INTERVAL_S)
+    os._exit(1)
+
+
+def _precompile_entry(task: tuple[int, SpecEntry, str, Builder]) -> list[GraphResult]:
+    """Build the graphs of one entry into the cache directory (runs in a worker with --jobs)."""
+    index, entry, cache_dir, builder = task
+    cache = GraphCache(cache_dir, mode="readwrite", max_bytes=NO_EVICTION)
+    results: list[GraphResult] = []
+    for direction in entry.directions:
+        if results and results[-1].status == "unsupported":
+            # attention() runs the whole call on XLA then: the other graph would never run.
+            results.append(GraphResult(index, direction, "unsupported", results[-1].detail))
+        else:
+            results.append(_precompile_graph(index, entry, direction, cache, builder))
+    return results
+
+
+def _precompile_graph(index: int, entry: SpecEntry, direction: str, cache: GraphCache,
+                      builder: Builder) -> GraphResult:
+    started = time.perf_counter()
+    try:
+        key = builder.graph_key(entry.spec, entry.score_mod, direction)
+        if cache.get(key) is not None:
+            return GraphResult(index, direction, "cached")
+        builder.build(entry.spec, entry.score_mod, direction, cache=cache)
+    except builder.declines as error:
+        status, detail = _classify_decline(error, entry, cache, builder)
+    except Exception as error:  # noqa: BLE001 - one broken graph must not stop the others
+        status, detail = "failed", _one_line(error)
+    else:
+        written = cache.entry_path(key) is not None
+        status, detail = ("built", "") if written else ("failed", f"built, but not written to {cache.directory}")
+    return GraphResult(index, direction, status, detail, time.perf_counter() - started)
+
+
+def _classify_decline(error: BaseException, entry: SpecEntry, cache: GraphCache, builder: Builder) -> tuple[str, str]:
+    # check_graphs words the reason exactly as check_support tells users; it costs one more
+    # attempt, on declined graphs only.
+    support = builder.check_graphs(entry.spec, entry.score_mod, entry.training, cache)
+    return ("failed", _one_line(error)) if support.supported else ("unsupported", support.reason)
+
+
+def _one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+def _count_line(counts: dict[str, int]) -> str:
+    return ", ".join(f"{counts[status]} {STATUS_LABELS[status]}" for status in STATUSES)
+
+
+class Progress:
+    """The status line: graphs done, per status, elapsed time and ETA.
+
+    On a terminal it is rewritten in place; otherwise (a log) a plain line is written
+    every PLAIN_PROGRESS_INTERVAL_S and at the end.
+    """
+
+    def __init__(self, total: int, stream: TextIO, clock: Callable[[], float] = time.monotonic):
+        self.total = total
+        self.stream = stream
+        self.clock = clock
+        self.interactive = stream.isatty()
+        self.counts = dict.fromkeys(STATUSES, 0)
+        self.started = self.last_shown = clock()
+        self._show()
+
+    def add(self, results: Iterable[GraphResult]) -> None:
+        for result in results:
+            self.counts[result.status] += 1
+        if self.interactive or self.clock() - self.last_shown >= PLAIN_PROGRESS_INTERVAL_S:
+            self._show()
+
+    def close(self) -> None:
+        if self.interactive:
+            self.stream.write("\n")
+        else:
+            self._show()
+        self.stream.flush()
+
+    def line(self) -> str:
+        done = sum(self.counts.values())
+        elapsed = self.clock() - self.started
+        eta = format_age(elapsed / done * (self.total - done)) if done else "?"
+        return (f"precompile: {done}/{self.total} graphs: {_count_line(self.counts)}; "
+                f"elapsed {format_age(elapsed)}, ETA {eta}")
+
+    def _show(self) -> None:
+        self.last_shown = self.clock()
+        # \r and "erase to end of line" redraw the line in place on a terminal.
+        self.stream.write(f"\r{self.line()}\x1b[K" if self.interactive else self.line() + "\n")
+        self.stream.flush()
+
+
+# -- verify --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GraphCheck:
+    entry: int
+    direction: str
+    status: str  # "present", "missing" or "invalid"
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class VerifyReport(_ExitCode):
+    cache_dir: str
+    entries: tuple[SpecEntry, ...]
+    checks: tuple[GraphCheck, ...]
+    environment: dict[str, Any] | None  # this machine's key versions (None: no entries to key)
+    other_environments: tuple[tuple[str, int], ...]  # ("built for <versions>" or "it cannot read (why)", graphs)
+    fix_command: str
+
+    @property
+    def problems(self) -> list[GraphCheck]:
+        return [check for check in self.checks if check.status != "present"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cache_dir": self.cache_dir,
+            "ok": self.ok,
+            "environment": self.environment,
+            "graphs": [{"entry": check.entry, "direction": check.direction, "status": check.status,
+                        "reason": check.reason, "spec": self.entries[check.entry].describe()}
+                       for check in self.checks],
+            "other_environments": [{"environment": label, "graphs": count}
+                                   for label, count in self.other_environments],
+            "fix_command": None if self.ok else self.fix_command,
+        }
+
+    def text(self) -> str:
+        rows = [[str(check.entry), check.direction, check.status, self.entries[check.entry].describe(), check.reason]
+                for check in self.problems]
+        lines = [_table(["#", "GRAPH", "STATUS", "SPEC", "REASON"], rows)] if rows else []
+        present = len(self.checks) - len(self.problems)
+        lines.append(f"{present} of {len(self.checks)} graphs present and valid in {self.cache_dir}"
+                     + (f" for {describe_environment(self.environment)}" if self.environment else ""))
+        lines += [f"it also holds {count} graphs {label}" for label, count in self.other_environments]
+        if not self.ok:
+            lines.append(f"to build the missing graphs, run on this machine: {self.fix_command}")
+        return "\n".join(lines)
+
+
+def verify(specs: Any, cache_dir: str | os.PathLike[str], *, builder: Builder | None = None) -> VerifyReport:
+    """Check that `cache_dir` holds a valid graph for every graph of every entry of `specs`,
+    under the key the runtime computes on this machine (its GPU, cuDNN and frontend).
+
+    Reads only: nothing in the directory is created, changed or touched.
+    Raises BuilderUnavailable where keys cannot be computed (no GPU, no cuDNN frontend).
+    """
+    builder = _usable(builder, "verify a cache")
+    entries = tuple(load_entries(specs))
+    directory = os.path.abspath(os.fspath(cache_dir))
+    store = DiskStore(directory, writable=False, lock_timeout_s=DEFAULT_LOCK_TIMEOUT_S)
+    checks, environment = [], None
+    for index, entry in enumerate(entries):
+        for direction in entry.directions:
+            key = builder.graph_key(entry.spec, entry.score_mod, direction)
+            environment = key_versions(key)
+            found = store.read(key_digest(key), key_text(key))
+            if not isinstance(found, Miss):
+                checks.append(GraphCheck(index, direction, "present"))
+            else:
+                checks.append(GraphCheck(index, direction, "invalid" if found.invalid else "missing", found.reason))
+    return VerifyReport(directory, entries, tuple(checks), environment, _other_environments(store, environment),
+                        _precompile_command(specs, directory))
+
+
+def _other_environments(store: DiskStore, here: dict[str, Any] | None) -> tuple[tuple[str, int], ...]:
+    """What the directory holds besides graphs for this machine: the usual cause of misses."""
+    found: Counter[str] = Counter()
+    for stored in store.scan():
+        entry = store.read(stored.digest)
+        if isinstance(entry, Miss):
+            found[f"it cannot read ({entry.reason})"] += 1
+        elif entry.versions != here:
+            found[f"built for {describe_environment(entry.versions)}"] += 1
+    return tuple(sorted(found.items()))
+
+
+def describe_environment(versions: dict[str, Any] | None) -> str:
+    if not versions:
+        return "an unknown environment (entry without versions)"
+    return ", ".join(f"{name} {value}" for name, value in sorted(versions.items()))
+
+
+def _precompile_command(specs: Any, directory: str) -> str:
+    paths = [specs] if isinstance(specs, (str, os.PathLike)) else [
+        item for item in specs if isinstance(item, (str, os.PathLike))]
+    files = " ".join(shlex.quote(os.fspath(path)) for path in paths) or "SPECS.json"
+    return f"sdpagraph precompile {files} --cache-dir {shlex.quote(directory)}"
+
+
+# -- command line --------------------------------------------------------------------------
+
+
+def add_precompile_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "precompile", help="build every graph of spec files into a cache directory",
+        description="Build every graph the spec files need into DIR, for this machine's GPU and cuDNN. "
+                    "Exit 1 if a graph failed to build (or, with --strict, is unsupported); 2 if no graph "
+                    "can be built here; 130 when interrupted (run it again to continue).")
+    parser.add_argument("specs", nargs="+", metavar="SPECS.json", help="spec files, recorded or hand-written")
+    parser.add_argument("--cache-dir", required=True, help="the cache directory to fill (created if missing)")
+    parser.add_argument("--jobs", type=_positive_int, default=1, help="build processes (default 1)")
+    parser.add_argument("--strict", action="store_true", help="unsupported graphs count as failures")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(handler=_handle_precompile)
+
+
+def add_verify_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "verify", help="check that a cache directory holds every graph of spec files, for this GPU",
+        description="Check that DIR holds a valid graph for every graph the spec files need, for this "
+                    "machine's GPU, cuDNN and cudnn-frontend. Exit 1 if any is missing or invalid; 2 if "
+                    "this machine cannot tell (no GPU or no cuDNN frontend).")
+    parser.add_argument("--specs", nargs="+", required=True, metavar="SPECS.json", help="spec files")
+    parser.add_argument("--cache-dir", required=True, help="the cache directory to check")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(handler=_handle_verify)
+
+
+def _handle_precompile(args: argparse.Namespace) -> int:
+    try:
+        with _terminate_as_interrupt():
+            return _report(args, lambda: precompile(args.specs, args.cache_dir, jobs=args.jobs,
+                                                    strict=args.strict))
+    except KeyboardInterrupt:
+        print(f"\nsdpagraph precompile: interrupted; the graphs built so far are in {args.cache_dir}, each "
+              "whole: run the same command again to build the rest", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _handle_verify(args: argparse.Namespace) -> int:
+    return _report(args, lambda: verify(args.specs, args.cache_dir))
+
+
+def _report(args: argparse.Namespace, run: Callable[[], PrecompileReport | VerifyReport]) -> int:
+    _without_gpu_preallocation()
+    try:
+        report = run()
+    except (SpecFileError, OSError, BuilderUnavailable) as error:
+        print(f"sdpagraph: {error}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    print(json.dumps(report.to_dict(), indent=2, sort_keys=True) if args.json else report.text())
+    return report.exit_code
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """`kill` stops a precompile the way Ctrl-C does: its build workers are stopped too."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _without_gpu_preallocation() -> None:
+    # JAX takes 75% of GPU memory when it first touches the GPU. These processes only build
+    # plans and read the GPU's name: taking memory would starve the other build workers, or
+    # a server running on the GPU that `verify` checks. Read by JAX when it starts the GPU.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
