@@ -191,7 +191,7 @@ def test_packed_outputs_carry_uids_layouts_and_ragged_offsets():
 
 
 def test_a_score_mod_turns_native_flags_into_a_typed_mod():
-    spec = make_spec(is_causal=True, window=(32, -1), has_q_lengths=True)
+    spec = make_spec(is_causal=True, window=(32, 4))
     graph, lowering, op, options = lower_fake(spec, softcap_ir(), "forward")
     assert op == "sdpa" and callable(options["score_mod"])
     for flag in ("use_padding_mask", "diagonal_alignment", "diagonal_band_right_bound", "seq_len_q"):
@@ -227,12 +227,11 @@ def test_backward_bprop_reuses_forward_tensors_of_the_same_graph():
     assert grad.attrs["op"] in ("mul", "div")
 
 
-def test_chunk_and_mask_go_through_a_mod_even_without_a_score_mod():
-    spec = make_spec(chunk_size=32, mask_shape=(2, 1, 128, 128))
+def test_chunks_go_through_a_mod_even_without_a_score_mod():
+    spec = make_spec(chunk_size=32, is_causal=True)
     graph, lowering, _, options = lower_fake(spec, None, "backward")
-    assert "score_mod" in options and "score_mod_bprop" in options
-    assert graph.tensors["mask"].attrs["data_type"] == cudnn.data_type.BOOLEAN
-    assert not [role for role in lowering.operand_roles if role.startswith("array:")]
+    assert "score_mod" in options and "score_mod_bprop" in options and "diagonal_alignment" not in options
+    assert lowering.operand_roles == ("q", "k", "v", "o", "dO", "stats")
 
 
 def test_configs_the_lowering_cannot_express_raise_unsupported():
@@ -242,20 +241,26 @@ def test_configs_the_lowering_cannot_express_raise_unsupported():
         lower_fake(make_spec(segments="self", max_segments=2, head_dim_v=32), None, "forward")
     with pytest.raises(Unsupported, match="packed"):
         lower_fake(make_spec(segments="self", max_segments=2, bias_shape=(2, 8, 128, 128)), None, "forward")
+    with pytest.raises(Unsupported, match="additive bias"):
+        lower_fake(make_spec(mask_shape=(2, 1, 128, 128)), None, "forward")
+    with pytest.raises(Unsupported, match="sequence lengths cannot be combined with a score_mod"):
+        lower_fake(make_spec(has_q_lengths=True), softcap_ir(), "forward")
+    with pytest.raises(Unsupported, match="packed segments cannot be combined"):
+        lower_fake(make_spec(segments="self", max_segments=2, chunk_size=64), None, "backward")
     bool_literal = trace_score_mod(lambda g, s, t: g.binary_select(input0=s, input1=0.0, mask=True), {})
     with pytest.raises(Unsupported, match="boolean literal"):
         lower_fake(make_spec(), bool_literal, "forward")
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("case", ["native", "mod", "packed", "mask_bias"])
+@pytest.mark.parametrize("case", ["native", "mod", "packed", "chunk_bias"])
 def test_real_pygraph_accepts_the_description(direction, case):
     """Up to the IR-level validate(), which needs no cuDNN backend library."""
     spec, ir = {
         "native": (make_spec(is_causal=True, window=(64, 0), has_q_lengths=True), None),
         "mod": (make_spec(is_causal=True, causal_alignment="bottom_right", kv_len=256), softcap_ir()),
         "packed": (make_spec(segments="self", max_segments=4, is_causal=True), None),
-        "mask_bias": (make_spec(mask_shape=(1, 1, 128, 128), bias_shape=(1, 8, 128, 128)), None),
+        "chunk_bias": (make_spec(chunk_size=64, bias_shape=(1, 8, 128, 128)), None),
     }[case]
     graph = builder.new_graph(spec, direction, cudnn)
     lowering = lower(graph, spec, ir, direction, cudnn)
@@ -271,12 +276,10 @@ def emitted_ir(spec, ir, direction):
     """Run the graph's two callbacks on the score_mod recorder: the exact op stream cuDNN would get."""
     stages = mod_stages(spec, ir)
     plan = pass_by_value_plan(stages, direction)
-    operands, _ = graph_io(spec, ir, direction)
     descs = describe(spec, ir, direction)
     infos = {entry.role: TensorInfo("scalar", FLOAT) for entry in plan}  # pass-by-value tensors are FLOAT
-    array_types = {"float32": FLOAT, "int32": INT, "bool": BOOL}
-    infos.update({role: TensorInfo("array", array_types[descs[role].dtype], descs[role].dims)
-                  for role in operands if role.startswith(("array:", "seq_len", "mask"))})
+    infos.update({role: TensorInfo("array", FLOAT if desc.dtype == "float32" else INT, desc.dims)
+                  for role, desc in descs.items() if role.startswith("array:")})
     names = {FLOAT: "FLOAT", INT: "INT32", BOOL: "BOOLEAN"}
     emitters = {}
 
@@ -288,36 +291,16 @@ def emitted_ir(spec, ir, direction):
     return trace_score_mod(forward, infos, bprop), plan
 
 
-def dense_inputs(spec, rng):
-    q_lengths = jnp.asarray(rng.integers(1, spec.q_len + 1, spec.batch), jnp.int32) if spec.has_q_lengths else None
-    kv_lengths = jnp.asarray(rng.integers(1, spec.kv_len + 1, spec.batch), jnp.int32) if spec.has_kv_lengths else None
-    mask = jnp.asarray(rng.random(spec.mask_shape) < 0.7) if spec.mask_shape else None
-    return RuntimeInputs(mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths)
-
-
-def operand_arrays(spec, inputs):
-    """What the JAX side passes for the mask mod's arrays (lengths default to the full side)."""
-    full_q = jnp.full((spec.batch,), spec.q_len, jnp.int32)
-    full_kv = jnp.full((spec.batch,), spec.kv_len, jnp.int32)
-    arrays = {
-        "seq_len_q": (full_q if inputs.q_lengths is None else inputs.q_lengths).reshape(-1, 1, 1, 1),
-        "seq_len_kv": (full_kv if inputs.kv_lengths is None else inputs.kv_lengths).reshape(-1, 1, 1, 1),
-    }
-    if inputs.mask is not None:
-        arrays["mask"] = inputs.mask
-    return arrays
-
-
 @pytest.mark.parametrize("overrides", [
     dict(is_causal=True),
     dict(is_causal=True, causal_alignment="bottom_right", q_len=96, kv_len=160),
     dict(is_causal=True, causal_alignment="bottom_right", q_len=160, kv_len=96),
-    dict(window=(16, 0), causal_alignment="bottom_right", q_len=64, kv_len=128, has_kv_lengths=True),
+    dict(window=(16, 0), causal_alignment="bottom_right", q_len=64, kv_len=128),
     dict(window=(8, 8)),
+    dict(window=(-1, 4)),
     dict(chunk_size=24, is_causal=True),
     dict(chunk_size=32, causal_alignment="bottom_right", q_len=48, kv_len=128),
-    dict(has_q_lengths=True, has_kv_lengths=True, is_causal=True, causal_alignment="bottom_right"),
-    dict(mask_shape=(2, 1, 128, 128), window=(-1, 4)),
+    dict(chunk_size=32, causal_alignment="bottom_right", q_len=150, kv_len=64),
 ])
 @pytest.mark.parametrize("with_user_mod", [False, True])
 def test_emitted_mod_matches_the_xla_backend(overrides, with_user_mod):
@@ -325,7 +308,7 @@ def test_emitted_mod_matches_the_xla_backend(overrides, with_user_mod):
     # Without a user mod, an identity mod forces the mod path: every mask goes into the mod.
     ir = softcap_ir() if with_user_mod else trace_score_mod(lambda g, s, t: s, {})
     rng = np.random.default_rng(0)
-    inputs = dense_inputs(spec, rng)
+    inputs = RuntimeInputs()
     layout = _layout(spec, inputs)
     index = (jnp.arange(spec.batch)[:, None, None, None], jnp.arange(spec.num_heads)[None, :, None, None],
              layout.q_pos[:, None, :, None], layout.kv_pos[:, None, None, :])
@@ -336,13 +319,22 @@ def test_emitted_mod_matches_the_xla_backend(overrides, with_user_mod):
     emitted, plan = emitted_ir(spec, ir, "backward")
     values = {entry.role: scalars[entry.source[1]] if entry.source[0] == "scalar" else entry.source[1]
               for entry in plan}
-    logits, grad = evaluate(emitted, score, scalars=values, arrays=operand_arrays(spec, inputs), index=index,
-                            dscore=dscore)
+    logits, grad = evaluate(emitted, score, scalars=values, arrays={}, index=index, dscore=dscore)
 
     expected, expected_grad = evaluate(ir, score, scalars=scalars, arrays={}, index=index, dscore=dscore)
     allowed = allowed_mask(spec, inputs, layout)
     np.testing.assert_allclose(logits, jnp.where(allowed, expected, -jnp.inf), rtol=1e-6)
     np.testing.assert_allclose(grad, jnp.where(allowed, expected_grad, 0.0), rtol=1e-6, atol=1e-6)
+
+
+def test_mask_comparisons_have_int_operands_and_no_logical_ops():
+    """What cuDNN 9.19's score_mod fusion built on an H100 (see graphs.masks)."""
+    spec = make_spec(is_causal=True, window=(16, 4), chunk_size=32, causal_alignment="bottom_right", q_len=96)
+    emitted, _ = emitted_ir(spec, trace_score_mod(lambda g, s, t: s, {}), "backward")
+    for node in emitted.nodes:
+        assert not node.op.startswith("logical_")
+        if node.op.startswith("cmp_"):
+            assert [emitted.nodes[a].dtype for a in node.args] == [INT, INT], node
 
 
 def test_forward_graphs_emit_no_bprop_only_constants():

@@ -19,7 +19,6 @@ length, N/K query/kv heads, H/Hv head dims, M = spec.max_segments:
     stats                                          backward only, float32: (B,N,T) dense;
                                                    (B,T,N) packed (one value per token and head)
     bias  spec.bias_shape                          io dtype (cast a float32 bias first)
-    mask  spec.mask_shape                          bool (one byte), True = attend
     seq_len_q, seq_len_kv                          int32; dense padding: (B,), the valid lengths
                                                    (pass the full T or S for a side without lengths);
                                                    packed: (B*M,) = segment_metadata(...).seq_lens
@@ -38,7 +37,8 @@ spec.bias_shape), shaped like their inputs. Rows cuDNN does not compute (padded 
 tokens between or after packed segments) are not written: zero them on the JAX side.
 Pass-by-value tensors (`CompiledGraph.pass_by_value`) are float32 host values bound by UID
 (int scalars too).
-Packed (THD) graphs need H == Hv and take no bias, mask or per-position aux arrays.
+Packed (THD) graphs need H == Hv and take no bias; graphs with a score_mod or chunks take
+no lengths (THD or padding), and no graph takes a boolean mask (`graphs.lowering` says why).
 """
 from __future__ import annotations
 

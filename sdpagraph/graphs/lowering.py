@@ -5,11 +5,15 @@ does not build it. Tensors are created from `operands.describe` (BSHD memory thr
 strides, no transposes), with the UIDs of `operands.uid_map`, so the executor can bind
 buffers by role.
 
-Masks: without a mod, the spec's masks become cuDNN's native flags (padding through
-sequence lengths, causal and windows as a diagonal band around the aligned diagonal).
-With a mod (a user score_mod, a chunk size or a boolean mask), cuDNN switches those
-flags off, so every mask is lowered into the mod (`graphs.masks`) and emitted after
-the user's IR (`graphs.mod_lowering`).
+Masks: without a mod, the spec's masks become cuDNN's native flags (padding and packed
+segments through sequence lengths, causal and windows as a diagonal band around the
+aligned diagonal). With a mod (a user score_mod, or a chunk size, which has no flag),
+cuDNN switches those flags off, so causal, window and chunk masks are lowered into the
+mod (`graphs.masks`) and emitted after the user's IR (`graphs.mod_lowering`).
+
+Declined before building (`Unsupported`), because cuDNN 9.19 crashed the process while
+planning them on an H100 (segfault / SIGFPE, 2026-11-22) and a support query must not
+crash: boolean masks, and sequence lengths or packed segments together with a mod.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from sdpagraph.graphs.mod_lowering import (
     cudnn_type_map,
     pass_by_value_plan,
 )
-from sdpagraph.graphs.operands import ARRAY_PREFIX, TensorDesc, array_desc, describe, graph_io, uid_map
+from sdpagraph.graphs.operands import ARRAY_PREFIX, TensorDesc, describe, graph_io, uid_map
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
 
 IO_TYPES = {"bfloat16": "BFLOAT16", "float16": "HALF"}
@@ -102,7 +106,7 @@ def mod_stages(spec: AttentionSpec, ir: ScoreModIR | None) -> list[ModStage]:
         stages.append(ModStage(ir, {name: ARRAY_PREFIX + name for name in ir.array_names}))
     masks = mask_ir(spec)
     if masks is not None:
-        stages.append(ModStage(masks, {name: name for name in masks.array_names}))
+        stages.append(ModStage(masks, {}))
     return stages
 
 
@@ -111,21 +115,16 @@ def _sdpa_options(spec: AttentionSpec, tensors: dict[str, Any], emitter: ModEmit
     options: dict[str, Any] = {"attn_scale": spec.scale}
     if spec.bias_shape is not None:
         options["bias"] = tensors["bias"]
-    # THD always passes per-sequence lengths; dense graphs pass them to the native
-    # padding mask, while a mod reads them itself (cuDNN turns padding off with a mod).
-    with_lengths = bool(spec.segments) or (emitter is None and spec.has_padding)
-    if with_lengths:
-        options.update(seq_len_q=tensors["seq_len_q"], seq_len_kv=tensors["seq_len_kv"])
-    if spec.segments:
-        # The totals bound the packed token axes (and the backward's workspace) by B*T, not B*M*T.
-        options.update(max_total_seq_len_q=spec.batch * spec.q_len, max_total_seq_len_kv=spec.batch * spec.kv_len)
     if emitter is not None:
         options["score_mod"] = emitter.forward
         if direction == "backward":
             options["score_mod_bprop"] = emitter.bprop
         return options
-    if with_lengths:
-        options["use_padding_mask"] = True
+    if spec.has_padding or spec.segments:
+        options.update(use_padding_mask=True, seq_len_q=tensors["seq_len_q"], seq_len_kv=tensors["seq_len_kv"])
+    if spec.segments:
+        # The totals bound the packed token axes (and the backward's workspace) by B*T, not B*M*T.
+        options.update(max_total_seq_len_q=spec.batch * spec.q_len, max_total_seq_len_kv=spec.batch * spec.kv_len)
     left, right = native_band(spec)
     if left is not None or right is not None:
         alignment = cudnn.diagonal_alignment
@@ -167,23 +166,24 @@ def _io_type(spec: AttentionSpec, cudnn: Any) -> Any:
 
 def _storage_types(spec: AttentionSpec, cudnn: Any) -> dict[str, Any]:
     data_type = cudnn.data_type
-    return {"io": _io_type(spec, cudnn), "float32": data_type.FLOAT, "int32": data_type.INT32,
-            "bool": data_type.BOOLEAN}
+    return {"io": _io_type(spec, cudnn), "float32": data_type.FLOAT, "int32": data_type.INT32}
 
 
 def _check_lowerable(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> None:
+    if spec.mask_shape is not None:
+        raise Unsupported("boolean masks have no cuDNN flag, and cuDNN 9.19 crashed planning them inside a "
+                          "score_mod: pass the mask as an additive bias (jnp.where(mask, 0, -inf)) to run on cuDNN")
     if direction == "backward" and ir is not None and ir.grad_output is None:
         raise Unsupported("the score_mod has no bprop: pass score_mod_bprop or use differentiable ops")
+    if needs_mod(spec, ir) and (spec.has_padding or spec.segments):
+        lengths = "packed segments" if spec.segments else "sequence lengths"
+        raise Unsupported(f"{lengths} cannot be combined with a score_mod or chunk_size on cuDNN: a score_mod turns "
+                          "off cuDNN's padding mask, and cuDNN 9.19 crashed planning lengths written into the mod")
     if not spec.segments:
         return
     if spec.head_dim_v != spec.head_dim:
         raise Unsupported(f"packed segments need the value head dim ({spec.head_dim_v}) to equal the "
                           f"query/key head dim ({spec.head_dim}): both share one ragged offset per side")
-    if spec.bias_shape is not None or spec.mask_shape is not None:
-        raise Unsupported("bias and mask arrays cannot be combined with packed segments: their (T, S) axes "
-                          "do not map onto packed sequences")
-    for name in (ir.array_names if ir is not None else ()):
-        shape = array_desc(ir, name).dims
-        if shape[0] != 1 or shape[2] != 1 or shape[3] != 1:
-            raise Unsupported(f"score_mod array {name!r} of shape {shape} cannot be combined with packed "
-                              "segments: only per-head arrays (1, N, 1, 1) map onto packed sequences")
+    if spec.bias_shape is not None:
+        raise Unsupported("a bias cannot be combined with packed segments: its (T, S) axes do not map onto "
+                          "packed sequences")

@@ -10,9 +10,12 @@ Leaves are graph tensors created on the outer pygraph before `sdpa` is called (c
 calls the callbacks later, while it lowers the graph): scalars and literals become
 [1,1,1,1] pass-by-value tensors, aux arrays are the graph's input operands.
 Pass-by-value tensors are always FLOAT, also for int scalars and literals (exact below
-2**24; ops convert to their compute type): FLOAT pass-by-value tensors are what the
-measured score_mod graphs used, and on cuDNN 9.19 (H100) every mod with an INT32 one
-found no engine.
+2**24; each op converts its inputs to its compute type). That is what the score_mods
+that built on cuDNN 9.19 (H100) used: softcap's float scalar, and INT32-compute ops such
+as `min(k - q, 4)` reading float literals; the mods seen with INT32 pass-by-value
+tensors found no engine (they also had other suspects). A comparison with a
+pass-by-value operand found no engine either, so `graphs.masks` folds its literals into
+INT32 arithmetic on positions before comparing.
 
 The bprop may use forward tensors (softcap's bprop reads the pre-tanh value), so the
 node -> tensor map of each stage lives on the `ModEmitter` of one graph, shared by its

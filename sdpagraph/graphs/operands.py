@@ -5,7 +5,7 @@ executor, the JAX wrapper, the GPU tests); `sdpagraph/graphs/builder.py` documen
 for callers. Everything here is a pure function of `(spec, ir, direction)`, so the JAX
 side can compute the operand order without cuDNN or a GPU.
 
-Roles name the buffers: "q", "k", "v", "o", "dO", "stats", "bias", "mask",
+Roles name the buffers: "q", "k", "v", "o", "dO", "stats", "bias",
 "seq_len_q", "seq_len_kv", "ragged_offset_q", "ragged_offset_kv",
 "ragged_offset_stats", "array:<name>" (score_mod aux arrays), and the results
 "o", "stats", "dq", "dk", "dv", "dbias". Pass-by-value scalars are named
@@ -20,21 +20,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sdpagraph.cache.keys import DIRECTIONS
-from sdpagraph.graphs.ir import BOOL, FLOAT, INT, ScoreModIR
+from sdpagraph.graphs.ir import FLOAT, INT, ScoreModIR
 from sdpagraph.spec import AttentionSpec
 
 ARRAY_PREFIX = "array:"
 SCALAR_PREFIX = "scalar:"
 CONST_PREFIX = "const:"
 BACKWARD_INPUTS = ("o", "dO", "stats")
-ARRAY_TYPES = {FLOAT: "float32", INT: "int32", BOOL: "bool"}  # IR array dtype -> storage
+ARRAY_TYPES = {FLOAT: "float32", INT: "int32"}  # IR array dtype -> storage
 
 
 @dataclass(frozen=True)
 class TensorDesc:
     """How cuDNN sees one buffer: logical dims and element strides, storage type, ragged offsets.
 
-    `dtype` is "io" (the spec's bfloat16/float16), "float32", "int32" or "bool" (one byte).
+    `dtype` is "io" (the spec's bfloat16/float16), "float32" or "int32".
     `ragged_offset` names the role holding this tensor's per-sequence start offsets (THD).
     """
 
@@ -52,8 +52,6 @@ def graph_io(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> tupl
         operands += BACKWARD_INPUTS
     if spec.bias_shape is not None:
         operands.append("bias")
-    if spec.mask_shape is not None:
-        operands.append("mask")
     if spec.has_padding or spec.segments:
         operands += ["seq_len_q", "seq_len_kv"]
     if spec.segments:
@@ -124,8 +122,6 @@ def _describe_role(spec: AttentionSpec, ir: ScoreModIR | None, role: str) -> Ten
         return TensorDesc((b, n, t, 1), (n * t, t, 1, 1), "float32")
     if role in ("bias", "dbias"):
         return _row_major(spec.bias_shape, "io")
-    if role == "mask":
-        return _row_major(spec.mask_shape, "bool")
     if role in ("seq_len_q", "seq_len_kv"):
         return _row_major((b, 1, 1, 1), "int32")
     if role.startswith("ragged_offset_"):
@@ -136,7 +132,7 @@ def _describe_role(spec: AttentionSpec, ir: ScoreModIR | None, role: str) -> Ten
 
 
 def array_desc(ir: ScoreModIR | None, name: str) -> TensorDesc:
-    """A score_mod aux array: its 4-D broadcast shape, row-major, float32, int32 or bool."""
+    """A score_mod aux array: its 4-D broadcast shape, row-major, float32 or int32."""
     if ir is None or name not in ir.array_names:
         raise ValueError(f"score_mod has no array {name!r}")
     slot = ir.array_names.index(name)

@@ -28,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 from sdpagraph import mods  # noqa: E402
 from sdpagraph.cache import GraphCache  # noqa: E402
 from sdpagraph.graphs import builder, support  # noqa: E402
-from sdpagraph.graphs.ir import BOOL, FLOAT, INT, TensorInfo, trace_score_mod  # noqa: E402
+from sdpagraph.graphs.ir import FLOAT, INT, TensorInfo, trace_score_mod  # noqa: E402
 from sdpagraph.graphs.lowering import lower, new_graph  # noqa: E402
 from sdpagraph.jax_api.attention import prepare_call  # noqa: E402
 from sdpagraph.jax_api.segments import segment_metadata  # noqa: E402
@@ -56,7 +56,7 @@ class Case:
     dtype: str = "bfloat16"
     options: dict = field(default_factory=dict)  # attention() keyword arguments
     bias_shape: tuple | None = None
-    mask: bool = False
+    mask: bool = False  # a boolean (B, 1, T, S) mask
     q_lengths: bool = False
     kv_lengths: bool = False
     max_segments: int = 0  # > 0: packed self-attention with this many segment slots
@@ -77,18 +77,26 @@ CASES = [
     Case("softcap_causal", 3, 1024, 1024, 8, 2, 128, options=dict(is_causal=True, score_mod=mods.softcap(30.0))),
     Case("alibi_causal", 1, 256, 256, 8, 8, 64, options=dict(is_causal=True, score_mod=mods.alibi(SLOPES))),
     Case("chunk_128_causal", 1, 512, 512, 8, 2, 64, options=dict(is_causal=True, chunk_size=128)),
-    Case("relative_bias", 1, 128, 128, 8, 8, 64, options=dict(score_mod=mods.relative_position_bias(TABLE, 4))),
-    Case("prefix_lm", 1, 256, 256, 8, 8, 64, options=dict(score_mod=mods.prefix_lm(64))),
-    Case("softcap_padding", 3, 256, 256, 8, 2, 64, options=dict(score_mod=mods.softcap(20.0)),
-         q_lengths=True, kv_lengths=True),
-    Case("bool_mask", 2, 128, 128, 8, 8, 64, mask=True),
+    Case("softcap_window_64_0", 1, 512, 512, 8, 2, 64,
+         options=dict(local_window_size=(64, 0), score_mod=mods.softcap(30.0))),
+    # cuDNN 9.19 found no engine for these mods on an H100: they compare positions with a
+    # pass-by-value scalar (prefix-LM) or select between two aux arrays (relative bias).
+    Case("relative_bias", 1, 128, 128, 8, 8, 64, options=dict(score_mod=mods.relative_position_bias(TABLE, 4)),
+         may_decline=True),
+    Case("prefix_lm", 1, 256, 256, 8, 8, 64, options=dict(score_mod=mods.prefix_lm(64)), may_decline=True),
     Case("segments_causal", 2, 256, 256, 8, 2, 64, options=dict(is_causal=True), max_segments=4),
-    Case("softcap_bottom_right_T_gt_S", 1, 256, 128, 8, 8, 64, may_decline=True,
+    Case("softcap_bottom_right_T_gt_S", 1, 256, 128, 8, 8, 64,
          options=dict(is_causal=True, causal_alignment="bottom_right", score_mod=mods.softcap(30.0))),
-    Case("head_dim_256_causal", 1, 256, 256, 8, 8, 256, options=dict(is_causal=True), may_decline=True),
-    Case("head_dims_128_64", 1, 256, 256, 8, 8, 128, Hv=64, may_decline=True),
-    Case("segments_softcap", 2, 256, 256, 8, 2, 64, options=dict(score_mod=mods.softcap(30.0)),
-         max_segments=4, may_decline=True),
+    Case("head_dim_256_causal", 1, 256, 256, 8, 8, 256, options=dict(is_causal=True)),
+    Case("head_dims_128_64", 1, 256, 256, 8, 8, 128, Hv=64),
+]
+# Declined before building (graphs.lowering): cuDNN 9.19 crashed the process planning them.
+DECLINED_BEFORE_BUILDING = [
+    (Case("bool_mask", 2, 128, 128, 8, 8, 64, mask=True), "additive bias"),
+    (Case("softcap_padding", 3, 256, 256, 8, 2, 64, options=dict(score_mod=mods.softcap(20.0)), q_lengths=True),
+     "sequence lengths cannot be combined with a score_mod"),
+    (Case("segments_softcap", 2, 256, 256, 8, 2, 64, options=dict(score_mod=mods.softcap(30.0)), max_segments=4),
+     "packed segments cannot be combined with a score_mod"),
 ]
 
 
@@ -155,8 +163,6 @@ def operand_buffers(case: Case, inputs: dict, roles) -> dict[str, "torch.Tensor"
     spec, call, host = inputs["call"].spec, inputs["call"], inputs["host"]
     io = TORCH_TYPES[case.dtype]
     buffers = {name: to_torch(host[name], io) for name in ("q", "k", "v", "bias") if name in host}
-    if "mask" in host:
-        buffers["mask"] = to_torch(host["mask"], torch.bool)
     if spec.segments:
         buffers.update(packed_metadata(spec, call.inputs.q_segment_ids, call.inputs.kv_segment_ids))
     elif spec.has_padding:
@@ -327,8 +333,20 @@ def _probe_int_array_cmp(g, s, t):
     return _masked(g, s, g.cmp_lt(input=k, comparison=t["length"]))
 
 
-def _probe_bool_array(g, s, t):
-    return _masked(g, s, t["mask"])
+def _probe_causal_index_cmp(g, s, t):
+    q, k = _positions(g, s)
+    return _masked(g, s, g.cmp_le(input=k, comparison=q))
+
+
+def _probe_int_literal_window(g, s, t):
+    q, k = _positions(g, s)
+    return _masked(g, _masked(g, s, g.cmp_le(input=k, comparison=q)), g.cmp_ge(input=k, comparison=g.sub(a=q, b=8)))
+
+
+def _probe_chunk_mod(g, s, t):
+    q, k = _positions(g, s)
+    start = lambda x: g.sub(a=x, b=g.mod(input0=x, input1=32))  # noqa: E731
+    return _masked(g, s, g.cmp_eq(input=start(q), comparison=start(k)))
 
 
 def _probe_abs_int(g, s, t):
@@ -355,12 +373,15 @@ OP_PROBES = {  # name -> (score_mod, tensors); each is built forward and backwar
     "mod_int": (_probe_mod_int, {}),
     "select_arrays": (_probe_select_arrays, {"a": PER_HEAD, "b": PER_HEAD}),
     "int_array_cmp": (_probe_int_array_cmp, {"length": TensorInfo("array", INT, (1, 1, 1, 1))}),
-    "bool_array": (_probe_bool_array, {"mask": TensorInfo("array", BOOL, (1, 1, 128, 128))}),
+    "causal_index_cmp": (_probe_causal_index_cmp, {}),
+    "int_literal_window": (_probe_int_literal_window, {}),
+    "chunk_mod": (_probe_chunk_mod, {}),
     "abs_int": (_probe_abs_int, {}),
     "int_scalar": (_probe_int_scalar, {"n": TensorInfo("scalar", INT)}),
 }
-# What sdpagraph's own mask lowering (graphs.masks) emits: these must build.
-MASK_LOWERING_PROBES = ("literal_cmp", "chained_selects", "floor_div_cmp_eq", "int_array_cmp", "bool_array")
+# What sdpagraph's own mask lowering (graphs.masks) emits: these must build. (A boolean
+# aux array used as a select mask crashed the probe process with SIGFPE on cuDNN 9.19.)
+MASK_LOWERING_PROBES = ("causal_index_cmp", "int_literal_window", "chunk_mod")
 
 
 def run_op_probes(names):
@@ -456,6 +477,15 @@ def test_serialized_graphs_execute_and_reload_from_disk(cache, handle):
     torch.cuda.synchronize()
     assert not blob_failures, "serialized graphs failed to execute:\n" + "\n".join(blob_failures)
     assert torch.equal(from_blob, rebuilt["o"]), "a deserialized graph must compute bit-identical output"
+
+
+@pytest.mark.parametrize("case, expect", DECLINED_BEFORE_BUILDING, ids=lambda x: getattr(x, "name", ""))
+def test_crash_prone_configs_are_declined_before_building(cache, case, expect):
+    call = make_inputs(case)["call"]
+    builds = cache.stats()["builds"]
+    answer = support.check_graphs(call.spec, call.score_mod, True, cache)
+    assert not answer.supported and expect in answer.reason
+    assert cache.stats()["builds"] == builds
 
 
 @pytest.mark.parametrize("head_dim, expect", [(68, "multiple of 8"), (72, None), (512, None)])
