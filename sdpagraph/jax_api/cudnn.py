@@ -109,8 +109,6 @@ def _operands(spec: AttentionSpec, inputs: RuntimeInputs) -> tuple[dict[str, Any
     """Every non-differentiable device operand by role, and which rows cuDNN writes."""
     operands: dict[str, Any] = {}
     b, t, s = spec.batch, spec.q_len, spec.kv_len
-    if inputs.mask is not None:
-        operands["mask"] = jnp.broadcast_to(inputs.mask, spec.mask_shape).astype(jnp.int8)
     for name, value in (inputs.mod_arrays or {}).items():
         operands[ARRAY_PREFIX + name] = value
     if spec.segments:
