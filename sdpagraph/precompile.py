@@ -163,6 +163,9 @@ def precompile(specs: Any, cache_dir: str | os.PathLike[str], *, jobs: int = 1, 
     stderr (True), on the given stream, or none (False). `strict`: unsupported graphs make
     the report not ok. Graphs already in the directory are not built again.
     Raises BuilderUnavailable where graphs cannot be built (no GPU, no cuDNN frontend).
+
+    With jobs > 1, workers are spawned processes, which re-import the main module: a
+    script calling this needs the `if __name__ == "__main__":` guard.
     """
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
