@@ -5,6 +5,9 @@ Public API: `attention`, `check_support`, `precompile`, `Support`, `mods`, the `
 from sdpagraph import mods
 from sdpagraph.graphs.support import Support
 from sdpagraph.jax_api.attention import attention, check_support
+from sdpagraph.deploy import precompile
+from sdpagraph.specfile import record
 
-__all__ = ["attention", "check_support", "Support", "mods"]
+
+__all__ = ["attention", "check_support", "precompile", "record", "Support", "mods"]
 __version__ = "0.1.0"

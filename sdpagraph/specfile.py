@@ -51,7 +51,6 @@ import jax.numpy as jnp
 from sdpagraph import mods
 from sdpagraph.cache.disk import _write_atomically
 from sdpagraph.graphs.ir import ScoreModIR
-from sdpagraph.jax_api.attention import prepare_call
 from sdpagraph.spec import DTYPES, AttentionSpec
 
 FORMAT = "sdpagraph-specs"
@@ -380,6 +379,9 @@ def _checked_callable(mod: Any, source: Any) -> Any:
 def _trace_call(arguments: Mapping[str, Any]) -> Any:
     """`prepare_call(**arguments)` traced as under `jax.jit`: ShapeDtypeStruct leaves become
     abstract arrays (score_mod_tensors arrays too), every other argument stays static."""
+    # Imported here, not at the top: the runtime imports this module to record its calls.
+    from sdpagraph.jax_api.attention import prepare_call
+
     leaves, tree = jax.tree_util.tree_flatten(dict(arguments))
     is_array = [isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves]
     prepared = []

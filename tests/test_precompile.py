@@ -20,11 +20,11 @@ import pytest
 from sdpagraph.cache import CacheKey, GraphCache
 from sdpagraph.cache.admin import verify_entries
 from sdpagraph.graphs.support import Support
-from sdpagraph.precompile import Builder, BuilderUnavailable, Progress, precompile, verify
+from sdpagraph.deploy import Builder, BuilderUnavailable, Progress, precompile, verify
 from sdpagraph.specfile import parse_entry, save_specs
 
 # By module name: the package may re-export the function `precompile` under the same name.
-module = importlib.import_module("sdpagraph.precompile")
+module = importlib.import_module("sdpagraph.deploy")
 REPO = Path(__file__).resolve().parents[1]
 DECLINED_HEAD_DIM = 256  # the fake cuDNN declines head dims above 128
 BROKEN_KV_LEN = 13  # and fails (an error, not a decline) on this key length

@@ -49,7 +49,9 @@ _ANSWERS: "weakref.WeakKeyDictionary[GraphCache, dict]" = weakref.WeakKeyDiction
 
 def check_graphs(spec: AttentionSpec, ir: ScoreModIR | None, training: bool,
                  cache: GraphCache | None = None) -> Support:
-    """Whether cuDNN builds the graphs `attention` would run for (spec, ir); never raises.
+    """Whether cuDNN builds the graphs `attention` would run for (spec, ir).
+
+    Raises only the cache's `CacheMissError` (strict mode: a graph is not precompiled).
 
     Builds through `graphs.builder.build` with the runtime's own keys: forward and
     backward when `training`, else inference. A supported answer leaves the graphs in
@@ -80,8 +82,8 @@ def _answer(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, cache: G
         return Support(False, "xla", str(error)), True
     except GraphBuildError as error:
         return Support(False, "xla", condense_reason(spec, error)), True
-    except CacheMissError as error:  # strict mode; a later precompile may still add the graph
-        return Support(False, "xla", str(error)), False
+    except CacheMissError:  # strict mode: the caller decides between an error and a "no"
+        raise
     except Exception as error:  # noqa: BLE001 - the query must answer, whatever went wrong
         return Support(False, "xla", f"building the cuDNN graph failed unexpectedly: {type(error).__name__}: "
                        f"{' '.join(str(error).split())[:300]}"), False

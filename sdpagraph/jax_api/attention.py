@@ -14,7 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdpagraph.graphs.ir import BOOL, FLOAT, INT, ScoreModIR, TensorInfo, trace_score_mod
+from sdpagraph import specfile
+from sdpagraph.cache import CacheMissError
+from sdpagraph.graphs.ir import FLOAT, INT, ScoreModIR, TensorInfo, trace_score_mod
 from sdpagraph.graphs.support import Support
 from sdpagraph.jax_api import cudnn as cudnn_backend
 from sdpagraph.jax_api.xla import RuntimeInputs, xla_attention
@@ -116,10 +118,25 @@ def _log_once(message: str) -> None:
         logger.info(message)
 
 
+def _strict_miss_message(call: PreparedCall, miss: CacheMissError) -> str:
+    return (f"{miss} Spec: {call.spec.summary()}. Record it with SDPAGRAPH_RECORD=specs.json (or "
+            "`with sdpagraph.record('specs.json')`), then on this GPU type run `sdpagraph precompile specs.json "
+            "--cache-dir $SDPAGRAPH_CACHE_DIR`; `sdpagraph verify --specs specs.json --cache-dir DIR` checks a cache.")
+
+
+def _cudnn_support(call: PreparedCall, training: bool, *, raise_on_miss: bool) -> Support:
+    try:
+        return cudnn_backend.support(call.spec, call.score_mod, training=training)
+    except CacheMissError as miss:
+        if raise_on_miss:
+            raise CacheMissError(_strict_miss_message(call, miss)) from None
+        return Support(False, "xla", _strict_miss_message(call, miss))
+
+
 def _choose_backend(call: PreparedCall, implementation: str | None, training: bool) -> str:
     if implementation == "xla":
         return "xla"
-    support = cudnn_backend.support(call.spec, call.score_mod, training=training)
+    support = _cudnn_support(call, training, raise_on_miss=True)
     if support.supported:
         return "cudnn"
     if implementation == "cudnn":
@@ -209,6 +226,8 @@ def attention(
         max_segments_per_seq=max_segments_per_seq, chunk_size=chunk_size, score_mod=score_mod,
         score_mod_tensors=score_mod_tensors, score_mod_bprop=score_mod_bprop,
     )
+    if implementation != "xla":
+        specfile.record_call(call.spec, call.score_mod, training)
     q, k, v = (_as_4d(x, call.unbatched) for x in (query, key, value))
     backend = _choose_backend(call, implementation, training)
     if backend == "xla":
@@ -237,7 +256,7 @@ def check_support(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
     call = prepare_call(query, key, value, bias, mask, **kwargs)
     if implementation == "xla":
         return Support(False, "xla", "implementation='xla' was requested")
-    support = cudnn_backend.support(call.spec, call.score_mod, training=training)
+    support = _cudnn_support(call, training, raise_on_miss=False)
     if not support.supported and implementation != "cudnn":
         return Support(False, "xla", support.reason)
     return support
