@@ -62,7 +62,7 @@ def _run_graph(static: _Static, direction: str, operands: Mapping[str, Any],
     cache = default_cache()
     compiled = build(static.spec, static.ir, direction, cache)
     key = graph_key(static.spec, static.ir, direction, build_environment())
-    digest = key.digest
+    digest = key.digest()
     ffi.register_graph(digest, compiled.blob)
     scalar_uids, scalar_bits = _scalar_bits(compiled, dict(static.scalars))
     result_shapes = [results[role] for role in compiled.result_roles]
