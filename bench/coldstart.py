@@ -49,7 +49,8 @@ def child(which: str, graph_dir: str, jax_cache: str = "", mode: str = "readwrit
     result = subprocess.run([sys.executable, "-c", CHILD, which, jax_cache], env=env, capture_output=True,
                             text=True, timeout=300)
     if result.returncode != 0:
-        return {"error": result.stderr.strip().splitlines()[-1][:300] if result.stderr else "failed"}
+        errors = [line for line in result.stderr.splitlines() if "Error" in line] or ["failed"]
+        return {"error": errors[-1][:300]}
     row = json.loads(result.stdout.strip().splitlines()[-1])
     row["process_s"] = time.perf_counter() - started
     return row

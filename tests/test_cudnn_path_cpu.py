@@ -1,0 +1,72 @@
+"""The cuDNN path's JAX plumbing, traced on the CPU with a stand-in builder and executor.
+
+No GPU: the graph build and the executor registration are replaced, and the functions
+are only traced (make_jaxpr), so operand order, attributes and the custom_vjp wiring are
+checked without running a kernel.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sdpagraph import ffi, mods
+from sdpagraph.cache import GraphCache
+from sdpagraph.graphs.builder import BuildEnvironment
+from sdpagraph.graphs.compiled import CompiledGraph
+from sdpagraph.graphs.operands import graph_io, uid_map
+from sdpagraph.jax_api import cudnn as cudnn_backend
+from sdpagraph.jax_api.attention import prepare_call
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    built, registered = [], {}
+    cache = GraphCache(str(tmp_path))
+
+    def fake_build(spec, ir, direction, cache_arg=None):
+        built.append(direction)
+        operands, results = graph_io(spec, ir, direction)
+        scalars = () if ir is None else tuple(("scalar", n) for n in ir.scalar_names)
+        roles = operands + results + tuple(f"scalar:{n}" for _, n in scalars)
+        uids = uid_map(roles)
+        pass_by_value = tuple((uids[f"scalar:{n}"], ("scalar", n), "float32") for _, n in scalars)
+        return CompiledGraph(b"blob-" + direction.encode(), 1024, operands, results, uids, pass_by_value,
+                             direction, {}, 0.0)
+
+    monkeypatch.setattr(cudnn_backend, "build", fake_build)
+    monkeypatch.setattr(cudnn_backend, "build_environment", lambda: BuildEnvironment("9.19.0", "1.32.0", "sm90 fake"))
+    monkeypatch.setattr(cudnn_backend, "default_cache", lambda: cache)
+    monkeypatch.setattr(ffi, "register_graph", lambda digest, blob: registered.__setitem__(digest, blob))
+    return built, registered
+
+
+def custom_calls(jaxpr):
+    text = str(jaxpr)
+    return text.count("sdpagraph_execute")
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(is_causal=True),
+    dict(is_causal=True, score_mod=mods.softcap(30.0)),
+    dict(query_seq_lengths=np.array([5, 16], np.int32)),
+    dict(segment_ids=np.array([[1] * 6 + [2] * 8 + [0] * 2] * 2, np.int32), max_segments_per_seq=2),
+])
+def test_forward_and_grad_trace_to_the_executor(fake_gpu, kwargs):
+    built, registered = fake_gpu
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 16, 4, 8)), jnp.bfloat16) for _ in range(3))
+    bias = jnp.asarray(rng.standard_normal((1, 4, 16, 16)), jnp.float32) if "segment_ids" not in kwargs else None
+    call = prepare_call(q, k, v, bias, **kwargs)
+
+    def forward(q, k, v, bias):
+        inputs = prepare_call(q, k, v, bias, **kwargs).inputs
+        out, lse = cudnn_backend.attention(call.spec, q, k, v, inputs, call.score_mod, training=False)
+        return out
+
+    jaxpr = jax.make_jaxpr(forward)(q, k, v, bias)
+    assert custom_calls(jaxpr) == 1 and built == ["inference"]
+    grad = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3)))
+    grad_jaxpr = grad(q, k, v, bias)
+    assert custom_calls(grad_jaxpr) == 2 and built[1:] == ["forward", "backward"]
+    assert len(registered) == 3 and all(len(d) == 64 for d in registered)
+    assert "scalar_values" in str(grad_jaxpr) and "entry_path" in str(grad_jaxpr)
