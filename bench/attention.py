@@ -63,10 +63,11 @@ def jax_fns(attn, backward):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-def implementations(causal, score_mod=None):
+def implementations(causal, score_mod=None, training=True):
+    """training=False for forward-only timing: the inference graph, as jax's cuDNN path uses."""
     impls = {
         "sdpagraph": lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=causal, implementation="cudnn",
-                                                         score_mod=score_mod),
+                                                         score_mod=score_mod, training=training),
         "xla": lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=causal, implementation="xla",
                                                    score_mod=score_mod),
     }
@@ -111,7 +112,7 @@ def host_overhead_us():
     """Per-call time of a tiny shape (the kernel is negligible): dispatch + FFI overhead."""
     q, k, v = inputs(1, 128, 1, 1, 64)
     result = {}
-    for name, fn in implementations(False).items():
+    for name, fn in implementations(False, training=False).items():
         if name != "xla":
             result[name] = time_ms(jax.jit(fn), q, k, v, repeats=200) * 1e3
     return result
@@ -125,7 +126,7 @@ def run(quick):
         q, k, v = inputs(B, T, N, K, H)
         for backward in (False, True):
             row = {"case": name, "pass": "fwd+bwd" if backward else "fwd"}
-            for impl, attn in implementations(causal, score_mod).items():
+            for impl, attn in implementations(causal, score_mod, training=backward).items():
                 try:
                     row[impl] = time_ms(jax_fns(attn, backward), q, k, v)
                 except Exception as error:  # record and keep measuring the rest

@@ -85,8 +85,8 @@ def _run_graph(static: _Static, direction: str, operands: Mapping[str, Any],
 class _Validity(NamedTuple):
     """Which token rows cuDNN computes (a pytree, so it can pass through custom_vjp)."""
 
-    q: Any  # (B, T) bool
-    kv: Any  # (B, S) bool
+    q: Any  # (B, T) bool, or None when all rows are computed
+    kv: Any  # (B, S) bool, or None
 
 
 def _packed_operands(spec: AttentionSpec, inputs: RuntimeInputs) -> dict[str, Any]:
@@ -118,14 +118,20 @@ def _operands(spec: AttentionSpec, inputs: RuntimeInputs) -> tuple[dict[str, Any
     else:
         q_len = jnp.full((b,), t, jnp.int32) if inputs.q_lengths is None else jnp.asarray(inputs.q_lengths, jnp.int32)
         kv_len = jnp.full((b,), s, jnp.int32) if inputs.kv_lengths is None else jnp.asarray(inputs.kv_lengths, jnp.int32)
+        validity = _Validity(None, None)
         if spec.has_padding:
             operands["seq_len_q"], operands["seq_len_kv"] = q_len, kv_len
-        validity = _Validity(jnp.arange(t)[None, :] < q_len[:, None], jnp.arange(s)[None, :] < kv_len[:, None])
+            validity = _Validity(jnp.arange(t)[None, :] < q_len[:, None], jnp.arange(s)[None, :] < kv_len[:, None])
     return operands, validity
 
 
 def _zero_rows(x: Any, valid: Any) -> Any:
-    """Zero the token rows cuDNN leaves unwritten (x: (B, L, heads, dim), valid: (B, L))."""
+    """Zero the token rows cuDNN leaves unwritten (x: (B, L, heads, dim), valid: (B, L)).
+
+    `valid` is None when every row is computed (no padding, no segments): no extra pass.
+    """
+    if valid is None:
+        return x
     return jnp.where(valid[:, :, None, None], x, jnp.zeros((), x.dtype))
 
 
@@ -185,4 +191,6 @@ def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: Run
     if stats is None:
         return out, None
     lse = jnp.swapaxes(stats, 1, 2) if spec.segments else stats
+    if validity.q is None:
+        return out, lse
     return out, jnp.where(validity.q[:, None, :], lse, -jnp.inf)
