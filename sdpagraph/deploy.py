@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, TextIO
 
 from sdpagraph.cache import GraphCache
-from sdpagraph.cache.admin import _table, format_age
+from sdpagraph.cache.admin import format_age, format_table
 from sdpagraph.cache.disk import DiskStore, Miss
 from sdpagraph.cache.graph_cache import DEFAULT_LOCK_TIMEOUT_S
 from sdpagraph.cache.keys import key_digest, key_text, key_versions
@@ -144,7 +144,7 @@ class PrecompileReport(_ExitCode):
         rows = [[str(graph.entry), graph.direction, STATUS_LABELS[graph.status],
                  f"{graph.seconds:.1f} s" if graph.status == "built" else "",
                  self.entries[graph.entry].describe(), graph.detail] for graph in self.graphs]
-        lines = [_table(["#", "GRAPH", "STATUS", "TIME", "SPEC", "NOTE"], rows)] if rows else []
+        lines = [format_table(["#", "GRAPH", "STATUS", "TIME", "SPEC", "NOTE"], rows)] if rows else []
         lines.append(f"{len(self.graphs)} graphs in {self.cache_dir}: {_count_line(self.counts())}; "
                      f"{format_age(self.elapsed_s)}")
         if self.counts()["failed"]:
@@ -367,7 +367,7 @@ class VerifyReport(_ExitCode):
     def text(self) -> str:
         rows = [[str(check.entry), check.direction, check.status, self.entries[check.entry].describe(), check.reason]
                 for check in self.problems]
-        lines = [_table(["#", "GRAPH", "STATUS", "SPEC", "REASON"], rows)] if rows else []
+        lines = [format_table(["#", "GRAPH", "STATUS", "SPEC", "REASON"], rows)] if rows else []
         present = len(self.checks) - len(self.problems)
         lines.append(f"{present} of {len(self.checks)} graphs present and valid in {self.cache_dir}"
                      + (f" for {describe_environment(self.environment)}" if self.environment else ""))

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from sdpagraph import mods
-from sdpagraph.cache.disk import _write_atomically
+from sdpagraph.cache.disk import write_atomically
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.spec import DTYPES, AttentionSpec
 
@@ -433,7 +433,7 @@ def _holds_object(value: Any) -> bool:
 
 def save_specs(path: str | os.PathLike[str], entries: Iterable[SpecEntry]) -> None:
     """Write a spec file atomically: readers see the old file or the new one, never a part."""
-    _write_atomically(os.fspath(path), dumps(entries).encode(), temp_prefix=os.path.basename(path) + ".")
+    write_atomically(os.fspath(path), dumps(entries).encode(), temp_prefix=os.path.basename(path) + ".")
 
 
 def add_to_spec_file(path: str | os.PathLike[str], entries: Iterable[SpecEntry]) -> None:

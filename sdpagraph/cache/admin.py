@@ -43,7 +43,7 @@ def list_entries(directory: str) -> Report:
     if not rows:
         return Report({"directory": store.directory, "entries": []}, f"no entries in {store.directory}")
     now = time.time()
-    table = _table(
+    table = format_table(
         ["KEY", "SPEC", "SIZE", "AGE", "LAST USE"],
         [[row["digest"][:12],
           _clip(row["spec"] if row["valid"] else f"<invalid: {row['problem']}>", SPEC_COLUMN_WIDTH),
@@ -174,7 +174,8 @@ def _describe_field(value: Any) -> str:
     return str(value)
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> str:
+def format_table(headers: list[str], rows: list[list[str]]) -> str:
+    """Left-aligned text columns, as `cache ls` and the precompile report print them."""
     widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
                      for line in [headers, *rows])

@@ -146,7 +146,7 @@ class DiskStore:
         path = self.entry_path(digest)
         try:
             _make_private_dirs(self.directory, os.path.dirname(path))
-            _write_atomically(path, data, temp_prefix=digest + ".")
+            write_atomically(path, data, temp_prefix=digest + ".")
         except OSError as error:
             self._warn_unwritable("writing an entry", error)
             return False
@@ -323,7 +323,8 @@ def _read_file(path: str) -> bytes:
         return file.read()
 
 
-def _write_atomically(path: str, data: bytes, temp_prefix: str) -> None:
+def write_atomically(path: str, data: bytes, temp_prefix: str) -> None:
+    """Publish `data` at `path` whole or not at all: temp file in the same folder, fsync, os.replace."""
     directory = os.path.dirname(path)
     fd, temp_path = tempfile.mkstemp(prefix=temp_prefix, suffix=TEMP_SUFFIX, dir=directory)
     try:
