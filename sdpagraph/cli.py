@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 
 from sdpagraph.cache import admin
 from sdpagraph.cache.defaults import default_cache_dir, parse_size
+from sdpagraph.check_cli import add_check_command
 from sdpagraph.deploy import add_precompile_command, add_verify_command
 
 Handler = Callable[[argparse.Namespace], int]
@@ -94,7 +95,7 @@ def _size_argument(text: str) -> int:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_demo_command, add_cache_command, add_precompile_command, add_verify_command]
+    add_demo_command, add_check_command, add_cache_command, add_precompile_command, add_verify_command]
 
 if __name__ == "__main__":
     sys.exit(main())

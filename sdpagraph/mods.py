@@ -151,16 +151,23 @@ def chunked(size: int) -> ScoreMod:
     return ScoreMod(fn, name=f"chunked({size})")
 
 
-def prefix_lm(prefix_len: int) -> ScoreMod:
-    """Prefix-LM: keys before `prefix_len` are visible to all queries; causal after."""
+def prefix_lm(prefix_len: Any) -> ScoreMod:
+    """Prefix-LM: keys before `prefix_len` are visible to every query; causal after.
+
+    `prefix_len` is an int or a (B,) array of per-row lengths. Written as one integer
+    comparison, `key_pos <= max(query_pos, prefix_len - 1)`, with the length as an int32
+    operand (cuDNN 9.19 runs no engine for comparisons against pass-by-value scalars).
+    """
+    lengths = np.asarray(prefix_len, dtype=np.int32)
+    if lengths.ndim > 1 or np.any(lengths < 0):
+        raise ValueError(f"prefix_lm prefix_len must be an int >= 0 or a (B,) array of them, got {prefix_len!r}")
 
     def fn(graph, score, tensors):
         q, k = positions(graph, score)
-        in_prefix = _typed(graph.cmp_lt(input=k, comparison=tensors["prefix_len"]), BOOL)
-        causal_ok = _typed(graph.cmp_le(input=k, comparison=q), BOOL)
-        return mask_where(graph, score, _typed(graph.logical_or(a=in_prefix, b=causal_ok), BOOL))
+        last_visible = _typed(graph.max(input0=q, input1=tensors["last_prefix"]), INT)
+        return mask_where(graph, score, _typed(graph.cmp_le(input=k, comparison=last_visible), BOOL))
 
-    return ScoreMod(fn, {"prefix_len": int(prefix_len)}, name=f"prefix_lm({prefix_len})")
+    return ScoreMod(fn, {"last_prefix": (lengths - 1).reshape(-1, 1, 1, 1)}, name=f"prefix_lm({prefix_len})")
 
 
 def compose(*mods: Callable) -> ScoreMod:

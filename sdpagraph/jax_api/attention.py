@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -56,7 +57,8 @@ def _mod_tensor_info(name: str, value: Any, full: tuple[int, int, int, int]) -> 
     if kind == np.bool_:
         raise TypeError(f"score_mod_tensors[{name!r}] is boolean; pass boolean masks as mask= or as 0/1 int32")
     dtype = INT if np.issubdtype(kind, np.integer) else FLOAT
-    return TensorInfo("array", dtype, shape4), jnp.reshape(value, shape4)
+    reshape = np.reshape if isinstance(value, np.ndarray) else jnp.reshape  # NumPy stays on the host
+    return TensorInfo("array", dtype, shape4), reshape(value, shape4)
 
 
 def _record_mod(score_mod, score_mod_tensors, score_mod_bprop, spec: AttentionSpec):
@@ -78,7 +80,24 @@ def _record_mod(score_mod, score_mod_tensors, score_mod_bprop, spec: AttentionSp
         info, bound = _mod_tensor_info(name, value, full)
         infos[name] = info
         (scalars if info.kind == "scalar" else arrays)[name] = bound
-    return trace_score_mod(score_mod, infos, bprop), scalars, arrays
+    return _traced(score_mod, infos, bprop), scalars, arrays
+
+
+# Recorded IRs per score_mod function object and tensor signature (scalar values are not part of
+# it), so a repeated call or support query does not trace again. Like jax.jit's trace cache, this
+# assumes a callback's ops depend only on its arguments, not on mutable state it closes over.
+_traces: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
+
+
+def _traced(score_mod: Callable, infos: dict[str, TensorInfo], bprop: Callable | None) -> ScoreModIR:
+    signature = (tuple(sorted(infos.items())), bprop)
+    try:
+        per_function = _traces.setdefault(score_mod, {})
+    except TypeError:  # not weak-referenceable: trace every time
+        return trace_score_mod(score_mod, infos, bprop)
+    if signature not in per_function:
+        per_function[signature] = trace_score_mod(score_mod, infos, bprop)
+    return per_function[signature]
 
 
 def _as_4d(x: Any, unbatched: bool) -> Any:
