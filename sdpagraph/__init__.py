@@ -6,7 +6,7 @@ from sdpagraph import mods
 from sdpagraph.graphs.support import Support
 from sdpagraph.jax_api.attention import attention, check_support
 from sdpagraph.deploy import precompile
-from sdpagraph.specfile import record
+from sdpagraph.recording import record
 
 
 __all__ = ["attention", "check_support", "precompile", "record", "Support", "mods"]

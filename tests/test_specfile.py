@@ -15,7 +15,8 @@ import pytest
 from sdpagraph import mods, specfile
 from sdpagraph.jax_api.attention import prepare_call
 from sdpagraph.spec import DTYPES
-from sdpagraph.specfile import SpecEntry, SpecFileError, record, record_call
+from sdpagraph.recording import ENV_RECORD, record, record_call
+from sdpagraph.specfile import SpecEntry, SpecFileError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -261,7 +262,7 @@ def test_record_writes_distinct_entries_deterministically(tmp_path):
 
 
 def test_nothing_is_recorded_outside_a_record_block(tmp_path, monkeypatch):
-    monkeypatch.delenv(specfile.ENV_RECORD, raising=False)
+    monkeypatch.delenv(ENV_RECORD, raising=False)
     entry = entry_of(VALID)
     path = tmp_path / "specs.json"
     with record(path):
@@ -272,7 +273,7 @@ def test_nothing_is_recorded_outside_a_record_block(tmp_path, monkeypatch):
 
 def test_record_from_the_environment_variable(tmp_path, monkeypatch):
     path = tmp_path / "env.json"
-    monkeypatch.setenv(specfile.ENV_RECORD, str(path))
+    monkeypatch.setenv(ENV_RECORD, str(path))
     entry = entry_of({**VALID, "training": False, "score_mod": {"mod": "softcap", "args": [12.0]}})
     record_call(entry.spec, entry.score_mod, entry.training)
     [loaded] = specfile.load_specs(path)
@@ -290,12 +291,12 @@ def test_record_merges_into_a_hand_written_file(tmp_path):
 
 RECORDING_PROCESS = r"""
 import json, sys
-from sdpagraph import specfile
+from sdpagraph import recording, specfile
 path, fields = sys.argv[1], json.loads(sys.argv[2])
 entries = [specfile.parse_entry(i, item) for i, item in enumerate(fields)]
-with specfile.record(path):
+with recording.record(path):
     for entry in entries:
-        specfile.record_call(entry.spec, entry.score_mod, entry.training)
+        recording.record_call(entry.spec, entry.score_mod, entry.training)
 """
 
 

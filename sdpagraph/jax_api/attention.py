@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdpagraph import specfile
+from sdpagraph import recording
 from sdpagraph.cache import CacheMissError
 from sdpagraph.graphs.ir import FLOAT, INT, ScoreModIR, TensorInfo, trace_score_mod
 from sdpagraph.graphs.support import Support
@@ -246,7 +246,7 @@ def attention(
         score_mod_tensors=score_mod_tensors, score_mod_bprop=score_mod_bprop,
     )
     if implementation != "xla":
-        specfile.record_call(call.spec, call.score_mod, training)
+        recording.record_call(call.spec, call.score_mod, training)
     q, k, v = (_as_4d(x, call.unbatched) for x in (query, key, value))
     backend = _choose_backend(call, implementation, training)
     if backend == "xla":
