@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 from sdpagraph.cache import admin
 from sdpagraph.cache.defaults import default_cache_dir, parse_size
 from sdpagraph.check_cli import add_check_command
-from sdpagraph.deploy import add_precompile_command, add_verify_command
+from sdpagraph.deploy_cli import add_precompile_command, add_verify_command
 
 Handler = Callable[[argparse.Namespace], int]
 

@@ -10,8 +10,6 @@ precompile leaves whole entries only, and running it again builds just the rest.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing
 import os
 import shlex
@@ -22,9 +20,8 @@ import time
 from collections import Counter
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, TextIO
+from typing import Any, Callable, Iterable, TextIO
 
 from sdpagraph.cache import GraphCache
 from sdpagraph.cache.admin import format_age, format_table
@@ -34,7 +31,7 @@ from sdpagraph.cache.keys import key_digest, key_text, key_versions
 from sdpagraph.graphs.builder import GraphBuildError, build, build_environment, graph_key
 from sdpagraph.graphs.mod_lowering import Unsupported
 from sdpagraph.graphs.support import check_graphs, environment_reason
-from sdpagraph.specfile import SpecEntry, SpecFileError, load_entries
+from sdpagraph.specfile import SpecEntry, load_entries
 
 STATUSES = ("built", "cached", "unsupported", "failed")
 STATUS_LABELS = {"built": "built", "cached": "already there", "unsupported": "unsupported", "failed": "failed"}
@@ -44,8 +41,6 @@ NO_EVICTION = sys.maxsize
 # Without a terminal, a status line this often (a CI log wants a heartbeat, not a flood).
 PLAIN_PROGRESS_INTERVAL_S = 10.0
 PARENT_POLL_INTERVAL_S = 0.5
-EXIT_CANNOT_RUN = 2
-EXIT_INTERRUPTED = 130
 
 
 class BuilderUnavailable(RuntimeError):
@@ -219,7 +214,7 @@ def _entry_results(future: Future, task: tuple[int, SpecEntry, str, Builder]) ->
 
 
 def _start_worker(parent_pid: int) -> None:
-    _without_gpu_preallocation()
+    without_gpu_preallocation()
     # Ctrl-C reaches the whole process group; the parent alone decides (it stops the workers).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
@@ -427,84 +422,8 @@ def _precompile_command(specs: Any, directory: str) -> str:
     return f"sdpagraph precompile {files} --cache-dir {shlex.quote(directory)}"
 
 
-# -- command line --------------------------------------------------------------------------
-
-
-def add_precompile_command(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "precompile", help="build every graph of spec files into a cache directory",
-        description="Build every graph the spec files need into DIR, for this machine's GPU and cuDNN. "
-                    "Exit 1 if a graph failed to build (or, with --strict, is unsupported); 2 if no graph "
-                    "can be built here; 130 when interrupted (run it again to continue).")
-    parser.add_argument("specs", nargs="+", metavar="SPECS.json", help="spec files, recorded or hand-written")
-    parser.add_argument("--cache-dir", required=True, help="the cache directory to fill (created if missing)")
-    parser.add_argument("--jobs", type=_positive_int, default=1, help="build processes (default 1)")
-    parser.add_argument("--strict", action="store_true", help="unsupported graphs count as failures")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.set_defaults(handler=_handle_precompile)
-
-
-def add_verify_command(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "verify", help="check that a cache directory holds every graph of spec files, for this GPU",
-        description="Check that DIR holds a valid graph for every graph the spec files need, for this "
-                    "machine's GPU, cuDNN and cudnn-frontend. Exit 1 if any is missing or invalid; 2 if "
-                    "this machine cannot tell (no GPU or no cuDNN frontend).")
-    parser.add_argument("--specs", nargs="+", required=True, metavar="SPECS.json", help="spec files")
-    parser.add_argument("--cache-dir", required=True, help="the cache directory to check")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.set_defaults(handler=_handle_verify)
-
-
-def _handle_precompile(args: argparse.Namespace) -> int:
-    try:
-        with _terminate_as_interrupt():
-            return _report(args, lambda: precompile(args.specs, args.cache_dir, jobs=args.jobs,
-                                                    strict=args.strict))
-    except KeyboardInterrupt:
-        print(f"\nsdpagraph precompile: interrupted; the graphs built so far are in {args.cache_dir}, each "
-              "whole: run the same command again to build the rest", file=sys.stderr)
-        return EXIT_INTERRUPTED
-
-
-def _handle_verify(args: argparse.Namespace) -> int:
-    return _report(args, lambda: verify(args.specs, args.cache_dir))
-
-
-def _report(args: argparse.Namespace, run: Callable[[], PrecompileReport | VerifyReport]) -> int:
-    _without_gpu_preallocation()
-    try:
-        report = run()
-    except (SpecFileError, OSError, BuilderUnavailable) as error:
-        print(f"sdpagraph: {error}", file=sys.stderr)
-        return EXIT_CANNOT_RUN
-    print(json.dumps(report.to_dict(), indent=2, sort_keys=True) if args.json else report.text())
-    return report.exit_code
-
-
-@contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """`kill` stops a precompile the way Ctrl-C does: its build workers are stopped too."""
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _without_gpu_preallocation() -> None:
+def without_gpu_preallocation() -> None:
     # JAX takes 75% of GPU memory when it first touches the GPU. These processes only build
     # plans and read the GPU's name: taking memory would starve the other build workers, or
     # a server running on the GPU that `verify` checks. Read by JAX when it starts the GPU.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value

@@ -25,6 +25,7 @@ from sdpagraph.specfile import parse_entry, save_specs
 
 # By module name: the package may re-export the function `precompile` under the same name.
 module = importlib.import_module("sdpagraph.deploy")
+deploy_cli = importlib.import_module("sdpagraph.deploy_cli")
 REPO = Path(__file__).resolve().parents[1]
 DECLINED_HEAD_DIM = 256  # the fake cuDNN declines head dims above 128
 BROKEN_KV_LEN = 13  # and fails (an error, not a decline) on this key length
@@ -248,8 +249,8 @@ def test_precompile_progress_goes_to_the_given_stream(tmp_path, fake):
 def run_cli(capsys, *argv):
     parser = argparse.ArgumentParser(prog="sdpagraph")
     subparsers = parser.add_subparsers()
-    module.add_precompile_command(subparsers)
-    module.add_verify_command(subparsers)
+    deploy_cli.add_precompile_command(subparsers)
+    deploy_cli.add_verify_command(subparsers)
     args = parser.parse_args(argv)
     code = args.handler(args)
     out, err = capsys.readouterr()
@@ -339,11 +340,12 @@ def test_verify_without_a_gpu_says_so(tmp_path, spec_file, capsys):
 
 CHILD = r"""
 import argparse, sys
+from sdpagraph import deploy_cli
 from tests.test_precompile import FakeCudnn, module
 
 module.cudnn_builder = FakeCudnn(sys.argv[1], delay_s=float(sys.argv[2])).builder
 parser = argparse.ArgumentParser()
-module.add_precompile_command(parser.add_subparsers())
+deploy_cli.add_precompile_command(parser.add_subparsers())
 args = parser.parse_args(sys.argv[3:])
 sys.exit(args.handler(args))
 """
