@@ -70,3 +70,19 @@ def test_forward_and_grad_trace_to_the_executor(fake_gpu, kwargs):
     assert custom_calls(grad_jaxpr) == 2 and built[1:] == ["forward", "backward"]
     assert len(registered) == 3 and all(len(d) == 64 for d in registered)
     assert "scalar_values" in str(grad_jaxpr) and "entry_path" in str(grad_jaxpr)
+
+
+def test_remat_and_value_and_grad_trace_through_the_custom_vjp(fake_gpu):
+    built, _ = fake_gpu
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 16, 4, 8)), jnp.bfloat16) for _ in range(3))
+    call = prepare_call(q, k, v, is_causal=True, score_mod=mods.softcap(10.0))
+
+    @jax.checkpoint
+    def layer(q, k, v):
+        out, _ = cudnn_backend.attention(call.spec, q, k, v, call.inputs, call.score_mod)
+        return out
+
+    step = jax.value_and_grad(lambda q, k, v: jnp.sum(layer(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+    jaxpr = jax.make_jaxpr(step)(q, k, v)
+    assert custom_calls(jaxpr) >= 2 and {"forward", "backward"} <= set(built)
