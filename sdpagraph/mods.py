@@ -20,6 +20,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from sdpagraph.graphs.ir import FLOAT, INT, BOOL
+from sdpagraph.graphs.masks import position_conditions, select_each
+from sdpagraph.spec import UNBOUNDED
 
 MASKED_SCORE = -1e30
 QUERY_AXIS, KEY_AXIS = 2, 3
@@ -122,16 +124,13 @@ def causal() -> ScoreMod:
 
 def sliding_window(left: int, right: int = 0) -> ScoreMod:
     """Keys with `q - left <= k <= q + right` (-1 leaves a side open)."""
+    for side, value in (("left", left), ("right", right)):
+        if value < UNBOUNDED:
+            raise ValueError(f"sliding_window {side} must be >= 0 (or -1 for unbounded), got {value}")
 
     def fn(graph, score, tensors):
-        q, k = positions(graph, score)
-        keep = None
-        if left >= 0:
-            keep = _typed(graph.cmp_ge(input=k, comparison=_typed(graph.sub(a=q, b=left), INT)), BOOL)
-        if right >= 0:
-            upper = _typed(graph.cmp_le(input=k, comparison=_typed(graph.add(a=q, b=right), INT)), BOOL)
-            keep = upper if keep is None else _typed(graph.logical_and(a=keep, b=upper), BOOL)
-        return score if keep is None else mask_where(graph, score, keep)
+        keep = position_conditions(graph, score, window=(left, right))
+        return select_each(graph, score, MASKED_SCORE, keep)
 
     return ScoreMod(fn, name=f"sliding_window({left},{right})")
 
@@ -142,11 +141,7 @@ def chunked(size: int) -> ScoreMod:
         raise ValueError(f"chunked size must be > 0, got {size}")
 
     def fn(graph, score, tensors):
-        q, k = positions(graph, score)
-        # floor(pos / size) on non-negative int positions, computed in float (exact below 2**24).
-        q_chunk = _typed(graph.floor(input=_typed(graph.div(a=q, b=float(size)), FLOAT)), FLOAT)
-        k_chunk = _typed(graph.floor(input=_typed(graph.div(a=k, b=float(size)), FLOAT)), FLOAT)
-        return mask_where(graph, score, _typed(graph.cmp_eq(input=q_chunk, comparison=k_chunk), BOOL))
+        return select_each(graph, score, MASKED_SCORE, position_conditions(graph, score, chunk_size=size))
 
     return ScoreMod(fn, name=f"chunked({size})")
 

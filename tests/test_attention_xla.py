@@ -241,3 +241,12 @@ def test_implementation_none_falls_back_to_xla_with_reason(rng, caplog):
     assert not support.supported and support.backend == "xla" and support.reason
     with pytest.raises(ValueError, match="implementation='cudnn'"):
         sdpagraph.attention(q, k, v, implementation="cudnn")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mask_mods_match_the_mask_arguments(rng, dtype):
+    check_against_reference(rng, dtype, ref_mask=ref.allowed(2, 24, 24, window=(4, 3)),
+                            score_mod=mods.sliding_window(4, 3))
+    check_against_reference(rng, dtype, ref_mask=ref.allowed(2, 24, 24, chunk=5), score_mod=mods.chunked(5))
+    check_against_reference(rng, dtype, ref_mask=ref.allowed(2, 24, 24, is_causal=True, window=(6, -1), chunk=8),
+                            score_mod=mods.compose(mods.causal(), mods.sliding_window(6, -1), mods.chunked(8)))

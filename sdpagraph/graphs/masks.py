@@ -47,35 +47,44 @@ def mask_ir(spec: AttentionSpec) -> ScoreModIR | None:
 
     def forward(graph, score, tensors):
         conditions[:] = _conditions(spec, graph, score)
-        return _select_each(graph, score, MASKED, conditions)
+        return select_each(graph, score, MASKED, conditions)
 
     def bprop(graph, dscore, tensors):
-        return _select_each(graph, dscore, 0.0, conditions)
+        return select_each(graph, dscore, 0.0, conditions)
 
     return trace_score_mod(forward, {}, bprop)
 
 
-def _select_each(graph, value, masked, conditions):
+def select_each(graph, value, masked, conditions):
+    """`value` where every condition holds, else `masked`: chained selects (no logical ops)."""
     for keep in conditions:
         value = graph.binary_select(input0=value, input1=masked, mask=keep)
     return value
 
 
 def _conditions(spec: AttentionSpec, graph, score) -> list:
+    shift = spec.kv_len - spec.q_len if spec.causal_alignment == "bottom_right" else 0
+    return position_conditions(graph, score, causal=spec.is_causal, window=spec.window,
+                               chunk_size=spec.chunk_size, shift=shift)
+
+
+def position_conditions(graph, score, *, causal: bool = False, window: tuple[int, int] = (UNBOUNDED, UNBOUNDED),
+                        chunk_size: int | None = None, shift: int = 0) -> list:
+    """The boolean tensors "key k may be seen from query q" for causal, window and chunk masks,
+    around the diagonal `q + shift`, in the integer-only form cuDNN 9.19 runs."""
     q = graph.gen_index(input=score, axis=QUERY_AXIS)
     k = graph.gen_index(input=score, axis=KEY_AXIS)
-    shift = spec.kv_len - spec.q_len if spec.causal_alignment == "bottom_right" else 0
     diag = graph.add(a=q, b=shift) if shift else q
-    left, right = spec.window
+    left, right = window
     conditions = []
-    if spec.is_causal:
+    if causal:
         conditions.append(graph.cmp_le(input=k, comparison=diag))
     if left != UNBOUNDED:
         conditions.append(graph.cmp_ge(input=k, comparison=graph.sub(a=diag, b=left)))
     if right != UNBOUNDED:
         conditions.append(graph.cmp_le(input=k, comparison=graph.add(a=diag, b=right)))
-    if spec.chunk_size is not None:
-        size = spec.chunk_size
+    if chunk_size is not None:
+        size = chunk_size
         # A bottom-right diagonal is negative in the first T - S rows; shifting both sides
         # by a multiple of the chunk keeps `mod` (C fmod) on non-negative values, where
         # x - x mod c is the floor the XLA backend takes.
