@@ -50,6 +50,14 @@ def run_demo(batch: int = 2, seq: int = 1024, heads: int = 8, head_dim: int = 64
               for a, b in zip((value, *grads), (value_ref, *grads_ref))]
     print(f"{support.backend} vs XLA reference: relative error loss {errors[0]:.2e}, "
           f"dq {errors[1]:.2e}, dk {errors[2]:.2e}, dv {errors[3]:.2e}")
+    if not support.supported:
+        print("  (both ran on XLA here; as a drop-in check, plain causal attention against "
+              "jax.nn.dot_product_attention:)")
+        ours = sdpagraph.attention(q, k, v, is_causal=True)
+        theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        errors.append(float(jnp.linalg.norm((ours - theirs).astype(jnp.float32)) /
+                            jnp.linalg.norm(theirs.astype(jnp.float32))))
+        print(f"  relative error {errors[-1]:.2e}")
     print(f"forward+backward: {support.backend} {_time(chosen, q, k, v):.2f} ms, xla {_time(reference, q, k, v):.2f} ms")
     tolerance = 5e-2 if dtype == jnp.bfloat16 else 1e-4
     ok = max(errors) < tolerance
