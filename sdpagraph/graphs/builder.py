@@ -78,8 +78,12 @@ class GraphBuildError(RuntimeError):
         self.cudnn_version = cudnn_version
 
 
+@functools.cache
 def build_environment() -> BuildEnvironment:
-    """The cuDNN backend, the frontend and the GPU of this process (the first JAX GPU)."""
+    """The cuDNN backend, the frontend and the GPU of this process (the first JAX GPU).
+
+    Fixed for the life of the process, so computed once: every trace and support query needs it.
+    """
     import cudnn
     import jax
 

@@ -52,7 +52,7 @@ def _scalar_bits(compiled: CompiledGraph, scalars: Mapping[str, Any]) -> tuple[n
     """(uids, 4-byte host representation of each pass-by-value scalar, as int32 bit patterns)."""
     values = compiled.pass_by_value_values(scalars)
     uids = np.array(sorted(values), np.int64)
-    bits = np.array([np.array(values[u]).astype(values[u].dtype).view(np.int32) for u in uids], np.int32)
+    bits = np.array([np.array(values[u]).view(np.int32) for u in uids], np.int32)  # values are 4-byte typed
     return uids, bits.reshape(-1)
 
 
