@@ -90,8 +90,11 @@ def alibi(slopes: Any) -> ScoreMod:
 def relative_position_bias(table: Any, max_distance: int) -> ScoreMod:
     """`score + table[h, clip(key_pos - query_pos, -D, D) + D]`, table of shape (N, 2D+1).
 
-    Written with selects over the 2D+1 distances (pointwise ops only, no gather), so it
-    fuses into the attention kernel; keep D modest (a few dozen).
+    Pointwise ops only (no gather), so it fuses into the attention kernel: a chain of 2D
+    selects, each `key_pos >= query_pos + d`, walking d up from -D so that the last one
+    that holds picks the column (distances beyond ±D keep the end columns). The
+    comparisons are between int32 positions, the form cuDNN 9.19 runs (it finds no engine
+    for a comparison against a literal). Keep D modest (a few dozen).
     """
     table = np.asarray(table, dtype=np.float32)
     if max_distance < 0 or table.ndim != 2 or table.shape[1] != 2 * max_distance + 1:
@@ -100,13 +103,10 @@ def relative_position_bias(table: Any, max_distance: int) -> ScoreMod:
 
     def fn(graph, score, tensors):
         q, k = positions(graph, score)
-        distance = _typed(graph.sub(a=k, b=q), INT)
-        distance = _typed(graph.max(input0=_typed(graph.min(input0=distance, input1=max_distance), INT),
-                                    input1=-max_distance), INT)
         bias = tensors[f"d{-max_distance}"]
         for d in range(-max_distance + 1, max_distance + 1):
-            hit = _typed(graph.cmp_eq(input=distance, comparison=d), BOOL)
-            bias = _typed(graph.binary_select(input0=tensors[f"d{d}"], input1=bias, mask=hit), FLOAT)
+            reached = _typed(graph.cmp_ge(input=k, comparison=_typed(graph.add(a=q, b=d), INT)), BOOL)
+            bias = _typed(graph.binary_select(input0=tensors[f"d{d}"], input1=bias, mask=reached), FLOAT)
         return _typed(graph.add(a=score, b=bias), FLOAT)
 
     return ScoreMod(fn, columns, name=f"relative_position_bias(D={max_distance})")

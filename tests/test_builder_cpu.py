@@ -241,8 +241,11 @@ def test_configs_the_lowering_cannot_express_raise_unsupported():
         lower_fake(make_spec(segments="self", max_segments=2, head_dim_v=32), None, "forward")
     with pytest.raises(Unsupported, match="packed"):
         lower_fake(make_spec(segments="self", max_segments=2, bias_shape=(2, 8, 128, 128)), None, "forward")
-    with pytest.raises(Unsupported, match="additive bias"):
-        lower_fake(make_spec(mask_shape=(2, 1, 128, 128)), None, "forward")
+    with pytest.raises(Unsupported, match="boolean mask cannot be combined with a score_mod"):
+        lower_fake(make_spec(mask_shape=(2, 1, 128, 128)), softcap_ir(), "forward")
+    with pytest.raises(Unsupported, match="int32 element offsets"):
+        lower_fake(make_spec(segments="self", max_segments=2, batch=64, q_len=8192, kv_len=8192, num_heads=32,
+                             num_kv_heads=32, head_dim=128, head_dim_v=128), None, "forward")
     with pytest.raises(Unsupported, match="sequence lengths cannot be combined with a score_mod"):
         lower_fake(make_spec(has_q_lengths=True), softcap_ir(), "forward")
     with pytest.raises(Unsupported, match="packed segments cannot be combined"):
@@ -250,6 +253,18 @@ def test_configs_the_lowering_cannot_express_raise_unsupported():
     bool_literal = trace_score_mod(lambda g, s, t: g.binary_select(input0=s, input1=0.0, mask=True), {})
     with pytest.raises(Unsupported, match="boolean literal"):
         lower_fake(make_spec(), bool_literal, "forward")
+
+
+def test_a_boolean_mask_becomes_the_bias_operand():
+    """Alone or broadcast together with a bias; dbias only for a user bias, shaped like the operand."""
+    spec = make_spec(mask_shape=(2, 1, 128, 128), is_causal=True)
+    _, lowering, _, options = lower_fake(spec, None, "backward")
+    assert "bias" in lowering.operand_roles and "dbias" not in lowering.result_roles and "dBias" not in options
+    both = make_spec(mask_shape=(2, 1, 128, 128), bias_shape=(1, 8, 128, 128))
+    assert both.graph_bias_shape == (2, 8, 128, 128)
+    _, lowering, _, options = lower_fake(both, None, "backward")
+    assert lowering.result_roles == ("dq", "dk", "dv", "dbias")
+    assert describe(both, None, "backward")["dbias"].dims == (2, 8, 128, 128)
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)

@@ -18,7 +18,8 @@ length, N/K query/kv heads, H/Hv head dims, M = spec.max_segments:
     o (B,T,N,Hv), dO (B,T,N,Hv)                    backward only, io dtype
     stats                                          backward only, float32: (B,N,T) dense;
                                                    (B,T,N) packed (one value per token and head)
-    bias  spec.bias_shape                          io dtype (cast a float32 bias first)
+    bias  spec.graph_bias_shape                    io dtype (cast a float32 bias first); a boolean mask
+                                                   is folded in as a large negative value where it says no
     seq_len_q, seq_len_kv                          int32; dense padding: (B,), the valid lengths
                                                    (pass the full T or S for a side without lengths);
                                                    packed: (B*M,) = segment_metadata(...).seq_lens
@@ -32,13 +33,14 @@ length, N/K query/kv heads, H/Hv head dims, M = spec.max_segments:
                                                    those the direction reads), 4-D broadcast shape,
                                                    float32 (FLOAT) or int32 (INT)
 
-Results: forward o (B,T,N,Hv) + stats, inference o, backward dq, dk, dv (+ dbias with
-spec.bias_shape), shaped like their inputs. Rows cuDNN does not compute (padded queries,
+Results: forward o (B,T,N,Hv) + stats, inference o, backward dq, dk, dv (+ dbias, shaped
+like the bias operand, when spec.bias_shape is set), shaped like their inputs. Rows cuDNN does not compute (padded queries,
 tokens between or after packed segments) are not written: zero them on the JAX side.
 Pass-by-value tensors (`CompiledGraph.pass_by_value`) are float32 host values bound by UID
 (int scalars too).
-Packed (THD) graphs need H == Hv and take no bias; graphs with a score_mod or chunks take
-no lengths (THD or padding), and no graph takes a boolean mask (`graphs.lowering` says why).
+Packed (THD) graphs need H == Hv and take no bias or mask; graphs with a score_mod or chunks
+take no lengths (THD or padding), and graphs with a user score_mod take no boolean mask
+(`graphs.lowering` says why).
 """
 from __future__ import annotations
 

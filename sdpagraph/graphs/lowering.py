@@ -11,9 +11,14 @@ aligned diagonal). With a mod (a user score_mod, or a chunk size, which has no f
 cuDNN switches those flags off, so causal, window and chunk masks are lowered into the
 mod (`graphs.masks`) and emitted after the user's IR (`graphs.mod_lowering`).
 
+A boolean mask has no flag: it reaches the graph as (part of) the additive bias operand
+(`spec.graph_bias_shape`; the JAX side fills in a large negative value where the mask
+says no), so it cannot be combined with a user score_mod, which cuDNN applies after the bias.
+
 Declined before building (`Unsupported`), because cuDNN 9.19 crashed the process while
 planning them on an H100 (segfault / SIGFPE, 2026-11-22) and a support query must not
-crash: boolean masks, and sequence lengths or packed segments together with a mod.
+crash: sequence lengths or packed segments together with a mod. Also declined: packed
+buffers whose element offsets do not fit cuDNN's int32 ragged offsets.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from sdpagraph.spec import UNBOUNDED, AttentionSpec
 IO_TYPES = {"bfloat16": "BFLOAT16", "float16": "HALF"}
 PASS_BY_VALUE_TYPE = "float32"  # every pass-by-value tensor (see graphs.mod_lowering)
 SCALAR_DIMS = [1, 1, 1, 1]
+INT32_LIMIT = 2**31 - 1  # cuDNN ragged offsets are int32 element counts
 
 
 @dataclass(frozen=True)
@@ -113,7 +119,7 @@ def mod_stages(spec: AttentionSpec, ir: ScoreModIR | None) -> list[ModStage]:
 def _sdpa_options(spec: AttentionSpec, tensors: dict[str, Any], emitter: ModEmitter | None, direction: str,
                   cudnn: Any) -> dict[str, Any]:
     options: dict[str, Any] = {"attn_scale": spec.scale}
-    if spec.bias_shape is not None:
+    if spec.graph_bias_shape is not None:
         options["bias"] = tensors["bias"]
     if emitter is not None:
         options["score_mod"] = emitter.forward
@@ -170,9 +176,10 @@ def _storage_types(spec: AttentionSpec, cudnn: Any) -> dict[str, Any]:
 
 
 def _check_lowerable(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> None:
-    if spec.mask_shape is not None:
-        raise Unsupported("boolean masks have no cuDNN flag, and cuDNN 9.19 crashed planning them inside a "
-                          "score_mod: pass the mask as an additive bias (jnp.where(mask, 0, -inf)) to run on cuDNN")
+    if spec.mask_shape is not None and ir is not None:
+        raise Unsupported("a boolean mask cannot be combined with a score_mod on cuDNN: the mask travels as an "
+                          "additive bias, which cuDNN adds before the mod; write the mask inside the score_mod "
+                          "(see sdpagraph.mods.mask_where)")
     if direction == "backward" and ir is not None and ir.grad_output is None:
         raise Unsupported("the score_mod has no bprop: pass score_mod_bprop or use differentiable ops")
     if needs_mod(spec, ir) and (spec.has_padding or spec.segments):
@@ -184,6 +191,10 @@ def _check_lowerable(spec: AttentionSpec, ir: ScoreModIR | None, direction: str)
     if spec.head_dim_v != spec.head_dim:
         raise Unsupported(f"packed segments need the value head dim ({spec.head_dim_v}) to equal the "
                           f"query/key head dim ({spec.head_dim}): both share one ragged offset per side")
-    if spec.bias_shape is not None:
-        raise Unsupported("a bias cannot be combined with packed segments: its (T, S) axes do not map onto "
-                          "packed sequences")
+    if spec.graph_bias_shape is not None:
+        raise Unsupported("a bias or boolean mask cannot be combined with packed segments: its (T, S) axes do "
+                          "not map onto packed sequences")
+    largest = max(spec.batch * spec.q_len * spec.num_heads, spec.batch * spec.kv_len * spec.num_kv_heads)
+    if largest * max(spec.head_dim, spec.head_dim_v) > INT32_LIMIT:
+        raise Unsupported(f"packed segments address q/k/v through int32 element offsets, and a buffer here has "
+                          f"{largest * max(spec.head_dim, spec.head_dim_v)} elements (> 2**31 - 1): split the batch")

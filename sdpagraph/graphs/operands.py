@@ -50,7 +50,7 @@ def graph_io(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> tupl
     operands = ["q", "k", "v"]
     if direction == "backward":
         operands += BACKWARD_INPUTS
-    if spec.bias_shape is not None:
+    if spec.graph_bias_shape is not None:
         operands.append("bias")
     if spec.has_padding or spec.segments:
         operands += ["seq_len_q", "seq_len_kv"]
@@ -121,7 +121,7 @@ def _describe_role(spec: AttentionSpec, ir: ScoreModIR | None, role: str) -> Ten
             return TensorDesc((b, n, t, 1), (t * n, 1, n, 1), "float32", "ragged_offset_stats")
         return TensorDesc((b, n, t, 1), (n * t, t, 1, 1), "float32")
     if role in ("bias", "dbias"):
-        return _row_major(spec.bias_shape, "io")
+        return _row_major(spec.graph_bias_shape, "io")
     if role in ("seq_len_q", "seq_len_kv"):
         return _row_major((b, 1, 1, 1), "int32")
     if role.startswith("ragged_offset_"):

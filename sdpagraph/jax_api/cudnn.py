@@ -24,7 +24,7 @@ from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.operands import ARRAY_PREFIX
 from sdpagraph.graphs.support import Support, check_graphs, environment_reason
 from sdpagraph.jax_api.segments import segment_metadata, segment_run_ids
-from sdpagraph.jax_api.xla import RuntimeInputs
+from sdpagraph.jax_api.xla import RuntimeInputs, attended_rows
 from sdpagraph.spec import AttentionSpec
 
 
@@ -83,10 +83,17 @@ def _run_graph(static: _Static, direction: str, operands: Mapping[str, Any],
 # ----------------------------------------------------------------------------- operands
 
 class _Validity(NamedTuple):
-    """Which token rows cuDNN computes (a pytree, so it can pass through custom_vjp)."""
+    """Which rows hold results (a pytree, so it can pass through custom_vjp)."""
 
-    q: Any  # (B, T) bool, or None when all rows are computed
+    q: Any  # (B, T) bool: token rows cuDNN computes, or None when it computes all
     kv: Any  # (B, S) bool, or None
+    attended: Any = None  # (B|1, T, N|1, 1) bool with a boolean mask: rows with a key to attend to
+
+
+# Where a boolean mask says no, the bias operand holds this: finite (a row with no allowed key
+# must not turn into NaN inside cuDNN; sdpagraph zeroes such rows itself), and small enough that
+# cuDNN's fp32 exp2 scaling (x log2 e) of it does not overflow.
+MASKED_BIAS = {"bfloat16": -1e30, "float16": float(np.finfo(np.float16).min)}
 
 
 def _packed_operands(spec: AttentionSpec, inputs: RuntimeInputs) -> dict[str, Any]:
@@ -123,6 +130,24 @@ def _operands(spec: AttentionSpec, inputs: RuntimeInputs) -> tuple[dict[str, Any
             operands["seq_len_q"], operands["seq_len_kv"] = q_len, kv_len
             validity = _Validity(jnp.arange(t)[None, :] < q_len[:, None], jnp.arange(s)[None, :] < kv_len[:, None])
     return operands, validity
+
+
+def _bias_operand(spec: AttentionSpec, inputs: RuntimeInputs, dtype: Any) -> Any:
+    """The graph's bias: the user's bias with the boolean mask folded in (`spec.graph_bias_shape`)."""
+    if spec.graph_bias_shape is None:
+        return None
+    bias = inputs.bias
+    if inputs.mask is not None:
+        kept = jnp.zeros((), jnp.float32) if bias is None else bias.astype(jnp.float32)
+        bias = jnp.where(inputs.mask, kept, jnp.float32(MASKED_BIAS[spec.dtype]))
+    return jnp.broadcast_to(bias, spec.graph_bias_shape).astype(dtype)
+
+
+def _attended(spec: AttentionSpec, inputs: RuntimeInputs) -> Any:
+    """With a boolean mask, which (B|1, T, N|1, 1) rows attend to some key (cuDNN averages the others)."""
+    if inputs.mask is None:
+        return None
+    return jnp.swapaxes(attended_rows(spec, inputs), 1, 2)[..., None]
 
 
 def _zero_rows(x: Any, valid: Any) -> Any:
@@ -165,16 +190,21 @@ def _core_fwd(static: _Static, q, k, v, bias, aux, validity):
 def _core_bwd(static: _Static, residuals, cotangents):
     q, k, v, bias, aux, validity, o, stats = residuals
     d_o, _ = cotangents  # the stats (logsumexp) are returned without a gradient, as jax does
+    if validity.attended is not None:  # rows the output zeroed pass no gradient
+        d_o = jnp.where(validity.attended, d_o, jnp.zeros((), d_o.dtype))
     spec = static.spec
     results = {"dq": jax.ShapeDtypeStruct(q.shape, q.dtype), "dk": jax.ShapeDtypeStruct(k.shape, k.dtype),
                "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
-    if bias is not None:
-        results["dbias"] = jax.ShapeDtypeStruct(spec.bias_shape, bias.dtype)
+    if spec.bias_shape is not None:
+        results["dbias"] = jax.ShapeDtypeStruct(spec.graph_bias_shape, bias.dtype)
     operands = {"q": q, "k": k, "v": v, "o": o, "dO": d_o.astype(o.dtype), "stats": stats, "bias": bias, **aux}
     grads = _run_graph(static, "backward", operands, results)
     dq = _zero_rows(grads["dq"], validity.q)
     dk, dv = (_zero_rows(grads[role], validity.kv) for role in ("dk", "dv"))
-    return dq, dk, dv, grads.get("dbias"), None, None
+    dbias = grads.get("dbias")
+    if dbias is None and bias is not None:  # a mask-only bias: a constant
+        dbias = jnp.zeros_like(bias)
+    return dq, dk, dv, dbias, None, None
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -185,12 +215,17 @@ def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: Run
     """Return (output (B, T, N, H_v), logsumexp (B, N, T) or None for the inference graph)."""
     static = _Static(spec, score_mod, tuple(sorted((inputs.mod_scalars or {}).items())), training)
     aux, validity = _operands(spec, inputs)
-    bias = None if inputs.bias is None else jnp.broadcast_to(inputs.bias, spec.bias_shape).astype(query.dtype)
+    validity = validity._replace(attended=_attended(spec, inputs))
+    bias = _bias_operand(spec, inputs, query.dtype)
     out, stats = _core(static, query, key, value, bias, aux, validity)
     out = _zero_rows(out, validity.q)
+    if validity.attended is not None:
+        out = jnp.where(validity.attended, out, jnp.zeros((), out.dtype))
     if stats is None:
         return out, None
     lse = jnp.swapaxes(stats, 1, 2) if spec.segments else stats
-    if validity.q is None:
-        return out, lse
-    return out, jnp.where(validity.q[:, None, :], lse, -jnp.inf)
+    if validity.q is not None:
+        lse = jnp.where(validity.q[:, None, :], lse, -jnp.inf)
+    if validity.attended is not None:
+        lse = jnp.where(jnp.swapaxes(validity.attended[..., 0], 1, 2), lse, -jnp.inf)
+    return out, lse

@@ -112,8 +112,16 @@ def allowed_mask(spec: AttentionSpec, inputs: RuntimeInputs, layout: _Layout) ->
     return allowed
 
 
+def attended_rows(spec: AttentionSpec, inputs: RuntimeInputs) -> Any:
+    """Boolean (B|1, N|1, T): the query rows that may attend to at least one key."""
+    return jnp.any(allowed_mask(spec, inputs, _layout(spec, inputs)), axis=-1)
+
+
 def _dot_precision(dtype: Any) -> Any:
-    # As jax.nn.dot_product_attention: bf16/fp16 inputs, fp32 accumulation.
+    # As jax.nn.dot_product_attention: bf16/fp16 inputs, fp32 accumulation. XLA:CPU rejects the
+    # fp16 preset in the gradient's dots; there the default precision already accumulates in fp32.
+    if jax.default_backend() == "cpu":
+        return None
     return {jnp.bfloat16: jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
             jnp.float16: jax.lax.DotAlgorithmPreset.F16_F16_F32}.get(jnp.dtype(dtype).type)
 

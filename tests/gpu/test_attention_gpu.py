@@ -66,11 +66,24 @@ def case_kwargs(name, rng, B, T, S, N):
         "alibi": dict(score_mod=mods.compose(mods.alibi(slopes), mods.causal())),
         "relative_bias": dict(score_mod=mods.relative_position_bias(table, 4)),
         "prefix_lm": dict(score_mod=mods.prefix_lm(100)),
+        "sliding_window_mod": dict(score_mod=mods.sliding_window(64, 0)),
+        "chunked_mod": dict(score_mod=mods.compose(mods.chunked(128), mods.causal())),
+        "mask": dict(mask=boolean_mask(rng, B, 1, T, S)),
+        "mask_bias": dict(mask=boolean_mask(rng, B, 1, T, S),
+                          bias=jnp.asarray(rng.standard_normal((1, N, T, S)), jnp.bfloat16)),
     }[name]
 
 
+def boolean_mask(rng, *shape):
+    """Random keep/drop with one query row fully masked (cuDNN must give 0 there, as XLA does)."""
+    mask = rng.random(shape) < 0.7
+    mask[..., 5, :] = False
+    return jnp.asarray(mask)
+
+
 CASES = ["plain", "causal", "bottom_right", "window_left", "window_two_sided", "padding", "segments", "chunk",
-         "softcap_causal", "alibi", "relative_bias", "prefix_lm"]
+         "softcap_causal", "alibi", "relative_bias", "prefix_lm", "sliding_window_mod", "chunked_mod", "mask",
+         "mask_bias"]
 # Every case in bf16 with 8/8 heads; head layouts and fp16 where they change the graph most.
 GRID = ([(name, (8, 8), "bfloat16") for name in CASES]
         + [(name, heads, "bfloat16") for name in ("causal", "padding", "softcap_causal") for heads in ((8, 2), (8, 1))]

@@ -1,0 +1,177 @@
+"""Time every cuDNN plan of the graphs sdpagraph builds, and a few ways to write the same mod.
+Needs a GPU and torch (for buffers and CUDA events).
+
+    python bench/plans.py [--out DIR] [--shape B,T,N,H]
+
+Answers two questions for softcap(30)+causal at bf16 B4 T4096 N16 H128: does the heuristic's
+first plan (what `graphs.builder` keeps) win, and which formulation of the mod (mask in the
+bprop or not, divide or multiply by the cap, -inf or a finite mask value) runs fastest? The
+baselines are causal with cuDNN's native flag and the causal mask lowered into a mod.
+Each graph is lowered by `graphs.lowering` exactly as the runtime does, then every plan
+of heuristics A, B and FALLBACK is built and timed (CUDA events, mean of 20 runs).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+from sdpagraph import mods
+from sdpagraph.graphs.lowering import lower, new_graph
+from sdpagraph.graphs.operands import describe
+from sdpagraph.jax_api.attention import prepare_call
+
+CAP = 30.0
+
+
+def _typed(tensor, name="FLOAT"):
+    return tensor.set_data_type(name)
+
+
+def softcap_mul(with_causal: bool, mask_in_bprop: bool, masked_value: float):
+    """softcap by multiplying with 1/cap, optionally with the causal mask inside the user's mod."""
+    pre_tensors = []
+
+    def fn(g, s, t):
+        pre = _typed(g.mul(a=s, b=t["inv_cap"]))
+        pre_tensors[:] = [pre]
+        out = _typed(g.mul(a=_typed(g.tanh(input=pre)), b=t["cap"]))
+        if with_causal:
+            q, k = mods.positions(g, s)
+            keep = _typed(g.cmp_le(input=k, comparison=q), "BOOLEAN")
+            pre_tensors.append(keep)
+            out = _typed(g.binary_select(input0=out, input1=masked_value, mask=keep))
+        return out
+
+    def bprop(g, ds, t):
+        if with_causal and mask_in_bprop:
+            ds = _typed(g.binary_select(input0=ds, input1=0.0, mask=pre_tensors[1]))
+        grad = _typed(g.tanh_backward(loss=_typed(g.mul(a=ds, b=t["cap"])), input=pre_tensors[0]))
+        return _typed(g.mul(a=grad, b=t["inv_cap"]))
+
+    return fn, bprop, {"cap": CAP, "inv_cap": 1.0 / CAP}
+
+
+def cases():
+    """name -> keyword arguments of `attention` (score_mod, score_mod_bprop, score_mod_tensors)."""
+    identity = lambda g, s, t: s  # noqa: E731 - the spec's causal mask is then lowered into the mod
+    table = {
+        "causal, native flag": dict(is_causal=True),
+        "causal in the mod (-inf, graphs.masks)": dict(is_causal=True, score_mod=identity),
+        "mods.causal() (-1e30)": dict(score_mod=mods.causal()),
+        "softcap, no mask": dict(score_mod=mods.softcap(CAP)),
+        "softcap + causal [runtime form]": dict(is_causal=True, score_mod=mods.softcap(CAP)),
+        "compose(softcap, causal) (-1e30)": dict(score_mod=mods.compose(mods.softcap(CAP), mods.causal())),
+    }
+    for label, with_mask_bprop, masked in (("mask in bprop", True, float("-inf")),
+                                           ("no mask in bprop", False, float("-inf")),
+                                           ("no mask in bprop, -1e30", False, -1e30)):
+        fn, bprop, tensors = softcap_mul(True, with_mask_bprop, masked)
+        table[f"softcap*(1/cap) + causal, {label}"] = dict(score_mod=fn, score_mod_bprop=bprop,
+                                                          score_mod_tensors=tensors)
+    return table
+
+
+def buffers(torch, descs, roles, rng):
+    types = {"io": torch.bfloat16, "float32": torch.float32, "int32": torch.int32}
+    out = {}
+    for role in roles:
+        d = descs[role]
+        t = torch.empty_strided(d.dims, d.strides, dtype=types[d.dtype], device="cuda")
+        if d.dtype == "io":
+            t.copy_(torch.from_numpy(rng.standard_normal(d.dims).astype(np.float32)))
+        out[role] = t
+    return out
+
+
+def time_plans(torch, cudnn, handle, call, direction, pack_extra, rng, only_first=False):
+    """[(index, plan name, workspace MB, ms or error)] for every plan of the graph."""
+    spec, ir = call.spec, call.score_mod
+    graph = new_graph(spec, direction, cudnn)
+    lowering = lower(graph, spec, ir, direction, cudnn)
+    descs = describe(spec, ir, direction)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    bufs = buffers(torch, descs, [r for r in lowering.operand_roles if r not in pack_extra], rng)
+    bufs.update(pack_extra)
+    bufs.update(buffers(torch, descs, lowering.result_roles, rng))
+    pack = {lowering.uids[role]: bufs[role] for role in lowering.operand_roles + lowering.result_roles}
+    scalars = {**call.inputs.mod_scalars}
+    for uid, (kind, source), _ in lowering.pass_by_value:
+        value = float(scalars[source]) if kind == "scalar" else float(source)
+        pack[uid] = torch.full((1, 1, 1, 1), value, dtype=torch.float32)
+    rows = []
+    count = graph.get_execution_plan_count()
+    for index in range(1 if only_first else count):
+        name = graph.get_plan_name_at_index(index)
+        try:
+            graph.build_plan_at_index(index)
+            if graph.selected_engine is not None:
+                rows.append((index, name, None, "python engine (not exportable)"))
+                continue
+            size = graph.get_workspace_size_plan_at_index(index)
+            workspace = torch.empty(max(size, 1), dtype=torch.uint8, device="cuda")
+            run = lambda: graph.execute_plan_at_index(pack, workspace, index=index, handle=handle)  # noqa: E731
+            for _ in range(3):
+                run()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                run()
+            end.record()
+            torch.cuda.synchronize()
+            rows.append((index, name, size / 2**20, start.elapsed_time(end) / 20))
+        except Exception as error:  # noqa: BLE001 - a plan that does not build is a finding
+            rows.append((index, name, None, "declined: " + " ".join(str(error).split())[:80]))
+    return rows, bufs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--shape", default="4,4096,16,128")
+    args = parser.parse_args()
+    import jax
+    import torch
+    import cudnn
+
+    B, T, N, H = (int(x) for x in args.shape.split(","))
+    shape = jax.ShapeDtypeStruct((B, T, N, H), "bfloat16")
+    handle = cudnn.create_handle()
+    rng = np.random.default_rng(0)
+    lines = [f"bf16 B{B} T{T} N{N} H{H}, every plan of heuristics A+B+FALLBACK, mean of 20 runs, "
+             f"{torch.cuda.get_device_name()}, cuDNN {cudnn.backend_version()}, frontend {cudnn.__version__}, "
+             f"{time.strftime('%Y-%m-%d')}", "",
+             "| formulation | direction | plan | name | workspace MB | ms |", "|---|---|---|---|---|---|"]
+    for label, kwargs in cases().items():
+        call = prepare_call(shape, shape, shape, **kwargs)
+        for direction in ("forward", "backward"):
+            extra = {}
+            if direction == "backward":  # o and stats from the forward graph's first plan
+                _, fwd = time_plans(torch, cudnn, handle, call, "forward", {}, rng, only_first=True)
+                extra = {"o": fwd["o"], "stats": fwd["stats"]}
+            try:
+                rows, _ = time_plans(torch, cudnn, handle, call, direction, extra, rng)
+            except Exception as error:  # noqa: BLE001
+                rows = [("-", "-", None, "graph declined: " + " ".join(str(error).split())[:100])]
+            for index, name, ws, ms in rows:
+                ms_text = f"{ms:.3f}" if isinstance(ms, float) else ms
+                ws_text = f"{ws:.1f}" if ws is not None else ""
+                lines.append(f"| {label} | {direction} | {index} | {name} | {ws_text} | {ms_text} |")
+                print(lines[-1], flush=True)
+            torch.cuda.empty_cache()
+    text = "\n".join(lines)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "plans.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
