@@ -58,6 +58,7 @@ else:
     jax.block_until_ready(step(q, k, v))
 row["first_call_s"] = time.perf_counter() - start
 row["cudnn_builds"] = default_cache().stats()["builds"]
+row["frontend_imported"] = "cudnn" in sys.modules
 print(json.dumps(row))
 """
 
@@ -92,12 +93,14 @@ def main() -> int:
             ("(d) sdpagraph, warm graph cache + JAX compilation cache (warm)", child("sdpagraph", graphs, jax_cache, "strict")),
         ]
         phases = {which: child(which, graphs, mode="strict", phases=True) for which in ("sdpagraph", "jax")}
-    lines = ["| scenario | first fwd+bwd call s | cuDNN builds | whole process s |", "|---|---|---|---|"]
+    lines = ["| scenario | first fwd+bwd call s | cuDNN builds | cudnn frontend imported | whole process s |",
+             "|---|---|---|---|---|"]
     for name, row in rows:
         if "error" in row:
-            lines.append(f"| {name} | error: {row['error']} | | |")
+            lines.append(f"| {name} | error: {row['error']} | | | |")
         else:
-            lines.append(f"| {name} | {row['first_call_s']:.3f} | {row['cudnn_builds']} | {row['process_s']:.1f} |")
+            lines.append(f"| {name} | {row['first_call_s']:.3f} | {row['cudnn_builds']} | "
+                         f"{'yes' if row['frontend_imported'] else 'no'} | {row['process_s']:.1f} |")
     lines += ["", "The same first call split into phases (AOT: `lower`, `compile`, first run; fresh process, "
               "no JAX compilation cache; graph cache warm):", "",
               "| which | imports s | trace+lower s | XLA compile s | first run s | total s |", "|---|---|---|---|---|---|"]

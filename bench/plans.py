@@ -20,7 +20,9 @@ import time
 import numpy as np
 
 from sdpagraph import mods
+from sdpagraph.graphs import lowering as lowering_module
 from sdpagraph.graphs.lowering import lower, new_graph
+from sdpagraph.graphs.mod_lowering import ModEmitter
 from sdpagraph.graphs.operands import describe
 from sdpagraph.jax_api.attention import prepare_call
 
@@ -55,6 +57,31 @@ def softcap_mul(with_causal: bool, mask_in_bprop: bool, masked_value: float):
     return fn, bprop, {"cap": CAP, "inv_cap": 1.0 / CAP}
 
 
+def causal_ge(softcap: bool):
+    """The causal mask in the operand order of cuDNN's own (pre-9.21) diagonal band mask:
+    `row >= col`, then select(score, -inf)."""
+
+    def fn(g, s, t):
+        if softcap:
+            s = mods.softcap(CAP)(g, s, {"cap": t["cap"]})
+        q, k = mods.positions(g, s)
+        keep = _typed(g.cmp_ge(input=q, comparison=k), "BOOLEAN")
+        return _typed(g.binary_select(input0=s, input1=float("-inf"), mask=keep))
+
+    return dict(score_mod=fn, score_mod_tensors={"cap": CAP} if softcap else {})
+
+
+class UntypedIndexEmitter(ModEmitter):
+    """gen_index without a compute type, as cuDNN's own masks emit it."""
+
+    def _apply(self, graph, node, operands):
+        if node.op != "gen_index":
+            return super()._apply(graph, node, operands)
+        result = graph.gen_index(input=operands[0], axis=node.attr("axis"))
+        result.set_data_type(self._types[node.dtype])
+        return result
+
+
 def cases():
     """name -> keyword arguments of `attention` (score_mod, score_mod_bprop, score_mod_tensors)."""
     identity = lambda g, s, t: s  # noqa: E731 - the spec's causal mask is then lowered into the mod
@@ -66,6 +93,10 @@ def cases():
         "softcap + causal [runtime form]": dict(is_causal=True, score_mod=mods.softcap(CAP)),
         "compose(softcap, causal) (-1e30)": dict(score_mod=mods.compose(mods.softcap(CAP), mods.causal())),
     }
+    table["causal row>=col"] = causal_ge(False)
+    table["causal row>=col, untyped gen_index"] = dict(causal_ge(False), emitter=UntypedIndexEmitter)
+    table["softcap + causal row>=col"] = causal_ge(True)
+    table["softcap + causal row>=col, untyped gen_index"] = dict(causal_ge(True), emitter=UntypedIndexEmitter)
     for label, with_mask_bprop, masked in (("mask in bprop", True, float("-inf")),
                                            ("no mask in bprop", False, float("-inf")),
                                            ("no mask in bprop, -1e30", False, -1e30)):
@@ -87,11 +118,15 @@ def buffers(torch, descs, roles, rng):
     return out
 
 
-def time_plans(torch, cudnn, handle, call, direction, pack_extra, rng, only_first=False):
+def time_plans(torch, cudnn, handle, call, direction, pack_extra, rng, only_first=False, emitter=ModEmitter):
     """[(index, plan name, workspace MB, ms or error)] for every plan of the graph."""
     spec, ir = call.spec, call.score_mod
     graph = new_graph(spec, direction, cudnn)
-    lowering = lower(graph, spec, ir, direction, cudnn)
+    lowering_module.ModEmitter = emitter
+    try:
+        lowering = lower(graph, spec, ir, direction, cudnn)
+    finally:
+        lowering_module.ModEmitter = ModEmitter
     descs = describe(spec, ir, direction)
     graph.validate()
     graph.build_operation_graph()
@@ -135,6 +170,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=".")
     parser.add_argument("--shape", default="4,4096,16,128")
+    parser.add_argument("--only", default="", help="formulations to run, separated by ';' (default: all)")
+    parser.add_argument("--first-plan", action="store_true", help="time only the heuristic's first plan")
     args = parser.parse_args()
     import jax
     import torch
@@ -148,15 +185,21 @@ def main() -> int:
              f"{torch.cuda.get_device_name()}, cuDNN {cudnn.backend_version()}, frontend {cudnn.__version__}, "
              f"{time.strftime('%Y-%m-%d')}", "",
              "| formulation | direction | plan | name | workspace MB | ms |", "|---|---|---|---|---|---|"]
+    selected = [name.strip() for name in args.only.split(";")] if args.only else None
     for label, kwargs in cases().items():
+        if selected and label not in selected:
+            continue
+        kwargs = dict(kwargs)
+        emitter = kwargs.pop("emitter", ModEmitter)
         call = prepare_call(shape, shape, shape, **kwargs)
         for direction in ("forward", "backward"):
             extra = {}
             if direction == "backward":  # o and stats from the forward graph's first plan
-                _, fwd = time_plans(torch, cudnn, handle, call, "forward", {}, rng, only_first=True)
+                _, fwd = time_plans(torch, cudnn, handle, call, "forward", {}, rng, only_first=True, emitter=emitter)
                 extra = {"o": fwd["o"], "stats": fwd["stats"]}
             try:
-                rows, _ = time_plans(torch, cudnn, handle, call, direction, extra, rng)
+                rows, _ = time_plans(torch, cudnn, handle, call, direction, extra, rng, only_first=args.first_plan,
+                                     emitter=emitter)
             except Exception as error:  # noqa: BLE001
                 rows = [("-", "-", None, "graph declined: " + " ".join(str(error).split())[:100])]
             for index, name, ws, ms in rows:

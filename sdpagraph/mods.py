@@ -90,26 +90,31 @@ def alibi(slopes: Any) -> ScoreMod:
 def relative_position_bias(table: Any, max_distance: int) -> ScoreMod:
     """`score + table[h, clip(key_pos - query_pos, -D, D) + D]`, table of shape (N, 2D+1).
 
-    Pointwise ops only (no gather), so it fuses into the attention kernel: a chain of 2D
-    selects, each `key_pos >= query_pos + d`, walking d up from -D so that the last one
-    that holds picks the column (distances beyond ±D keep the end columns). The
-    comparisons are between int32 positions, the form cuDNN 9.19 runs (it finds no engine
-    for a comparison against a literal). Keep D modest (a few dozen).
+    Pointwise integer arithmetic only (no gather, no select between arrays: cuDNN 9.19 has no
+    engine for those), so it fuses into the attention kernel: the bias is the first column
+    plus one step per distance d in (-D, D], `table[:, d] - table[:, d-1]`, taken where
+    `key_pos - query_pos >= d`, that is `min(max(distance - d + 1, 0), 1)` times the step.
+    Distances beyond ±D keep the end columns. It costs 5 ops per column: keep D modest.
     """
     table = np.asarray(table, dtype=np.float32)
     if max_distance < 0 or table.ndim != 2 or table.shape[1] != 2 * max_distance + 1:
         raise ValueError(f"table must have shape (N, 2*max_distance+1)=(N, {2 * max_distance + 1}), got {table.shape}")
-    columns = {f"d{d}": table[:, d + max_distance].reshape(1, -1, 1, 1) for d in range(-max_distance, max_distance + 1)}
+    per_head = lambda column: column.reshape(1, -1, 1, 1)  # noqa: E731
+    tensors = {"first": per_head(table[:, 0])}
+    tensors.update({f"step{d}": per_head(table[:, d + max_distance] - table[:, d + max_distance - 1])
+                    for d in range(-max_distance + 1, max_distance + 1)})
 
     def fn(graph, score, tensors):
         q, k = positions(graph, score)
-        bias = tensors[f"d{-max_distance}"]
+        distance = _typed(graph.sub(a=k, b=q), INT)
+        score = _typed(graph.add(a=score, b=tensors["first"]), FLOAT)
         for d in range(-max_distance + 1, max_distance + 1):
-            reached = _typed(graph.cmp_ge(input=k, comparison=_typed(graph.add(a=q, b=d), INT)), BOOL)
-            bias = _typed(graph.binary_select(input0=tensors[f"d{d}"], input1=bias, mask=reached), FLOAT)
-        return _typed(graph.add(a=score, b=bias), FLOAT)
+            above = _typed(graph.max(input0=_typed(graph.sub(a=distance, b=d - 1), INT), input1=0), INT)
+            reached = _typed(graph.min(input0=above, input1=1), INT)
+            score = _typed(graph.add(a=score, b=_typed(graph.mul(a=reached, b=tensors[f"step{d}"]), FLOAT)), FLOAT)
+        return score
 
-    return ScoreMod(fn, columns, name=f"relative_position_bias(D={max_distance})")
+    return ScoreMod(fn, tensors, name=f"relative_position_bias(D={max_distance})")
 
 
 def causal() -> ScoreMod:

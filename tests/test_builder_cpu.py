@@ -241,8 +241,6 @@ def test_configs_the_lowering_cannot_express_raise_unsupported():
         lower_fake(make_spec(segments="self", max_segments=2, head_dim_v=32), None, "forward")
     with pytest.raises(Unsupported, match="packed"):
         lower_fake(make_spec(segments="self", max_segments=2, bias_shape=(2, 8, 128, 128)), None, "forward")
-    with pytest.raises(Unsupported, match="boolean mask cannot be combined with a score_mod"):
-        lower_fake(make_spec(mask_shape=(2, 1, 128, 128)), softcap_ir(), "forward")
     with pytest.raises(Unsupported, match="int32 element offsets"):
         lower_fake(make_spec(segments="self", max_segments=2, batch=64, q_len=8192, kv_len=8192, num_heads=32,
                              num_kv_heads=32, head_dim=128, head_dim_v=128), None, "forward")

@@ -39,12 +39,14 @@ tokens between or after packed segments) are not written: zero them on the JAX s
 Pass-by-value tensors (`CompiledGraph.pass_by_value`) are float32 host values bound by UID
 (int scalars too).
 Packed (THD) graphs need H == Hv and take no bias or mask; graphs with a score_mod or chunks
-take no lengths (THD or padding), and graphs with a user score_mod take no boolean mask
-(`graphs.lowering` says why).
+take no lengths (THD or padding) (`graphs.lowering` says why).
 """
 from __future__ import annotations
 
+import ctypes
 import functools
+import importlib.metadata
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +61,8 @@ from sdpagraph.spec import AttentionSpec
 __all__ = ["BuildEnvironment", "GraphBuildError", "build", "build_environment", "graph_io", "graph_key"]
 
 NO_MOD = "none"
+CUDNN_SONAME = "libcudnn.so.9"  # the executor binds the same library (ffi/executor.cc, section 2)
+FRONTEND_DISTRIBUTION = "nvidia-cudnn-frontend"
 
 
 @dataclass(frozen=True)
@@ -85,18 +89,42 @@ def build_environment() -> BuildEnvironment:
     """The cuDNN backend, the frontend and the GPU of this process (the first JAX GPU).
 
     Fixed for the life of the process, so computed once: every trace and support query needs it.
+    It does not import the cudnn frontend module when it can help it (importing it is most of a
+    cache hit's cold start): cuDNN's version comes from the libcudnn JAX loaded, the one the
+    executor runs graphs with, and the frontend's from its package metadata.
     """
-    import cudnn
     import jax
 
     device = jax.devices("gpu")[0]
     capability = str(device.compute_capability).replace(".", "")
-    version = int(cudnn.backend_version())
+    version = _loaded_cudnn_version()
+    frontend = _frontend_version()
+    if version is None or frontend is None:
+        import cudnn
+
+        version, frontend = int(cudnn.backend_version()), cudnn.__version__
     return BuildEnvironment(
         cudnn_version=f"{version // 10000}.{version % 10000 // 100}.{version % 100}",
-        frontend_version=cudnn.__version__,
+        frontend_version=frontend,
         gpu=f"sm{capability} {device.device_kind}",
     )
+
+
+def _loaded_cudnn_version() -> int | None:
+    """cudnnGetVersion() of the libcudnn.so.9 already in the process (JAX's), or None."""
+    try:
+        library = ctypes.CDLL(CUDNN_SONAME, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+    except OSError:
+        return None
+    library.cudnnGetVersion.restype = ctypes.c_size_t
+    return int(library.cudnnGetVersion())
+
+
+def _frontend_version() -> str | None:
+    try:
+        return importlib.metadata.version(FRONTEND_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def graph_key(spec: AttentionSpec, ir: ScoreModIR | None, direction: str, env: BuildEnvironment) -> CacheKey:

@@ -13,7 +13,7 @@ mod (`graphs.masks`) and emitted after the user's IR (`graphs.mod_lowering`).
 
 A boolean mask has no flag: it reaches the graph as (part of) the additive bias operand
 (`spec.graph_bias_shape`; the JAX side fills in a large negative value where the mask
-says no), so it cannot be combined with a user score_mod, which cuDNN applies after the bias.
+says no). cuDNN adds the bias after the score_mod, so a mod cannot undo the mask.
 
 Declined before building (`Unsupported`), because cuDNN 9.19 crashed the process while
 planning them on an H100 (segfault / SIGFPE, 2026-11-22) and a support query must not
@@ -176,10 +176,6 @@ def _storage_types(spec: AttentionSpec, cudnn: Any) -> dict[str, Any]:
 
 
 def _check_lowerable(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> None:
-    if spec.mask_shape is not None and ir is not None:
-        raise Unsupported("a boolean mask cannot be combined with a score_mod on cuDNN: the mask travels as an "
-                          "additive bias, which cuDNN adds before the mod; write the mask inside the score_mod "
-                          "(see sdpagraph.mods.mask_where)")
     if direction == "backward" and ir is not None and ir.grad_output is None:
         raise Unsupported("the score_mod has no bprop: pass score_mod_bprop or use differentiable ops")
     if needs_mod(spec, ir) and (spec.has_padding or spec.segments):

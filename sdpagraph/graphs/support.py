@@ -1,6 +1,7 @@
 """The answer to "will this config run on cuDNN here, and if not, why?"."""
 from __future__ import annotations
 
+import importlib.util
 import re
 import weakref
 from dataclasses import dataclass
@@ -36,9 +37,7 @@ def environment_reason() -> str | None:
         gpus = []
     if not gpus:
         return "no GPU visible to JAX (jax.devices('gpu') is empty)"
-    try:
-        import cudnn  # noqa: F401  (nvidia-cudnn-frontend)
-    except ImportError:
+    if importlib.util.find_spec("cudnn") is None:  # not imported: a cache hit never needs it
         return "cudnn frontend not installed (pip install 'sdpagraph[cuda]')"
     return None
 

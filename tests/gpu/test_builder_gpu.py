@@ -92,7 +92,6 @@ CASES = [
 ]
 # Declined before building (graphs.lowering): cuDNN 9.19 crashed the process planning them.
 DECLINED_BEFORE_BUILDING = [
-    (Case("bool_mask", 2, 128, 128, 8, 8, 64, mask=True), "additive bias"),
     (Case("softcap_padding", 3, 256, 256, 8, 2, 64, options=dict(score_mod=mods.softcap(20.0)), q_lengths=True),
      "sequence lengths cannot be combined with a score_mod"),
     (Case("segments_softcap", 2, 256, 256, 8, 2, 64, options=dict(score_mod=mods.softcap(30.0)), max_segments=4),
@@ -552,3 +551,12 @@ def test_forward_and_backward_match_xla(case, cache, handle, build_times, report
         tolerance = FORWARD_TOLERANCE if name in ("o", "stats") else BACKWARD_TOLERANCE
         assert error < tolerance, f"{name}: relative error {error:.3e} >= {tolerance}"
     assert unreachable_max == 0.0, "rows with no visible key must give 0 output and 0 dq"
+
+
+def test_build_environment_reads_the_versions_the_frontend_reports():
+    """The cache key's versions come from the loaded libcudnn and package metadata, not an import."""
+    env = builder.build_environment()
+    version = cudnn.backend_version()
+    assert env.cudnn_version == f"{version // 10000}.{version % 10000 // 100}.{version % 100}"
+    assert env.frontend_version == cudnn.__version__
+    assert builder._loaded_cudnn_version() == version
