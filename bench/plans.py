@@ -71,6 +71,31 @@ def causal_ge(softcap: bool):
     return dict(score_mod=fn, score_mod_tensors={"cap": CAP} if softcap else {})
 
 
+def causal_ge_bprop(softcap: bool, bprop_mask: str):
+    """causal_ge with an explicit bprop: `bprop_mask` "none" (masked scores get P = 0, so dS is 0
+    there anyway) or "own" (the bprop compares fresh row/col indices itself)."""
+    saved = {}
+
+    def fn(g, s, t):
+        if softcap:
+            saved["pre"] = _typed(g.div(a=s, b=t["cap"]))
+            s = _typed(g.mul(a=_typed(g.tanh(input=saved["pre"])), b=t["cap"]))
+        q, k = mods.positions(g, s)
+        keep = _typed(g.cmp_ge(input=q, comparison=k), "BOOLEAN")
+        return _typed(g.binary_select(input0=s, input1=float("-inf"), mask=keep))
+
+    def bprop(g, ds, t):
+        if bprop_mask == "own":
+            q, k = mods.positions(g, ds)
+            ds = _typed(g.binary_select(input0=ds, input1=0.0, mask=_typed(g.cmp_ge(input=q, comparison=k), "BOOLEAN")))
+        if softcap:
+            ds = _typed(g.tanh_backward(loss=_typed(g.mul(a=ds, b=t["cap"])), input=saved["pre"]))
+            ds = _typed(g.div(a=ds, b=t["cap"]))
+        return ds
+
+    return dict(score_mod=fn, score_mod_bprop=bprop, score_mod_tensors={"cap": CAP} if softcap else {})
+
+
 class UntypedIndexEmitter(ModEmitter):
     """gen_index without a compute type, as cuDNN's own masks emit it."""
 
@@ -95,6 +120,9 @@ def cases():
     }
     table["causal row>=col"] = causal_ge(False)
     table["causal row>=col, untyped gen_index"] = dict(causal_ge(False), emitter=UntypedIndexEmitter)
+    for which in ("none", "own"):
+        table[f"causal row>=col, bprop mask {which}"] = causal_ge_bprop(False, which)
+        table[f"softcap + causal row>=col, bprop mask {which}"] = causal_ge_bprop(True, which)
     table["softcap + causal row>=col"] = causal_ge(True)
     table["softcap + causal row>=col, untyped gen_index"] = dict(causal_ge(True), emitter=UntypedIndexEmitter)
     for label, with_mask_bprop, masked in (("mask in bprop", True, float("-inf")),

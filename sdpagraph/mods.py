@@ -121,8 +121,8 @@ def causal() -> ScoreMod:
     """Keys at or before the query position (top-left aligned)."""
 
     def fn(graph, score, tensors):
-        q, k = positions(graph, score)
-        return mask_where(graph, score, _typed(graph.cmp_le(input=k, comparison=q), BOOL))
+        q, k = positions(graph, score)  # query >= key: the order in which cuDNN skips masked tiles
+        return mask_where(graph, score, _typed(graph.cmp_ge(input=q, comparison=k), BOOL))
 
     return ScoreMod(fn, name="causal")
 
@@ -165,7 +165,7 @@ def prefix_lm(prefix_len: Any) -> ScoreMod:
     def fn(graph, score, tensors):
         q, k = positions(graph, score)
         last_visible = _typed(graph.max(input0=q, input1=tensors["last_prefix"]), INT)
-        return mask_where(graph, score, _typed(graph.cmp_le(input=k, comparison=last_visible), BOOL))
+        return mask_where(graph, score, _typed(graph.cmp_ge(input=last_visible, comparison=k), BOOL))
 
     return ScoreMod(fn, {"last_prefix": (lengths - 1).reshape(-1, 1, 1, 1)}, name=f"prefix_lm({prefix_len})")
 

@@ -211,7 +211,7 @@ def test_a_score_mod_turns_native_flags_into_a_typed_mod():
     assert options["score_mod"](FakeGraph(), FakeTensor("score")).attrs["op"] == "binary_select"  # re-callable
 
 
-def test_backward_bprop_reuses_forward_tensors_of_the_same_graph():
+def test_bprop_reuses_score_tensors_and_recomputes_position_masks():
     spec = make_spec(is_causal=True)
     _, _, op, options = lower_fake(spec, softcap_ir(), "backward")
     assert op == "sdpa_backward"
@@ -219,11 +219,18 @@ def test_backward_bprop_reuses_forward_tensors_of_the_same_graph():
     options["score_mod"](callback_graph, FakeTensor("score"))
     forward_ops = len(callback_graph.nodes)
     pre_tanh = next(t for t in callback_graph.results if t.attrs["op"] == "div")
-    grad = options["score_mod_bprop"](callback_graph, FakeTensor("dS"))
-    bprop_ops = [op for op, _ in callback_graph.nodes[forward_ops:]]
-    assert bprop_ops[0] == "binary_select" and "tanh_backward" in bprop_ops  # mask bprop first, then softcap's
-    tanh_backward = next(kw for op, kw in callback_graph.nodes[forward_ops:] if op == "tanh_backward")
-    assert tanh_backward["input"] is pre_tanh
+    forward_compare = next(t for t in callback_graph.results if t.attrs["op"] == "cmp_ge")
+    dscore = FakeTensor("dS")
+    grad = options["score_mod_bprop"](callback_graph, dscore)
+    bprop_nodes = list(zip(callback_graph.nodes[forward_ops:], callback_graph.results[forward_ops:]))
+    bprop_ops = [op for (op, _), _ in bprop_nodes]
+    # The mask's bprop first, on indices of its own (cuDNN then skips masked tiles), then softcap's.
+    assert bprop_ops[:4] == ["gen_index", "gen_index", "cmp_ge", "binary_select"] and "tanh_backward" in bprop_ops
+    assert all(kwargs["input"] is dscore for (op, kwargs), _ in bprop_nodes if op == "gen_index")
+    select = next(kwargs for (op, kwargs), _ in bprop_nodes if op == "binary_select")
+    assert select["mask"] is not forward_compare and select["mask"].attrs["op"] == "cmp_ge"
+    tanh_backward = next(kw for (op, kw), _ in bprop_nodes if op == "tanh_backward")
+    assert tanh_backward["input"] is pre_tanh  # score-dependent forward tensors are reused
     assert grad.attrs["op"] in ("mul", "div")
 
 

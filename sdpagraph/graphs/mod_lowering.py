@@ -19,7 +19,9 @@ INT32 arithmetic on positions before comparing.
 
 The bprop may use forward tensors (softcap's bprop reads the pre-tanh value), so the
 node -> tensor map of each stage lives on the `ModEmitter` of one graph, shared by its
-two callbacks, and is reset whenever cuDNN calls the forward callback again.
+two callbacks, and is reset whenever cuDNN calls the forward callback again. Only
+tensors computed from the score are shared: positions and the masks built from them are
+emitted again in the bprop, which is what lets cuDNN skip masked tiles in the backward.
 """
 from __future__ import annotations
 
@@ -100,6 +102,7 @@ class _StageState:
     leaves: dict[int, Any]  # node index -> pre-created graph tensor
     values: dict[int, Any] = field(default_factory=dict)
     score: Any = None
+    score_dependent: frozenset[int] = frozenset()  # nodes whose value depends on the score
 
 
 class ModEmitter:
@@ -109,7 +112,8 @@ class ModEmitter:
                  cudnn_types: Mapping[str, Any]):
         """`tensors`: role -> pre-created graph tensor (operands and pass-by-value)."""
         self._types = cudnn_types
-        self._states = [_StageState(stage, _leaf_tensors(stage, plan, tensors)) for stage in stages]
+        self._states = [_StageState(stage, _leaf_tensors(stage, plan, tensors), score_dependent=_score_dependent(stage.ir))
+                        for stage in stages]
 
     def forward(self, graph: Any, score: Any) -> Any:
         for state in self._states:
@@ -120,10 +124,16 @@ class ModEmitter:
 
     def bprop(self, graph: Any, dscore: Any) -> Any:
         for state in reversed(self._states):
-            dscore = self._emit(graph, state, state.stage.ir.grad_output, score=state.score, dscore=dscore)
+            # Positions, and masks computed from them, are emitted again inside the bprop from
+            # dscore's indices: cuDNN skips the masked tiles in the backward only when the bprop's
+            # selects compare their own indices (reusing the forward's comparisons ran every tile:
+            # 2.7 against 1.4 ms for causal, bf16 B4 T4096 N16 H128, H100, bench/plans.py).
+            state.values = {i: v for i, v in state.values.items() if i in state.score_dependent}
+            dscore = self._emit(graph, state, state.stage.ir.grad_output, score=state.score, dscore=dscore,
+                                index_input=dscore)
         return dscore
 
-    def _emit(self, graph: Any, state: _StageState, root: int, **bound: Any) -> Any:
+    def _emit(self, graph: Any, state: _StageState, root: int, index_input: Any = None, **bound: Any) -> Any:
         nodes = state.stage.ir.nodes
         for index in sorted(_missing(nodes, root, state.values)):
             node = nodes[index]
@@ -132,13 +142,15 @@ class ModEmitter:
             elif index in state.leaves:
                 state.values[index] = state.leaves[index]
             else:
-                state.values[index] = self._apply(graph, node, [state.values[a] for a in node.args])
+                state.values[index] = self._apply(graph, node, [state.values[a] for a in node.args], index_input)
         return state.values[root]
 
-    def _apply(self, graph: Any, node, operands: list) -> Any:
+    def _apply(self, graph: Any, node, operands: list, index_input: Any = None) -> Any:
         kwargs: dict[str, Any] = dict(zip(OP_PARAMS[node.op], operands))
         if node.op == "gen_index":
             kwargs["axis"] = node.attr("axis")
+            if index_input is not None:
+                kwargs["input"] = index_input
         # The result type doubles as the compute type: BOOLEAN for comparisons and
         # logic (as cuDNN's own masks do), INT32 for index arithmetic, FLOAT otherwise.
         result = getattr(graph, node.op)(**kwargs, compute_data_type=self._types[node.dtype])
@@ -158,6 +170,15 @@ def _leaf_tensors(stage: ModStage, plan: list[PassByValue], tensors: Mapping[str
             roles[index] = _literal_role(plan, node)
     # Leaves this direction never emits have no tensor (and no plan entry); they are never looked up.
     return {index: tensors[role] for index, role in roles.items() if role in tensors}
+
+
+def _score_dependent(ir: ScoreModIR) -> frozenset[int]:
+    """Nodes computed from the score's values (gen_index reads only its shape); nodes are topologically ordered."""
+    dependent: set[int] = set()
+    for index, node in enumerate(ir.nodes):
+        if node.op == "score" or (node.op != "gen_index" and any(arg in dependent for arg in node.args)):
+            dependent.add(index)
+    return frozenset(dependent)
 
 
 def _missing(nodes, root: int, known: Mapping[int, Any]) -> set[int]:
