@@ -165,9 +165,9 @@ def time_plans(torch, cudnn, handle, call, direction, pack_extra, rng, only_firs
     bufs.update(buffers(torch, descs, lowering.result_roles, rng))
     pack = {lowering.uids[role]: bufs[role] for role in lowering.operand_roles + lowering.result_roles}
     scalars = {**call.inputs.mod_scalars}
-    for uid, (kind, source), _ in lowering.pass_by_value:
-        value = float(scalars[source]) if kind == "scalar" else float(source)
-        pack[uid] = torch.full((1, 1, 1, 1), value, dtype=torch.float32)
+    for uid, (kind, source), dtype in lowering.pass_by_value:  # host tensors: pass-by-value
+        value = scalars[source] if kind == "scalar" else source
+        pack[uid] = torch.full((1, 1, 1, 1), value, dtype=getattr(torch, dtype))
     rows = []
     count = graph.get_execution_plan_count()
     for index in range(1 if only_first else count):

@@ -204,7 +204,10 @@ def test_a_score_mod_turns_native_flags_into_a_typed_mod():
     ops = [op for op, _ in callback_graph.nodes]
     assert ops[:3] == ["div", "tanh", "mul"] and ops[-1] == "binary_select"
     assert not [op for op in ops if op.startswith("logical_")]  # masks chain selects (see graphs.masks)
-    assert {dtype for _, _, dtype in lowering.pass_by_value} == {"float32"}
+    # The window's int literals are INT32 pass-by-value tensors (cuDNN's tile skipping reads them as ints).
+    assert {source: dtype for _, source, dtype in lowering.pass_by_value} == {
+        ("scalar", "cap"): "float32", ("const", 33): "int32", ("const", 4): "int32", ("const", float("-inf")): "float32"}
+    assert graph.tensors["const:0"].attrs["data_type"] in (cudnn.data_type.INT32, cudnn.data_type.FLOAT)
     assert out.attrs["op"] == "binary_select" and out.attrs["inputs"]["mask"].attrs["data_type"] == cudnn.data_type.BOOLEAN
     for _, kwargs in callback_graph.nodes:  # every intermediate is typed (cuDNN declines untyped backward graphs)
         assert kwargs["compute_data_type"] in (cudnn.data_type.FLOAT, cudnn.data_type.INT32, cudnn.data_type.BOOLEAN)
@@ -433,7 +436,7 @@ def test_keys_hash_the_forward_part_for_forward_graphs():
     spec = make_spec()
     assert builder.graph_key(spec, custom, "forward", env) == builder.graph_key(spec, derived, "forward", env)
     assert builder.graph_key(spec, custom, "backward", env) != builder.graph_key(spec, derived, "backward", env)
-    assert builder.graph_key(spec, None, "inference", env).ir_hash == "none"
+    assert builder.graph_key(spec, None, "inference", env).ir_hash == f"lowering{builder.LOWERING_VERSION}:none"
 
 
 def test_support_builds_the_runtime_graphs_and_remembers_answers(fake_gpu, tmp_path):

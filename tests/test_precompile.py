@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sdpagraph.cache import CacheKey, GraphCache
+from sdpagraph.cache import GraphCache
 from sdpagraph.cache.admin import verify_entries
+from sdpagraph.graphs import builder
 from sdpagraph.graphs.support import Support
 from sdpagraph.deploy import Builder, BuilderUnavailable, Progress, precompile, verify
 from sdpagraph.specfile import parse_entry, save_specs
@@ -50,8 +51,8 @@ class FakeCudnn:
                        declines=(FakeDecline,), unavailable=self.unavailable)
 
     def graph_key(self, spec, ir, direction):
-        ir_hash = "none" if ir is None else (ir.digest if direction == "backward" else ir.forward_digest)
-        return CacheKey(spec.canonical(), ir_hash, direction, "9.19.0", "1.32.0", self.gpu)
+        env = builder.BuildEnvironment("9.19.0", "1.32.0", self.gpu)
+        return builder.graph_key(spec, ir, direction, env)
 
     def build(self, spec, ir, direction, cache):
         key = self.graph_key(spec, ir, direction)

@@ -2,10 +2,10 @@
 
     build(spec, ir, direction, cache=None) -> CompiledGraph      direction: forward | inference | backward
 
-The key is `CacheKey(spec.canonical(), ir hash, direction, cuDNN version, frontend
-version, "sm<cc> <gpu name>")`; the IR hash is `ir.forward_digest` for forward and
-inference graphs (they never run the bprop) and `ir.digest` for backward, "none"
-without a mod. A miss builds with heuristics [A, FALLBACK] and keeps only a cuDNN
+The key is `CacheKey(spec.canonical(), "lowering<N>:" + ir hash, direction, cuDNN
+version, frontend version, "sm<cc> <gpu name>")`; the IR hash is `ir.forward_digest` for
+forward and inference graphs (they never run the bprop) and `ir.digest` for backward,
+"none" without a mod, and N is LOWERING_VERSION. A miss builds with heuristics [A, FALLBACK] and keeps only a cuDNN
 backend plan (a Python-engine plan cannot run from C++). The cache's stats count
 builds, so callers can check that a graph was not built twice.
 
@@ -36,8 +36,8 @@ length, N/K query/kv heads, H/Hv head dims, M = spec.max_segments:
 Results: forward o (B,T,N,Hv) + stats, inference o, backward dq, dk, dv (+ dbias, shaped
 like the bias operand, when spec.bias_shape is set), shaped like their inputs. Rows cuDNN does not compute (padded queries,
 tokens between or after packed segments) are not written: zero them on the JAX side.
-Pass-by-value tensors (`CompiledGraph.pass_by_value`) are float32 host values bound by UID
-(int scalars too).
+Pass-by-value tensors (`CompiledGraph.pass_by_value`) are host values bound by UID: float32
+for scalars (int scalars too) and float literals, int32 for int literals.
 Packed (THD) graphs need H == Hv and take no bias or mask; graphs with a score_mod or chunks
 take no lengths (THD or padding) (`graphs.lowering` says why).
 """
@@ -61,6 +61,10 @@ from sdpagraph.spec import AttentionSpec
 __all__ = ["BuildEnvironment", "GraphBuildError", "build", "build_environment", "graph_io", "graph_key"]
 
 NO_MOD = "none"
+# Bump when the lowering emits a different graph for the same key inputs, so caches built
+# by an older sdpagraph miss instead of serving the old graph. 2: masks in cuDNN's operand
+# order, re-emitted in the bprop, int literals as INT32 (2026-11-22).
+LOWERING_VERSION = 2
 CUDNN_SONAME = "libcudnn.so.9"  # the executor binds the same library (ffi/executor.cc, section 2)
 FRONTEND_DISTRIBUTION = "nvidia-cudnn-frontend"
 
@@ -132,7 +136,8 @@ def graph_key(spec: AttentionSpec, ir: ScoreModIR | None, direction: str, env: B
         ir_hash = NO_MOD
     else:
         ir_hash = ir.digest if direction == "backward" else ir.forward_digest
-    return CacheKey(spec.canonical(), ir_hash, direction, env.cudnn_version, env.frontend_version, env.gpu)
+    return CacheKey(spec.canonical(), f"lowering{LOWERING_VERSION}:{ir_hash}", direction, env.cudnn_version,
+                    env.frontend_version, env.gpu)
 
 
 def build(spec: AttentionSpec, ir: ScoreModIR | None, direction: str,

@@ -38,7 +38,6 @@ from sdpagraph.graphs.operands import ARRAY_PREFIX, TensorDesc, describe, graph_
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
 
 IO_TYPES = {"bfloat16": "BFLOAT16", "float16": "HALF"}
-PASS_BY_VALUE_TYPE = "float32"  # every pass-by-value tensor (see graphs.mod_lowering)
 SCALAR_DIMS = [1, 1, 1, 1]
 INT32_LIMIT = 2**31 - 1  # cuDNN ragged offsets are int32 element counts
 
@@ -80,7 +79,7 @@ def lower(graph: Any, spec: AttentionSpec, ir: ScoreModIR | None, direction: str
                                      ragged_offset=tensors[desc.ragged_offset] if desc.ragged_offset else None)
     for entry in plan:
         tensors[entry.role] = graph.tensor(name=entry.role, dim=SCALAR_DIMS, stride=SCALAR_DIMS,
-                                           data_type=cudnn.data_type.FLOAT, is_pass_by_value=True,
+                                           data_type=types[entry.dtype], is_pass_by_value=True,
                                            uid=uids[entry.role])
     emitter = ModEmitter(stages, plan, tensors, cudnn_type_map(cudnn)) if stages else None
     options = _sdpa_options(spec, tensors, emitter, direction, cudnn)
@@ -99,7 +98,7 @@ def lower(graph: Any, spec: AttentionSpec, ir: ScoreModIR | None, direction: str
     for role in results:
         _mark_output(outputs[role], descs[role], uids[role], types, tensors)
 
-    pass_by_value = tuple((uids[entry.role], entry.source, PASS_BY_VALUE_TYPE) for entry in plan)
+    pass_by_value = tuple((uids[entry.role], entry.source, entry.dtype) for entry in plan)
     return Lowering(operands, results, uids, pass_by_value)
 
 

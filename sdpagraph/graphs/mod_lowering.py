@@ -9,13 +9,12 @@ intermediates are untyped (measured on cuDNN 9.19, see DESIGN.md).
 Leaves are graph tensors created on the outer pygraph before `sdpa` is called (cuDNN
 calls the callbacks later, while it lowers the graph): scalars and literals become
 [1,1,1,1] pass-by-value tensors, aux arrays are the graph's input operands.
-Pass-by-value tensors are always FLOAT, also for int scalars and literals (exact below
-2**24; each op converts its inputs to its compute type). That is what the score_mods
-that built on cuDNN 9.19 (H100) used: softcap's float scalar, and INT32-compute ops such
-as `min(k - q, 4)` reading float literals; the mods seen with INT32 pass-by-value
-tensors found no engine (they also had other suspects). A comparison with a
-pass-by-value operand found no engine either, so `graphs.masks` folds its literals into
-INT32 arithmetic on positions before comparing.
+Scalars (`score_mod_tensors`) and float literals are FLOAT pass-by-value tensors; int
+literals are INT32 ones, as in cuDNN's own diagonal band mask: cuDNN's tile skipping
+reads a diagonal's shift as an int32, so a FLOAT -128.0 there made it skip every tile
+(bottom-right causal with T > S gave zeros, H100, cuDNN 9.19). A comparison with a
+pass-by-value operand found no engine, so `graphs.masks` folds its literals into INT32
+arithmetic on positions before comparing.
 
 The bprop may use forward tensors (softcap's bprop reads the pre-tanh value), so the
 node -> tensor map of each stage lives on the `ModEmitter` of one graph, shared by its
@@ -48,10 +47,14 @@ class ModStage:
 
 @dataclass(frozen=True)
 class PassByValue:
-    """A [1,1,1,1] FLOAT host-bound tensor: ("scalar", name) bound at run time, or ("const", value) baked."""
+    """A [1,1,1,1] host-bound tensor: ("scalar", name) bound at run time, or ("const", value) baked.
+
+    `dtype` is its storage: "float32", or "int32" for int literals.
+    """
 
     role: str
     source: tuple[str, Any]
+    dtype: str = "float32"
 
 
 def live_nodes(ir: ScoreModIR, direction: str) -> set[int]:
@@ -62,7 +65,7 @@ def live_nodes(ir: ScoreModIR, direction: str) -> set[int]:
 def pass_by_value_plan(stages: list[ModStage], direction: str) -> list[PassByValue]:
     """Every pass-by-value tensor the stages read, in a deterministic order.
 
-    Scalars keep their names; equal literals (as floats) share one tensor.
+    Scalars keep their names; equal literals of one type share one tensor.
     """
     plan: list[PassByValue] = []
     roles: set[str] = set()
@@ -79,7 +82,7 @@ def pass_by_value_plan(stages: list[ModStage], direction: str) -> list[PassByVal
                 if _literal_role(plan, node) is not None:
                     continue
                 literals = sum(p.source[0] == "const" for p in plan)
-                entry = PassByValue(f"{CONST_PREFIX}{literals}", ("const", float(node.attr("value"))))
+                entry = PassByValue(f"{CONST_PREFIX}{literals}", *_literal(node))
             else:
                 continue
             if entry.role not in roles:
@@ -88,10 +91,18 @@ def pass_by_value_plan(stages: list[ModStage], direction: str) -> list[PassByVal
     return plan
 
 
+def _literal(node) -> tuple[tuple[str, Any], str]:
+    """(source, storage dtype) of a literal node."""
+    if node.dtype == INT:
+        return ("const", int(node.attr("value"))), "int32"
+    return ("const", float(node.attr("value"))), "float32"
+
+
 def _literal_role(plan: list[PassByValue], node) -> str | None:
     """The plan's tensor for a literal node (repr tells -0.0 from 0.0 and matches NaN)."""
+    (_, value), dtype = _literal(node)
     for entry in plan:
-        if entry.source[0] == "const" and repr(entry.source[1]) == repr(float(node.attr("value"))):
+        if entry.source[0] == "const" and entry.dtype == dtype and repr(entry.source[1]) == repr(value):
             return entry.role
     return None
 
