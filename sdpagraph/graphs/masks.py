@@ -16,9 +16,9 @@ on a CPU. The semantics follow `jax_api/xla.py` (dense layout, no sequence lengt
            chunk(diag) == chunk(k)                 (chunk c; chunk(x) = x - x mod c)
 
 Why this shape, from cuDNN 9.19 on an H100 (tests/gpu op probes, 2026-11-22): score_mod
-graphs built when every comparison had INT32 operands (positions, and positions plus
-or minus literals computed at INT32), and found no engine when a comparison had a float
-operand (a float literal, `floor(q / c)`) or when conditions were combined with
+graphs build when every comparison has INT32 operands (positions, positions plus or
+minus int literals, int literals), and find no engine when a comparison has a float
+operand (a float literal, `floor(q / c)`) or when conditions are combined with
 logical_and / logical_or / logical_not. So conditions are chained selects, literals are
 ints, and chunks use `mod` instead of float division. `-inf` (not a large finite
 number) is what cuDNN's own masks use on 9.10+.
