@@ -66,13 +66,6 @@ class AttentionSpec:
         return self.has_q_lengths or self.has_kv_lengths
 
     @property
-    def graph_bias_shape(self) -> tuple[int, int, int, int] | None:
-        """The shape of the cuDNN graph's bias operand: the bias, the boolean mask (which the
-        cuDNN path passes as an additive bias), or both broadcast together; None without either."""
-        shapes = [shape for shape in (self.bias_shape, self.mask_shape) if shape is not None]
-        return tuple(max(sizes) for sizes in zip(*shapes)) if shapes else None
-
-    @property
     def has_position_mask(self) -> bool:
         """Whether any mask depends on query/key positions (causal, window, chunk)."""
         return self.is_causal or self.has_window or self.chunk_size is not None

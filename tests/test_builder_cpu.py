@@ -21,7 +21,7 @@ from sdpagraph.graphs.ir import BOOL, FLOAT, INT, TensorInfo, trace_score_mod
 from sdpagraph.graphs.ir_eval import evaluate
 from sdpagraph.graphs.lowering import lower, mod_stages, native_band
 from sdpagraph.graphs.mod_lowering import ModEmitter, Unsupported, pass_by_value_plan
-from sdpagraph.graphs.operands import describe, graph_io, uid_map
+from sdpagraph.graphs.operands import bias_operand_shape, describe, graph_io, uid_map
 from sdpagraph.jax_api.xla import RuntimeInputs, _layout, allowed_mask
 from sdpagraph.spec import AttentionSpec
 
@@ -254,13 +254,24 @@ def test_configs_the_lowering_cannot_express_raise_unsupported():
     with pytest.raises(Unsupported, match="int32 element offsets"):
         lower_fake(make_spec(segments="self", max_segments=2, batch=64, q_len=8192, kv_len=8192, num_heads=32,
                              num_kv_heads=32, head_dim=128, head_dim_v=128), None, "forward")
-    with pytest.raises(Unsupported, match="sequence lengths cannot be combined with a score_mod"):
-        lower_fake(make_spec(has_q_lengths=True), softcap_ir(), "forward")
+    with pytest.raises(Unsupported, match="bottom-right alignment with sequence lengths"):
+        lower_fake(make_spec(has_kv_lengths=True, is_causal=True, causal_alignment="bottom_right"), softcap_ir(),
+                   "forward")
     with pytest.raises(Unsupported, match="packed segments cannot be combined"):
         lower_fake(make_spec(segments="self", max_segments=2, chunk_size=64), None, "backward")
     bool_literal = trace_score_mod(lambda g, s, t: g.binary_select(input0=s, input1=0.0, mask=True), {})
     with pytest.raises(Unsupported, match="boolean literal"):
         lower_fake(make_spec(), bool_literal, "forward")
+
+
+def test_padding_with_a_mod_becomes_a_key_bias_and_no_lengths():
+    spec = make_spec(has_q_lengths=True, has_kv_lengths=True, is_causal=True)
+    _, lowering, _, options = lower_fake(spec, softcap_ir(), "backward")
+    assert lowering.operand_roles == ("q", "k", "v", "o", "dO", "stats", "bias")
+    assert "use_padding_mask" not in options and "bias" in options and "dBias" not in options
+    assert describe(spec, softcap_ir(), "forward")["bias"].dims == (2, 1, 1, 128)
+    _, lowering, _, options = lower_fake(spec, None, "forward")  # no mod: cuDNN's own padding mask
+    assert "seq_len_kv" in lowering.operand_roles and options["use_padding_mask"] is True
 
 
 def test_a_boolean_mask_becomes_the_bias_operand():
@@ -269,7 +280,7 @@ def test_a_boolean_mask_becomes_the_bias_operand():
     _, lowering, _, options = lower_fake(spec, None, "backward")
     assert "bias" in lowering.operand_roles and "dbias" not in lowering.result_roles and "dBias" not in options
     both = make_spec(mask_shape=(2, 1, 128, 128), bias_shape=(1, 8, 128, 128))
-    assert both.graph_bias_shape == (2, 8, 128, 128)
+    assert bias_operand_shape(both, None) == (2, 8, 128, 128)
     _, lowering, _, options = lower_fake(both, None, "backward")
     assert lowering.result_roles == ("dq", "dk", "dv", "dbias")
     assert describe(both, None, "backward")["dbias"].dims == (2, 8, 128, 128)

@@ -18,9 +18,11 @@ length, N/K query/kv heads, H/Hv head dims, M = spec.max_segments:
     o (B,T,N,Hv), dO (B,T,N,Hv)                    backward only, io dtype
     stats                                          backward only, float32: (B,N,T) dense;
                                                    (B,T,N) packed (one value per token and head)
-    bias  spec.graph_bias_shape                    io dtype (cast a float32 bias first); a boolean mask
-                                                   is folded in as a large negative value where it says no
-    seq_len_q, seq_len_kv                          int32; dense padding: (B,), the valid lengths
+    bias  operands.bias_operand_shape(spec, ir)    io dtype (cast a float32 bias first); a boolean mask
+                                                   and, with a mod, key padding are folded in as a
+                                                   large negative value where they say no
+    seq_len_q, seq_len_kv                          int32 (not when the padding is folded into the bias);
+                                                   dense padding: (B,), the valid lengths
                                                    (pass the full T or S for a side without lengths);
                                                    packed: (B*M,) = segment_metadata(...).seq_lens
                                                    flattened (0 for unused slots)
@@ -38,8 +40,8 @@ like the bias operand, when spec.bias_shape is set), shaped like their inputs. R
 tokens between or after packed segments) are not written: zero them on the JAX side.
 Pass-by-value tensors (`CompiledGraph.pass_by_value`) are host values bound by UID: float32
 for scalars (int scalars too) and float literals, int32 for int literals.
-Packed (THD) graphs need H == Hv and take no bias or mask; graphs with a score_mod or chunks
-take no lengths (THD or padding) (`graphs.lowering` says why).
+Packed (THD) graphs need H == Hv and take no bias or mask, and no score_mod or chunks
+(`graphs.lowering` says why).
 """
 from __future__ import annotations
 

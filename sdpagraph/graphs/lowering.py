@@ -12,13 +12,15 @@ cuDNN switches those flags off, so causal, window and chunk masks are lowered in
 mod (`graphs.masks`) and emitted after the user's IR (`graphs.mod_lowering`).
 
 A boolean mask has no flag: it reaches the graph as (part of) the additive bias operand
-(`spec.graph_bias_shape`; the JAX side fills in a large negative value where the mask
-says no). cuDNN adds the bias after the score_mod, so a mod cannot undo the mask.
+(`operands.bias_operand_shape`; the JAX side fills in a large negative value where the
+mask says no). cuDNN adds the bias after the score_mod, so a mod cannot undo the mask.
+Key padding takes the same road when a mod is present (`operands.folds_padding`): the
+mod switches cuDNN's padding mask off, and cuDNN 9.19 crashed the process (segfault,
+H100, 2026-11-22) planning sequence lengths written into the mod itself.
 
-Declined before building (`Unsupported`), because cuDNN 9.19 crashed the process while
-planning them on an H100 (segfault / SIGFPE, 2026-11-22) and a support query must not
-crash: sequence lengths or packed segments together with a mod. Also declined: packed
-buffers whose element offsets do not fit cuDNN's int32 ragged offsets.
+Declined before building (`Unsupported`): packed segments with a mod (they need the
+padding mask), bottom-right alignment with lengths and a mod, and packed buffers whose
+element offsets do not fit cuDNN's int32 ragged offsets.
 """
 from __future__ import annotations
 
@@ -34,7 +36,15 @@ from sdpagraph.graphs.mod_lowering import (
     cudnn_type_map,
     pass_by_value_plan,
 )
-from sdpagraph.graphs.operands import ARRAY_PREFIX, TensorDesc, describe, graph_io, uid_map
+from sdpagraph.graphs.operands import (
+    ARRAY_PREFIX,
+    TensorDesc,
+    bias_operand_shape,
+    describe,
+    folds_padding,
+    graph_io,
+    uid_map,
+)
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
 
 IO_TYPES = {"bfloat16": "BFLOAT16", "float16": "HALF"}
@@ -118,7 +128,7 @@ def mod_stages(spec: AttentionSpec, ir: ScoreModIR | None) -> list[ModStage]:
 def _sdpa_options(spec: AttentionSpec, tensors: dict[str, Any], emitter: ModEmitter | None, direction: str,
                   cudnn: Any) -> dict[str, Any]:
     options: dict[str, Any] = {"attn_scale": spec.scale}
-    if spec.graph_bias_shape is not None:
+    if "bias" in tensors:
         options["bias"] = tensors["bias"]
     if emitter is not None:
         options["score_mod"] = emitter.forward
@@ -177,16 +187,19 @@ def _storage_types(spec: AttentionSpec, cudnn: Any) -> dict[str, Any]:
 def _check_lowerable(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> None:
     if direction == "backward" and ir is not None and ir.grad_output is None:
         raise Unsupported("the score_mod has no bprop: pass score_mod_bprop or use differentiable ops")
-    if needs_mod(spec, ir) and (spec.has_padding or spec.segments):
-        lengths = "packed segments" if spec.segments else "sequence lengths"
-        raise Unsupported(f"{lengths} cannot be combined with a score_mod or chunk_size on cuDNN: a score_mod turns "
-                          "off cuDNN's padding mask, and cuDNN 9.19 crashed planning lengths written into the mod")
+    if needs_mod(spec, ir) and spec.segments:
+        raise Unsupported("packed segments cannot be combined with a score_mod or chunk_size on cuDNN: a score_mod "
+                          "turns off cuDNN's padding mask, which packed sequences need")
+    if folds_padding(spec, ir) and spec.causal_alignment == "bottom_right" and spec.has_position_mask:
+        raise Unsupported("bottom-right alignment with sequence lengths cannot be combined with a score_mod or "
+                          "chunk_size on cuDNN: the diagonal then moves with each row's lengths, which a mod's "
+                          "masks cannot read")
     if not spec.segments:
         return
     if spec.head_dim_v != spec.head_dim:
         raise Unsupported(f"packed segments need the value head dim ({spec.head_dim_v}) to equal the "
                           f"query/key head dim ({spec.head_dim}): both share one ragged offset per side")
-    if spec.graph_bias_shape is not None:
+    if bias_operand_shape(spec, ir) is not None:
         raise Unsupported("a bias or boolean mask cannot be combined with packed segments: its (T, S) axes do "
                           "not map onto packed sequences")
     largest = max(spec.batch * spec.q_len * spec.num_heads, spec.batch * spec.kv_len * spec.num_kv_heads)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from sdpagraph.cache.keys import DIRECTIONS
 from sdpagraph.graphs.ir import FLOAT, INT, ScoreModIR
+from sdpagraph.graphs.masks import needs_mod
 from sdpagraph.spec import AttentionSpec
 
 ARRAY_PREFIX = "array:"
@@ -44,15 +45,33 @@ class TensorDesc:
     ragged_offset: str | None = None
 
 
+def folds_padding(spec: AttentionSpec, ir: ScoreModIR | None) -> bool:
+    """Whether padding travels in the bias operand instead of sequence lengths.
+
+    A mod turns cuDNN's padding mask off, so with one the key lengths become a (B, 1, 1, S)
+    additive bias and padded query rows are zeroed on the JAX side.
+    """
+    return spec.has_padding and not spec.segments and needs_mod(spec, ir)
+
+
+def bias_operand_shape(spec: AttentionSpec, ir: ScoreModIR | None) -> tuple[int, int, int, int] | None:
+    """The graph's additive bias: the user's bias, the boolean mask, and folded key padding
+    (a large negative value where they say no), broadcast together; None without any."""
+    shapes = [shape for shape in (spec.bias_shape, spec.mask_shape) if shape is not None]
+    if folds_padding(spec, ir) and spec.has_kv_lengths:
+        shapes.append((spec.batch, 1, 1, spec.kv_len))
+    return tuple(max(sizes) for sizes in zip(*shapes)) if shapes else None
+
+
 def graph_io(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(operand roles in FFI order, result roles in FFI order) for one graph."""
     _check_direction(direction)
     operands = ["q", "k", "v"]
     if direction == "backward":
         operands += BACKWARD_INPUTS
-    if spec.graph_bias_shape is not None:
+    if bias_operand_shape(spec, ir) is not None:
         operands.append("bias")
-    if spec.has_padding or spec.segments:
+    if (spec.has_padding and not folds_padding(spec, ir)) or spec.segments:
         operands += ["seq_len_q", "seq_len_kv"]
     if spec.segments:
         operands += ["ragged_offset_q", "ragged_offset_kv"]
@@ -121,7 +140,7 @@ def _describe_role(spec: AttentionSpec, ir: ScoreModIR | None, role: str) -> Ten
             return TensorDesc((b, n, t, 1), (t * n, 1, n, 1), "float32", "ragged_offset_stats")
         return TensorDesc((b, n, t, 1), (n * t, t, 1, 1), "float32")
     if role in ("bias", "dbias"):
-        return _row_major(spec.graph_bias_shape, "io")
+        return _row_major(bias_operand_shape(spec, ir), "io")
     if role in ("seq_len_q", "seq_len_kv"):
         return _row_major((b, 1, 1, 1), "int32")
     if role.startswith("ragged_offset_"):

@@ -21,7 +21,7 @@ from sdpagraph.cache import default_cache
 from sdpagraph.graphs.builder import build, build_environment, graph_key
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.ir import ScoreModIR
-from sdpagraph.graphs.operands import ARRAY_PREFIX
+from sdpagraph.graphs.operands import ARRAY_PREFIX, bias_operand_shape, folds_padding
 from sdpagraph.graphs.support import Support, check_graphs, environment_reason
 from sdpagraph.jax_api.segments import segment_metadata, segment_run_ids
 from sdpagraph.jax_api.xla import RuntimeInputs, attended_rows
@@ -132,20 +132,28 @@ def _operands(spec: AttentionSpec, inputs: RuntimeInputs) -> tuple[dict[str, Any
     return operands, validity
 
 
-def _bias_operand(spec: AttentionSpec, inputs: RuntimeInputs, dtype: Any) -> Any:
-    """The graph's bias: the user's bias with the boolean mask folded in (`spec.graph_bias_shape`)."""
-    if spec.graph_bias_shape is None:
+def _bias_operand(spec: AttentionSpec, ir: ScoreModIR | None, inputs: RuntimeInputs, dtype: Any) -> Any:
+    """The graph's bias (`operands.bias_operand_shape`): the user's bias, with the boolean mask
+    and folded key padding as MASKED_BIAS where they say no."""
+    shape = bias_operand_shape(spec, ir)
+    if shape is None:
         return None
+    keep = inputs.mask
+    if folds_padding(spec, ir) and inputs.kv_lengths is not None:
+        kv_valid = jnp.arange(spec.kv_len) < jnp.asarray(inputs.kv_lengths, jnp.int32)[:, None]
+        kv_valid = kv_valid[:, None, None, :]
+        keep = kv_valid if keep is None else keep & kv_valid
     bias = inputs.bias
-    if inputs.mask is not None:
+    if keep is not None:
         kept = jnp.zeros((), jnp.float32) if bias is None else bias.astype(jnp.float32)
-        bias = jnp.where(inputs.mask, kept, jnp.float32(MASKED_BIAS[spec.dtype]))
-    return jnp.broadcast_to(bias, spec.graph_bias_shape).astype(dtype)
+        bias = jnp.where(keep, kept, jnp.float32(MASKED_BIAS[spec.dtype]))
+    return jnp.broadcast_to(bias, shape).astype(dtype)
 
 
-def _attended(spec: AttentionSpec, inputs: RuntimeInputs) -> Any:
-    """With a boolean mask, which (B|1, T, N|1, 1) rows attend to some key (cuDNN averages the others)."""
-    if inputs.mask is None:
+def _attended(spec: AttentionSpec, ir: ScoreModIR | None, inputs: RuntimeInputs) -> Any:
+    """When the bias carries masks, which (B|1, T, N|1, 1) rows attend to some key (cuDNN
+    averages over the others, where sdpagraph gives 0); None when cuDNN masks everything itself."""
+    if inputs.mask is None and not folds_padding(spec, ir):
         return None
     return jnp.swapaxes(attended_rows(spec, inputs), 1, 2)[..., None]
 
@@ -196,7 +204,7 @@ def _core_bwd(static: _Static, residuals, cotangents):
     results = {"dq": jax.ShapeDtypeStruct(q.shape, q.dtype), "dk": jax.ShapeDtypeStruct(k.shape, k.dtype),
                "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
     if spec.bias_shape is not None:
-        results["dbias"] = jax.ShapeDtypeStruct(spec.graph_bias_shape, bias.dtype)
+        results["dbias"] = jax.ShapeDtypeStruct(bias.shape, bias.dtype)
     operands = {"q": q, "k": k, "v": v, "o": o, "dO": d_o.astype(o.dtype), "stats": stats, "bias": bias, **aux}
     grads = _run_graph(static, "backward", operands, results)
     dq = _zero_rows(grads["dq"], validity.q)
@@ -215,8 +223,8 @@ def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: Run
     """Return (output (B, T, N, H_v), logsumexp (B, N, T) or None for the inference graph)."""
     static = _Static(spec, score_mod, tuple(sorted((inputs.mod_scalars or {}).items())), training)
     aux, validity = _operands(spec, inputs)
-    validity = validity._replace(attended=_attended(spec, inputs))
-    bias = _bias_operand(spec, inputs, query.dtype)
+    validity = validity._replace(attended=_attended(spec, score_mod, inputs))
+    bias = _bias_operand(spec, score_mod, inputs, query.dtype)
     out, stats = _core(static, query, key, value, bias, aux, validity)
     out = _zero_rows(out, validity.q)
     if validity.attended is not None:
