@@ -63,6 +63,13 @@ def case_kwargs(name, rng, B, T, S, N):
         "padding_softcap": dict(is_causal=True, score_mod=mods.softcap(30.0),
                                 query_seq_lengths=jnp.asarray(rng.integers(T // 2, T + 1, B), jnp.int32),
                                 key_value_seq_lengths=jnp.asarray(rng.integers(S // 2, S + 1, B), jnp.int32)),
+        "kv_padding_softcap": dict(is_causal=True, score_mod=mods.softcap(30.0),
+                                   key_value_seq_lengths=jnp.asarray(rng.integers(S // 2, S + 1, B), jnp.int32)),
+        "q_padding_softcap": dict(is_causal=True, score_mod=mods.softcap(30.0),
+                                  query_seq_lengths=jnp.asarray(rng.integers(T // 2, T + 1, B), jnp.int32)),
+        "padding_softcap_noncausal": dict(score_mod=mods.softcap(30.0),
+                                          query_seq_lengths=jnp.asarray(rng.integers(T // 2, T + 1, B), jnp.int32),
+                                          key_value_seq_lengths=jnp.asarray(rng.integers(S // 2, S + 1, B), jnp.int32)),
         "segments": dict(is_causal=True, segment_ids=random_ids(rng, B, T, 3), max_segments_per_seq=3),
         "chunk": dict(is_causal=True, chunk_size=128),
         "softcap_causal": dict(is_causal=True, score_mod=mods.softcap(30.0)),
@@ -87,7 +94,8 @@ def boolean_mask(rng, *shape):
 
 CASES = ["plain", "causal", "bottom_right", "window_left", "window_two_sided", "padding", "segments", "chunk",
          "softcap_causal", "alibi", "relative_bias", "prefix_lm", "sliding_window_mod", "chunked_mod", "mask",
-         "mask_softcap", "mask_bias", "padding_softcap"]
+         "mask_softcap", "mask_bias", "padding_softcap",
+         "kv_padding_softcap", "q_padding_softcap", "padding_softcap_noncausal"]
 # Every case in bf16 with 8/8 heads; head layouts and fp16 where they change the graph most.
 GRID = ([(name, (8, 8), "bfloat16") for name in CASES]
         + [(name, heads, "bfloat16") for name in ("causal", "padding", "softcap_causal") for heads in ((8, 2), (8, 1))]
