@@ -113,7 +113,7 @@ def test_padding_with_a_score_mod_folds_key_lengths_into_the_bias(causal):
                   key_value_seq_lengths=jnp.asarray([S - 7, 0], jnp.int32))  # row 1: no key at all
     call = prepare_call(q, k, v, **kwargs)
     assert folds_padding(call.spec, call.score_mod)
-    assert bias_operand_shape(call.spec, call.score_mod) == (B, 1, 1, S)
+    assert bias_operand_shape(call.spec, call.score_mod) == (B, 1, T, S)  # full query axis: see the function
     operands, _ = graph_io(call.spec, call.score_mod, "backward")
     assert "bias" in operands and "seq_len_q" not in operands and "seq_len_kv" not in operands
 

@@ -269,7 +269,7 @@ def test_padding_with_a_mod_becomes_a_key_bias_and_no_lengths():
     _, lowering, _, options = lower_fake(spec, softcap_ir(), "backward")
     assert lowering.operand_roles == ("q", "k", "v", "o", "dO", "stats", "bias")
     assert "use_padding_mask" not in options and "bias" in options and "dBias" not in options
-    assert describe(spec, softcap_ir(), "forward")["bias"].dims == (2, 1, 1, 128)
+    assert describe(spec, softcap_ir(), "forward")["bias"].dims == (2, 1, 128, 128)
     _, lowering, _, options = lower_fake(spec, None, "forward")  # no mod: cuDNN's own padding mask
     assert "seq_len_kv" in lowering.operand_roles and options["use_padding_mask"] is True
 
@@ -281,6 +281,8 @@ def test_a_boolean_mask_becomes_the_bias_operand():
     assert "bias" in lowering.operand_roles and "dbias" not in lowering.result_roles and "dBias" not in options
     both = make_spec(mask_shape=(2, 1, 128, 128), bias_shape=(1, 8, 128, 128))
     assert bias_operand_shape(both, None) == (2, 8, 128, 128)
+    # A bias broadcast over queries is materialized along them (cuDNN's dq was wrong otherwise).
+    assert bias_operand_shape(make_spec(bias_shape=(2, 1, 1, 128)), None) == (2, 1, 128, 128)
     _, lowering, _, options = lower_fake(both, None, "backward")
     assert lowering.result_roles == ("dq", "dk", "dv", "dbias")
     assert describe(both, None, "backward")["dbias"].dims == (2, 8, 128, 128)

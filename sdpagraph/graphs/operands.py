@@ -56,11 +56,19 @@ def folds_padding(spec: AttentionSpec, ir: ScoreModIR | None) -> bool:
 
 def bias_operand_shape(spec: AttentionSpec, ir: ScoreModIR | None) -> tuple[int, int, int, int] | None:
     """The graph's additive bias: the user's bias, the boolean mask, and folded key padding
-    (a large negative value where they say no), broadcast together; None without any."""
+    (a large negative value where they say no), broadcast together; None without any.
+
+    Batch and heads may stay broadcast (size 1); the query and key axes are always full:
+    with a bias broadcast over queries, (B, 1, 1, S), cuDNN 9.19's backward returned wrong
+    dq (relative error 0.2-0.8; dk, dv and the output were right; H100, 2026-11-22).
+    """
     shapes = [shape for shape in (spec.bias_shape, spec.mask_shape) if shape is not None]
     if folds_padding(spec, ir) and spec.has_kv_lengths:
         shapes.append((spec.batch, 1, 1, spec.kv_len))
-    return tuple(max(sizes) for sizes in zip(*shapes)) if shapes else None
+    if not shapes:
+        return None
+    batch, heads = (max(sizes) for sizes in list(zip(*shapes))[:2])
+    return (batch, heads, spec.q_len, spec.kv_len)
 
 
 def graph_io(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> tuple[tuple[str, ...], tuple[str, ...]]:

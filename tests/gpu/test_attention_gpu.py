@@ -79,6 +79,7 @@ def case_kwargs(name, rng, B, T, S, N):
         "sliding_window_mod": dict(score_mod=mods.sliding_window(64, 0)),
         "chunked_mod": dict(score_mod=mods.compose(mods.chunked(128), mods.causal())),
         "mask": dict(mask=boolean_mask(rng, B, 1, T, S)),
+        "key_bias": dict(bias=jnp.asarray(rng.standard_normal((B, 1, 1, S)), jnp.bfloat16)),
         "mask_softcap": dict(mask=boolean_mask(rng, B, 1, T, S), score_mod=mods.softcap(30.0)),
         "mask_bias": dict(mask=boolean_mask(rng, B, 1, T, S),
                           bias=jnp.asarray(rng.standard_normal((1, N, T, S)), jnp.bfloat16)),
@@ -94,7 +95,7 @@ def boolean_mask(rng, *shape):
 
 CASES = ["plain", "causal", "bottom_right", "window_left", "window_two_sided", "padding", "segments", "chunk",
          "softcap_causal", "alibi", "relative_bias", "prefix_lm", "sliding_window_mod", "chunked_mod", "mask",
-         "mask_softcap", "mask_bias", "padding_softcap",
+         "mask_softcap", "mask_bias", "key_bias", "padding_softcap",
          "kv_padding_softcap", "q_padding_softcap", "padding_softcap_noncausal"]
 # Every case in bf16 with 8/8 heads; head layouts and fp16 where they change the graph most.
 GRID = ([(name, (8, 8), "bfloat16") for name in CASES]
