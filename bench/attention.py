@@ -23,6 +23,8 @@ import numpy as np
 import sdpagraph
 from sdpagraph import mods
 
+from cuda_timing import cuda_event_ms  # bench/ is on sys.path when a script here runs
+
 PLAIN_CASES = [  # (name, B, T, N, K, H, causal)
     ("B4 T4096 N16 H128 causal", 4, 4096, 16, 16, 128, True),
     ("B4 T4096 N16 H128", 4, 4096, 16, 16, 128, False),
@@ -93,19 +95,7 @@ def torch_flex_ms(B, T, N, H, backward):
             out.backward(torch.ones_like(out))
         return out
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) / 20)
-    return statistics.median(samples)
+    return cuda_event_ms(step, rounds=5)
 
 
 def host_overhead_us():

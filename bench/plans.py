@@ -26,6 +26,8 @@ from sdpagraph.graphs.mod_lowering import ModEmitter
 from sdpagraph.graphs.operands import describe
 from sdpagraph.jax_api.attention import prepare_call
 
+from cuda_timing import cuda_event_ms  # bench/ is on sys.path when a script here runs
+
 CAP = 30.0
 
 
@@ -180,15 +182,7 @@ def time_plans(torch, cudnn, handle, call, direction, pack_extra, rng, only_firs
             size = graph.get_workspace_size_plan_at_index(index)
             workspace = torch.empty(max(size, 1), dtype=torch.uint8, device="cuda")
             run = lambda: graph.execute_plan_at_index(pack, workspace, index=index, handle=handle)  # noqa: E731
-            for _ in range(3):
-                run()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(20):
-                run()
-            end.record()
-            torch.cuda.synchronize()
-            rows.append((index, name, size / 2**20, start.elapsed_time(end) / 20))
+            rows.append((index, name, size / 2**20, cuda_event_ms(run)))
         except Exception as error:  # noqa: BLE001 - a plan that does not build is a finding
             rows.append((index, name, None, "declined: " + " ".join(str(error).split())[:80]))
     return rows, bufs

@@ -18,19 +18,9 @@ from sdpagraph.jax_api import cudnn as cudnn_path
 from sdpagraph.jax_api.attention import prepare_call
 from sdpagraph.jax_api.xla import RuntimeInputs, xla_attention
 from sdpagraph.spec import normalize_arguments
+from tests import reference as ref
 
 B, T, S, N, H = 2, 24, 32, 4, 16
-
-
-def numpy_reference(q, k, v, bias, mask, scale):
-    logits = np.einsum("btnh,bsnh->bnts", q, k) * scale + bias
-    logits = np.where(mask, logits, -np.inf)
-    peak = np.max(logits, axis=-1, keepdims=True)
-    peak = np.where(np.isfinite(peak), peak, 0.0)
-    weights = np.where(mask, np.exp(logits - peak), 0.0)
-    total = weights.sum(-1, keepdims=True)
-    probs = weights / np.where(total > 0, total, 1.0)
-    return np.einsum("bnts,bsnh->btnh", probs, v)
 
 
 def folded_recipe(kwargs):
@@ -98,8 +88,9 @@ def test_mask_folded_into_the_bias_matches_the_mask(with_bias, dtype):
 
     out = check_against(folded_recipe(kwargs), reference(kwargs), (q, k, v, user_bias),
                         (0, 1, 2, 3) if with_bias else (0, 1, 2), rng)
-    expected = numpy_reference(*(np.asarray(x, np.float64) for x in (q, k, v)), bias.astype(np.float64), mask,
-                               spec.scale)
+    positions = np.broadcast_to(np.arange(T), (B, T)), np.broadcast_to(np.arange(S), (B, S))
+    expected, _ = ref.attention_fwd_bwd(q, k, v, np.zeros((B, T, N, H)), scale=spec.scale, ok=np.broadcast_to(
+        mask, (B, N, T, S)), q_pos=positions[0], k_pos=positions[1], bias=bias)
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=2e-2, rtol=2e-2)
     assert np.all(np.asarray(out)[0, 3] == 0)
 
