@@ -99,12 +99,17 @@ def torch_flex_ms(B, T, N, H, backward):
 
 
 def host_overhead_us():
-    """Per-call time of a tiny shape (the kernel is negligible): dispatch + FFI overhead."""
+    """Per-call time of a tiny shape, where the host dominates: back-to-back calls run ahead of
+    the GPU, so the time per call is what the host spends. "one-kernel jit" is the floor any
+    jitted call pays (JAX dispatch, one launch); sdpagraph's own per-call cost (the FFI
+    handler: graph lookup, variant pack, cuDNN execute) is its time above that floor."""
     q, k, v = inputs(1, 128, 1, 1, 64)
     result = {}
     for name, fn in implementations(False, training=False).items():
         if name != "xla":
             result[name] = time_ms(jax.jit(fn), q, k, v, repeats=200) * 1e3
+    result["one-kernel jit"] = time_ms(jax.jit(lambda q, k, v: q * 2), q, k, v, repeats=200) * 1e3
+    result["sdpagraph above the floor"] = result["sdpagraph"] - result["one-kernel jit"]
     return result
 
 
@@ -149,7 +154,7 @@ def table(rows, overhead):
                      f"{ratio(r.get('torch-flex'), r.get('sdpagraph'))} |")
     lines.append("")
     lines.append("Per-call time at B1 T128 N1 H64 (host overhead dominates): " +
-                 ", ".join(f"{k} {v:.1f} us" for k, v in overhead.items()))
+                 ", ".join(f"{k} {v:.1f} us" for k, v in overhead.items()) + " (target for the last: <= 15 us)")
     return "\n".join(lines)
 
 
