@@ -1,18 +1,16 @@
-"""Precompile every graph of a spec file into a cache directory, and verify a directory.
+"""Precompile every graph of a spec file into a cache directory.
 
     precompile(specs, cache_dir=DIR, jobs=N)   build what DIR lacks; a report per graph
-    verify(specs, cache_dir=DIR)               does DIR hold every graph, for this GPU and cuDNN?
 
-Both ask the builder for the runtime's own cache keys, so "in DIR" means "the runtime
-finds it": a graph built for another GPU, cuDNN or frontend version has another key and
-counts as missing. Entries are published atomically by the cache, so an interrupted
-precompile leaves whole entries only, and running it again builds just the rest.
+It asks the builder for the runtime's own cache keys, so what it builds is what the
+runtime finds (`sdpagraph.verify` checks a directory the same way). Entries are
+published atomically by the cache, so an interrupted precompile leaves whole entries
+only, and running it again builds just the rest.
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
-import shlex
 import signal
 import sys
 import threading
@@ -25,9 +23,6 @@ from typing import Any, Callable, Iterable, TextIO
 
 from sdpagraph.cache import GraphCache
 from sdpagraph.cache.admin import format_age, format_table
-from sdpagraph.cache.disk import DiskStore, Miss
-from sdpagraph.cache.graph_cache import DEFAULT_LOCK_TIMEOUT_S
-from sdpagraph.cache.keys import key_digest, key_text, key_versions
 from sdpagraph.graphs.builder import GraphBuildError, build, build_environment, graph_key
 from sdpagraph.graphs.mod_lowering import Unsupported
 from sdpagraph.graphs.support import check_graphs, environment_reason
@@ -71,7 +66,7 @@ def _cudnn_graph_key(spec: Any, ir: Any, direction: str) -> Any:
     return graph_key(spec, ir, direction, build_environment())
 
 
-def _usable(builder: Builder | None, task: str) -> Builder:
+def usable_builder(builder: Builder | None, task: str) -> Builder:
     builder = cudnn_builder() if builder is None else builder
     reason = builder.unavailable()
     if reason is not None:
@@ -95,7 +90,7 @@ class GraphResult:
     seconds: float = 0.0
 
 
-class _ExitCode:
+class ExitCode:
     """The command's exit status from a report's `ok`."""
 
     ok: bool
@@ -106,7 +101,7 @@ class _ExitCode:
 
 
 @dataclass(frozen=True)
-class PrecompileReport(_ExitCode):
+class PrecompileReport(ExitCode):
     cache_dir: str
     entries: tuple[SpecEntry, ...]
     graphs: tuple[GraphResult, ...]  # by entry, then in the entry's direction order
@@ -164,7 +159,7 @@ def precompile(specs: Any, cache_dir: str | os.PathLike[str], *, jobs: int = 1, 
     """
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
-    builder = _usable(builder, "precompile")
+    builder = usable_builder(builder, "precompile")
     entries = tuple(load_entries(specs))
     directory = os.path.abspath(os.fspath(cache_dir))
     stream = sys.stderr if progress is True else (progress or None)
@@ -316,110 +311,6 @@ class Progress:
         # \r and "erase to end of line" redraw the line in place on a terminal.
         self.stream.write(f"\r{self.line()}\x1b[K" if self.interactive else self.line() + "\n")
         self.stream.flush()
-
-
-# -- verify --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GraphCheck:
-    entry: int
-    direction: str
-    status: str  # "present", "missing" or "invalid"
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class VerifyReport(_ExitCode):
-    cache_dir: str
-    entries: tuple[SpecEntry, ...]
-    checks: tuple[GraphCheck, ...]
-    environment: dict[str, Any] | None  # this machine's key versions (None: no entries to key)
-    other_environments: tuple[tuple[str, int], ...]  # ("built for <versions>" or "it cannot read (why)", graphs)
-    fix_command: str
-
-    @property
-    def problems(self) -> list[GraphCheck]:
-        return [check for check in self.checks if check.status != "present"]
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "cache_dir": self.cache_dir,
-            "ok": self.ok,
-            "environment": self.environment,
-            "graphs": [{"entry": check.entry, "direction": check.direction, "status": check.status,
-                        "reason": check.reason, "spec": self.entries[check.entry].describe()}
-                       for check in self.checks],
-            "other_environments": [{"environment": label, "graphs": count}
-                                   for label, count in self.other_environments],
-            "fix_command": None if self.ok else self.fix_command,
-        }
-
-    def text(self) -> str:
-        rows = [[str(check.entry), check.direction, check.status, self.entries[check.entry].describe(), check.reason]
-                for check in self.problems]
-        lines = [format_table(["#", "GRAPH", "STATUS", "SPEC", "REASON"], rows)] if rows else []
-        present = len(self.checks) - len(self.problems)
-        lines.append(f"{present} of {len(self.checks)} graphs present and valid in {self.cache_dir}"
-                     + (f" for {describe_environment(self.environment)}" if self.environment else ""))
-        lines += [f"it also holds {count} graphs {label}" for label, count in self.other_environments]
-        if not self.ok:
-            lines.append(f"to build the missing graphs, run on this machine: {self.fix_command}")
-        return "\n".join(lines)
-
-
-def verify(specs: Any, cache_dir: str | os.PathLike[str], *, builder: Builder | None = None) -> VerifyReport:
-    """Check that `cache_dir` holds a valid graph for every graph of every entry of `specs`,
-    under the key the runtime computes on this machine (its GPU, cuDNN and frontend).
-
-    Reads only: nothing in the directory is created, changed or touched.
-    Raises BuilderUnavailable where keys cannot be computed (no GPU, no cuDNN frontend).
-    """
-    builder = _usable(builder, "verify a cache")
-    entries = tuple(load_entries(specs))
-    directory = os.path.abspath(os.fspath(cache_dir))
-    store = DiskStore(directory, writable=False, lock_timeout_s=DEFAULT_LOCK_TIMEOUT_S)
-    checks, environment = [], None
-    for index, entry in enumerate(entries):
-        for direction in entry.directions:
-            key = builder.graph_key(entry.spec, entry.score_mod, direction)
-            environment = key_versions(key)
-            found = store.read(key_digest(key), key_text(key))
-            if not isinstance(found, Miss):
-                checks.append(GraphCheck(index, direction, "present"))
-            else:
-                checks.append(GraphCheck(index, direction, "invalid" if found.invalid else "missing", found.reason))
-    return VerifyReport(directory, entries, tuple(checks), environment, _other_environments(store, environment),
-                        _precompile_command(specs, directory))
-
-
-def _other_environments(store: DiskStore, here: dict[str, Any] | None) -> tuple[tuple[str, int], ...]:
-    """What the directory holds besides graphs for this machine: the usual cause of misses."""
-    found: Counter[str] = Counter()
-    for stored in store.scan():
-        entry = store.read(stored.digest)
-        if isinstance(entry, Miss):
-            found[f"it cannot read ({entry.reason})"] += 1
-        elif entry.versions != here:
-            found[f"built for {describe_environment(entry.versions)}"] += 1
-    return tuple(sorted(found.items()))
-
-
-def describe_environment(versions: dict[str, Any] | None) -> str:
-    if not versions:
-        return "an unknown environment (entry without versions)"
-    return ", ".join(f"{name} {value}" for name, value in sorted(versions.items()))
-
-
-def _precompile_command(specs: Any, directory: str) -> str:
-    paths = [specs] if isinstance(specs, (str, os.PathLike)) else [
-        item for item in specs if isinstance(item, (str, os.PathLike))]
-    files = " ".join(shlex.quote(os.fspath(path)) for path in paths) or "SPECS.json"
-    return f"sdpagraph precompile {files} --cache-dir {shlex.quote(directory)}"
 
 
 def without_gpu_preallocation() -> None:

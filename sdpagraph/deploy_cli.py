@@ -8,8 +8,8 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from sdpagraph.deploy import (BuilderUnavailable, PrecompileReport, VerifyReport, precompile, verify,
-                              without_gpu_preallocation)
+from sdpagraph.deploy import BuilderUnavailable, PrecompileReport, precompile, without_gpu_preallocation
+from sdpagraph.verify import VerifyReport, verify
 from sdpagraph.specfile import SpecFileError
 
 EXIT_CANNOT_RUN = 2

@@ -21,7 +21,8 @@ from sdpagraph.cache import GraphCache
 from sdpagraph.cache.admin import verify_entries
 from sdpagraph.graphs import builder
 from sdpagraph.graphs.support import Support
-from sdpagraph.deploy import Builder, BuilderUnavailable, Progress, precompile, verify
+from sdpagraph.deploy import Builder, BuilderUnavailable, Progress, precompile
+from sdpagraph.verify import verify
 from sdpagraph.specfile import parse_entry, save_specs
 
 # By module name: the package may re-export the function `precompile` under the same name.
