@@ -12,9 +12,9 @@ calls the callbacks later, while it lowers the graph): scalars and literals beco
 Scalars (`score_mod_tensors`) and float literals are FLOAT pass-by-value tensors; int
 literals are INT32 ones, as in cuDNN's own diagonal band mask: cuDNN's tile skipping
 reads a diagonal's shift as an int32, so a FLOAT -128.0 there made it skip every tile
-(bottom-right causal with T > S gave zeros, H100, cuDNN 9.19). A comparison with a
-pass-by-value operand found no engine, so `graphs.masks` folds its literals into INT32
-arithmetic on positions before comparing.
+(bottom-right causal with T > S gave zeros, H100, cuDNN 9.19). Comparisons against an
+int literal build; against a FLOAT pass-by-value (a float literal or a scalar) they find
+no engine, so `graphs.masks` compares positions with positions plus int literals.
 
 The bprop may use forward tensors (softcap's bprop reads the pre-tanh value), so the
 node -> tensor map of each stage lives on the `ModEmitter` of one graph, shared by its

@@ -87,12 +87,12 @@ class _Validity(NamedTuple):
 
     q: Any  # (B, T) bool: token rows cuDNN computes, or None when it computes all
     kv: Any  # (B, S) bool, or None
-    attended: Any = None  # (B|1, T, N|1, 1) bool with a boolean mask: rows with a key to attend to
+    attended: Any = None  # (B|1, T, N|1, 1) bool when the bias carries masks: rows with a key to attend to
 
 
-# Where a boolean mask says no, the bias operand holds this: finite (a row with no allowed key
-# must not turn into NaN inside cuDNN; sdpagraph zeroes such rows itself), and small enough that
-# cuDNN's fp32 exp2 scaling (x log2 e) of it does not overflow.
+# Where a boolean mask or folded key padding says no, the bias operand holds this: finite (a row
+# with no allowed key must not turn into NaN inside cuDNN; sdpagraph zeroes such rows itself), and
+# small enough that cuDNN's fp32 exp2 scaling (x log2 e) of it does not overflow.
 MASKED_BIAS = {"bfloat16": -1e30, "float16": float(np.finfo(np.float16).min)}
 
 
