@@ -29,11 +29,11 @@ def folded_recipe(kwargs):
     def run(q, k, v, user_bias):
         call = prepare_call(q, k, v, user_bias, **kwargs)
         spec, ir, inputs = call.spec, call.score_mod, call.inputs
-        operand = cudnn_path._bias_operand(spec, ir, inputs, q.dtype)
+        _, validity = cudnn_path._operands(spec, inputs)
+        operand = cudnn_path._bias_operand(spec, ir, inputs, validity, q.dtype)
         graph_spec = normalize_arguments(q, k, v, operand, is_causal=spec.is_causal).spec
         graph_inputs = RuntimeInputs(bias=operand, mod_scalars=inputs.mod_scalars, mod_arrays=inputs.mod_arrays)
         out, lse = xla_attention(graph_spec, q, k, v, graph_inputs, ir)
-        _, validity = cudnn_path._operands(spec, inputs)
         out = cudnn_path._zero_rows(out, validity.q)
         attended = cudnn_path._attended(spec, ir, inputs)
         out = jnp.where(attended, out, 0)

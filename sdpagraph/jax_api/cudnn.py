@@ -132,16 +132,16 @@ def _operands(spec: AttentionSpec, inputs: RuntimeInputs) -> tuple[dict[str, Any
     return operands, validity
 
 
-def _bias_operand(spec: AttentionSpec, ir: ScoreModIR | None, inputs: RuntimeInputs, dtype: Any) -> Any:
+def _bias_operand(spec: AttentionSpec, ir: ScoreModIR | None, inputs: RuntimeInputs, validity: _Validity,
+                  dtype: Any) -> Any:
     """The graph's bias (`operands.bias_operand_shape`): the user's bias, with the boolean mask
-    and folded key padding as MASKED_BIAS where they say no."""
+    and folded key padding (`validity.kv`) as MASKED_BIAS where they say no."""
     shape = bias_operand_shape(spec, ir)
     if shape is None:
         return None
     keep = inputs.mask
     if folds_padding(spec, ir) and inputs.kv_lengths is not None:
-        kv_valid = jnp.arange(spec.kv_len) < jnp.asarray(inputs.kv_lengths, jnp.int32)[:, None]
-        kv_valid = kv_valid[:, None, None, :]
+        kv_valid = validity.kv[:, None, None, :]
         keep = kv_valid if keep is None else keep & kv_valid
     bias = inputs.bias
     if keep is not None:
@@ -197,9 +197,9 @@ def _core_fwd(static: _Static, q, k, v, bias, aux, validity):
 
 def _core_bwd(static: _Static, residuals, cotangents):
     q, k, v, bias, aux, validity, o, stats = residuals
-    d_o, _ = cotangents  # the stats (logsumexp) are returned without a gradient, as jax does
-    if validity.attended is not None:  # rows the output zeroed pass no gradient
-        d_o = jnp.where(validity.attended, d_o, jnp.zeros((), d_o.dtype))
+    # The stats (logsumexp) are returned without a gradient, as jax does. Rows that `attention`
+    # zeroes after this core (padding, nothing to attend to) already arrive with a zero d_o.
+    d_o, _ = cotangents
     spec = static.spec
     results = {"dq": jax.ShapeDtypeStruct(q.shape, q.dtype), "dk": jax.ShapeDtypeStruct(k.shape, k.dtype),
                "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
@@ -224,7 +224,7 @@ def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: Run
     static = _Static(spec, score_mod, tuple(sorted((inputs.mod_scalars or {}).items())), training)
     aux, validity = _operands(spec, inputs)
     validity = validity._replace(attended=_attended(spec, score_mod, inputs))
-    bias = _bias_operand(spec, score_mod, inputs, query.dtype)
+    bias = _bias_operand(spec, score_mod, inputs, validity, query.dtype)
     out, stats = _core(static, query, key, value, bias, aux, validity)
     out = _zero_rows(out, validity.q)
     if validity.attended is not None:
