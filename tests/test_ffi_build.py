@@ -29,6 +29,7 @@ ENTRY_POINTS = (
     "sdpagraph_register_entry_file",
     "sdpagraph_deserialize_count",
     "sdpagraph_command_buffer_compatible",
+    "sdpagraph_host_timing",
     "sdpagraph_version",
 )
 
@@ -165,6 +166,16 @@ def test_register_graph_is_idempotent_and_checks_its_arguments(executor):
     with pytest.raises(ValueError, match="blob is empty"):
         executor.register_graph(digest, b"")
     assert executor.deserialize_count() == 0  # registering never deserializes
+
+
+def test_host_timing_switches_on_and_off_and_resets():
+    # A fresh interpreter: timing and its totals are process-wide.
+    out = run_python(
+        "from sdpagraph.ffi import loader; lib = loader.load()\n"
+        "print(lib.host_timing(True)); print(lib.host_timing(False)); print(lib.host_timing(False))")
+    first, second, third = out.strip().splitlines()
+    # Nothing ran the handler here, so every total is zero; on the GPU, tests/gpu checks real counts.
+    assert first == second == third == "HostTiming(calls=0, handler_ns=0, cudnn_execute_ns=0)"
 
 
 # --- cache entry files ------------------------------------------------------------------------

@@ -21,6 +21,7 @@
 #include <array>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -85,21 +86,22 @@ class EntryFileError : public ExecutorError {
   using ExecutorError::ExecutorError;
 };
 
-void CheckFrontend(cudnn_frontend::error_t status, const std::string& what) {
+// `what` is a C string so that the success path, taken on every call, builds no std::string.
+void CheckFrontend(cudnn_frontend::error_t status, const char* what) {
   if (status.is_bad()) {
-    throw ExecutorError(what + " failed: " + status.get_message());
+    throw ExecutorError(std::string(what) + " failed: " + status.get_message());
   }
 }
 
-void CheckCudnn(cudnnStatus_t status, const std::string& what) {
+void CheckCudnn(cudnnStatus_t status, const char* what) {
   if (status != CUDNN_STATUS_SUCCESS) {
-    throw ExecutorError(what + " failed: " + fe_detail::get_error_string(status));
+    throw ExecutorError(std::string(what) + " failed: " + fe_detail::get_error_string(status));
   }
 }
 
-void CheckCuda(cudaError_t status, const std::string& what) {
+void CheckCuda(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
-    throw ExecutorError(what + " failed: " + fe_detail::cuda_get_error_string(status));
+    throw ExecutorError(std::string(what) + " failed: " + fe_detail::cuda_get_error_string(status));
   }
 }
 
@@ -432,14 +434,41 @@ class CudnnHandle {
   cudnnHandle_t handle_;
 };
 
+// A thread's handle for one device and the stream it is bound to. cudnnSetStream costs about as much
+// as the rest of the executor's own per-call work together, so a call on the stream the handle
+// already has (XLA's, nearly always) skips it.
+class ThreadHandle {
+ public:
+  explicit ThreadHandle(cudnnHandle_t handle) : handle_(handle) {}
+
+  cudnnHandle_t OnStream(cudaStream_t stream) {
+    if (!stream_known_ || stream != stream_) {
+      stream_known_ = false;  // stays unknown if cudnnSetStream throws
+      CheckCudnn(fe_detail::set_stream(handle_, stream), "cudnnSetStream");
+      stream_ = stream;
+      stream_known_ = true;
+    }
+    return handle_;
+  }
+
+  // For code that may re-point the handle itself (the frontend's deserialize warmup does, and does
+  // not restore the stream when it fails): the next OnStream sets the stream again.
+  void ForgetStream() { stream_known_ = false; }
+
+ private:
+  cudnnHandle_t handle_;
+  cudaStream_t stream_ = nullptr;
+  bool stream_known_ = false;
+};
+
 // One handle per (device, thread): a handle belongs to the device it was created on, and
 // cudnnSetStream followed by execute must not race with another thread re-pointing the same handle.
 // The pool owns every handle for the life of the process (see ExecutorState); each thread keeps a
 // non-owning index so the hot path takes no lock.
 class HandlePool {
  public:
-  cudnnHandle_t ForCurrentThread(int device) {
-    thread_local std::unordered_map<int, cudnnHandle_t> handles_of_this_thread;
+  ThreadHandle& ForCurrentThread(int device) {
+    thread_local std::unordered_map<int, ThreadHandle> handles_of_this_thread;
     if (const auto found = handles_of_this_thread.find(device); found != handles_of_this_thread.end()) {
       return found->second;
     }
@@ -453,8 +482,7 @@ class HandlePool {
       std::lock_guard<std::mutex> lock(mutex_);
       owned_.push_back(std::move(handle));
     }
-    handles_of_this_thread.emplace(device, raw_handle);
-    return raw_handle;
+    return handles_of_this_thread.emplace(device, ThreadHandle(raw_handle)).first->second;
   }
 
  private:
@@ -474,7 +502,7 @@ struct DeviceGraph {
   int64_t workspace_size = 0;
 };
 
-std::unique_ptr<const DeviceGraph> Deserialize(const std::vector<uint8_t>& blob, cudnnHandle_t handle,
+std::unique_ptr<const DeviceGraph> Deserialize(const std::vector<uint8_t>& blob, ThreadHandle& thread_handle,
                                                cudaStream_t xla_stream) {
   RelaxedCaptureModeScope relaxed;
   // The frontend's warmup runs the plan once inside a throwaway capture so that its kernels are
@@ -482,7 +510,8 @@ std::unique_ptr<const DeviceGraph> Deserialize(const std::vector<uint8_t>& blob,
   // while XLA is capturing, so a graph first met during capture loads its kernels on first launch.
   const bool warmup = !IsCapturing(xla_stream);
   // On the default stream, the warmup captures a private stream of its own, never XLA's.
-  CheckCudnn(fe_detail::set_stream(handle, nullptr), "cudnnSetStream");
+  const cudnnHandle_t handle = thread_handle.OnStream(nullptr);
+  thread_handle.ForgetStream();
   auto device_graph = std::make_unique<DeviceGraph>();
   CheckFrontend(device_graph->graph.deserialize(handle, blob, /*enforce_precompiled=*/true, warmup),
                 "deserialize");
@@ -498,7 +527,7 @@ class GraphEntry {
   // Deserializes on the first call for `device` and returns the same graph afterwards. The device's
   // mutex is held while deserializing, so each device deserializes at most once; a failure leaves
   // the slot empty and the next call tries again.
-  const DeviceGraph& ForDevice(int device, cudnnHandle_t handle, cudaStream_t xla_stream,
+  const DeviceGraph& ForDevice(int device, ThreadHandle& handle, cudaStream_t xla_stream,
                                std::atomic<int64_t>& deserialize_count) {
     DeviceSlot& slot = SlotFor(device);
     std::lock_guard<std::mutex> lock(slot.mutex);
@@ -550,10 +579,53 @@ class GraphRegistry {
   std::unordered_map<std::string, std::shared_ptr<GraphEntry>> entries_;
 };
 
+// Where the handler's host time goes, for bench/attention.py: the whole handler, and the part of it
+// inside the frontend's execute (cuDNN's own per-call work, kernel launch included). Counted only
+// while enabled, so an untimed call pays one relaxed load.
+class HostTiming {
+ public:
+  struct Totals {
+    int64_t calls = 0;
+    int64_t handler_ns = 0;
+    int64_t cudnn_execute_ns = 0;
+  };
+
+  static int64_t NowNs() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
+
+  void Add(int64_t handler_ns, int64_t cudnn_execute_ns) {
+    calls_.fetch_add(1, std::memory_order_relaxed);
+    handler_ns_.fetch_add(handler_ns, std::memory_order_relaxed);
+    cudnn_execute_ns_.fetch_add(cudnn_execute_ns, std::memory_order_relaxed);
+  }
+
+  // Returns the totals so far, resets them, and turns counting on or off.
+  Totals Take(bool enable) {
+    enabled_.store(enable, std::memory_order_relaxed);
+    Totals totals;
+    totals.calls = calls_.exchange(0, std::memory_order_relaxed);
+    totals.handler_ns = handler_ns_.exchange(0, std::memory_order_relaxed);
+    totals.cudnn_execute_ns = cudnn_execute_ns_.exchange(0, std::memory_order_relaxed);
+    return totals;
+  }
+
+ private:
+  std::atomic<bool> enabled_{false};
+  std::atomic<int64_t> calls_{0};
+  std::atomic<int64_t> handler_ns_{0};
+  std::atomic<int64_t> cudnn_execute_ns_{0};
+};
+
 struct ExecutorState {
   GraphRegistry graphs;
   HandlePool handles;
   std::atomic<int64_t> deserialize_count{0};
+  HostTiming timing;
 };
 
 // Never destroyed: a static destructor would run cudnnDestroy and the frontend's plan destructors at
@@ -683,10 +755,11 @@ ffi::AnyBuffer ResultBuffer(const ffi::RemainingRets& results, size_t index) {
   return **buffer;
 }
 
-void RunGraph(cudaStream_t stream, int32_t device, const ffi::RemainingArgs& operands,
-              const ffi::RemainingRets& results, const std::string& key, std::string_view entry_path,
-              ffi::Span<const int64_t> uids, ffi::Span<const int64_t> scalar_uids, HostScalars scalar_values,
-              int64_t workspace_size) {
+// Returns the nanoseconds spent in the frontend's execute when `timed`, else 0.
+int64_t RunGraph(cudaStream_t stream, int32_t device, const ffi::RemainingArgs& operands,
+                 const ffi::RemainingRets& results, const std::string& key, std::string_view entry_path,
+                 ffi::Span<const int64_t> uids, ffi::Span<const int64_t> scalar_uids, HostScalars scalar_values,
+                 int64_t workspace_size, bool timed) {
   if (results.size() == 0) {
     throw InvalidCallError("the workspace must be passed as the last result");
   }
@@ -703,8 +776,8 @@ void RunGraph(cudaStream_t stream, int32_t device, const ffi::RemainingArgs& ope
 
   BindCudnnLibrary();
   const std::shared_ptr<GraphEntry> entry = FindOrLoadGraph(key, entry_path);
-  const cudnnHandle_t handle = State().handles.ForCurrentThread(device);
-  const DeviceGraph& graph = entry->ForDevice(device, handle, stream, State().deserialize_count);
+  ThreadHandle& thread_handle = State().handles.ForCurrentThread(device);
+  const DeviceGraph& graph = entry->ForDevice(device, thread_handle, stream, State().deserialize_count);
 
   const ffi::AnyBuffer workspace = ResultBuffer(results, tensor_results);
   if (workspace_size < graph.workspace_size) {
@@ -731,20 +804,26 @@ void RunGraph(cudaStream_t stream, int32_t device, const ffi::RemainingArgs& ope
   }
   std::vector<void*> pointers = VariantPack(given, graph.variant_pack_uids);
 
-  CheckCudnn(fe_detail::set_stream(handle, stream), "cudnnSetStream");
+  const cudnnHandle_t handle = thread_handle.OnStream(stream);
+  const int64_t execute_start = timed ? HostTiming::NowNs() : 0;
   CheckFrontend(graph.graph.execute(handle, pointers.data(), static_cast<int>(pointers.size()),
                                     workspace.untyped_data()),
                 "execute");
+  return timed ? HostTiming::NowNs() - execute_start : 0;
 }
 
 ffi::Error ExecuteGraph(cudaStream_t stream, int32_t device, ffi::RemainingArgs operands,
                         ffi::RemainingRets results, std::string_view graph_key, std::string_view entry_path,
                         ffi::Span<const int64_t> uids, ffi::Span<const int64_t> scalar_uids,
                         HostScalars scalar_values, int64_t workspace_size) {
+  HostTiming& timing = State().timing;
+  const bool timed = timing.enabled();
+  const int64_t start = timed ? HostTiming::NowNs() : 0;
   const std::string key(graph_key);
   try {
-    RunGraph(stream, device, operands, results, key, entry_path, uids, scalar_uids, scalar_values,
-             workspace_size);
+    const int64_t cudnn_execute_ns = RunGraph(stream, device, operands, results, key, entry_path, uids,
+                                              scalar_uids, scalar_values, workspace_size, timed);
+    if (timed) timing.Add(HostTiming::NowNs() - start, cudnn_execute_ns);
     return ffi::Error::Success();
   } catch (const InvalidCallError& error) {
     return ffi::Error::InvalidArgument("sdpagraph_execute, graph " + key + ": " + error.what());
@@ -837,6 +916,17 @@ SDPAGRAPH_EXPORT int sdpagraph_register_entry_file(const char* key_digest, const
 // Total graph deserializations in this process, over all keys and devices (for tests).
 SDPAGRAPH_EXPORT int64_t sdpagraph_deserialize_count(void) {
   return sdpagraph::State().deserialize_count.load(std::memory_order_relaxed);
+}
+
+// Writes the host-timing totals since the last call (calls, handler ns, ns inside the frontend's
+// execute) to `totals[0..2]`, resets them, and turns timing on (`enable` != 0) or off.
+SDPAGRAPH_EXPORT void sdpagraph_host_timing(int enable, int64_t* totals) {
+  const sdpagraph::HostTiming::Totals taken = sdpagraph::State().timing.Take(enable != 0);
+  if (totals != nullptr) {
+    totals[0] = taken.calls;
+    totals[1] = taken.handler_ns;
+    totals[2] = taken.cudnn_execute_ns;
+  }
 }
 
 // 1 when sdpagraph_execute carries XLA's command-buffer-compatible trait in this build.

@@ -52,6 +52,7 @@ import ctypes
 import os
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 EXECUTOR_TARGET = "sdpagraph_execute"
 LIBRARY_FILE = "_sdpagraph_executor.so"
@@ -72,6 +73,16 @@ _STATUS_MESSAGES = {
     4: "internal error in the executor",
 }
 _ERROR_BUFFER_SIZE = 1024
+
+
+class HostTiming(NamedTuple):
+    """Host time spent in ``sdpagraph_execute`` over ``calls`` timed calls: the whole handler, and
+    the part inside the frontend's execute (cuDNN's own per-call work, kernel launch included).
+    ``handler_ns - cudnn_execute_ns`` is what sdpagraph itself adds on the host."""
+
+    calls: int
+    handler_ns: int
+    cudnn_execute_ns: int
 
 
 class ExecutorLib:
@@ -95,6 +106,8 @@ class ExecutorLib:
         library.sdpagraph_deserialize_count.restype = ctypes.c_int64
         library.sdpagraph_command_buffer_compatible.argtypes = []
         library.sdpagraph_command_buffer_compatible.restype = ctypes.c_int
+        library.sdpagraph_host_timing.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
+        library.sdpagraph_host_timing.restype = None
         library.sdpagraph_version.argtypes = []
         library.sdpagraph_version.restype = ctypes.c_char_p
 
@@ -124,6 +137,13 @@ class ExecutorLib:
     def deserialize_count(self) -> int:
         """Graph deserializations so far in this process, over all graphs and devices."""
         return int(self._library.sdpagraph_deserialize_count())
+
+    def host_timing(self, enable: bool) -> HostTiming:
+        """The handler's host time since the previous call (then reset), and timing switched on or
+        off for what follows. Off by default: an untimed call costs one atomic load."""
+        totals = (ctypes.c_int64 * 3)()
+        self._library.sdpagraph_host_timing(int(enable), totals)
+        return HostTiming(calls=totals[0], handler_ns=totals[1], cudnn_execute_ns=totals[2])
 
 
 class _LoadState:
