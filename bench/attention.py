@@ -119,17 +119,20 @@ def host_overhead_us():
         if name == "xla":
             continue
         jitted = jax.jit(fn)
-        if name == "sdpagraph":
+        if name != "sdpagraph":
+            result[name] = time_ms(jitted, q, k, v, repeats=repeats, rounds=rounds) * 1e3
+        else:
             jax.block_until_ready(jitted(q, k, v))  # the graph's one-time deserialization is not timed
             executor.host_timing(True)
-        result[name] = time_ms(jitted, q, k, v, repeats=repeats, rounds=rounds) * 1e3
-        result[name + " above the floor"] = result[name] - result["one-kernel jit"]
-        if name == "sdpagraph":
-            timing = executor.host_timing(False)
+            try:
+                result[name] = time_ms(jitted, q, k, v, repeats=repeats, rounds=rounds) * 1e3
+            finally:
+                timing = executor.host_timing(False)
             result["handler runs per call"] = timing.calls / (2 + repeats * rounds)  # time_ms warms up twice
             if result["handler runs per call"] > 0.9:  # under a CUDA graph it only runs to record
                 result["cuDNN execute"] = timing.cudnn_execute_ns / timing.calls / 1e3
                 result["sdpagraph handler outside cuDNN"] = (timing.handler_ns - timing.cudnn_execute_ns) / timing.calls / 1e3
+        result[name + " above the floor"] = result[name] - result["one-kernel jit"]
     return result
 
 
@@ -138,12 +141,13 @@ def host_overhead_rows():
     graphs) turned on for custom calls (a fresh process: XLA reads its flags once)."""
     rows = [{"XLA flags": "default", **host_overhead_us()}]
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFER_FLAGS).strip())
-    child = subprocess.run([sys.executable, __file__, "--host-overhead-only"], env=env, capture_output=True,
-                           text=True, timeout=600)
-    if child.returncode == 0:
+    try:  # a failure here loses this row only, never the run's other results
+        child = subprocess.run([sys.executable, __file__, "--host-overhead-only"], env=env, capture_output=True,
+                               text=True, timeout=600, check=True)
         rows.append({"XLA flags": COMMAND_BUFFER_FLAGS, **json.loads(child.stdout.strip().splitlines()[-1])})
-    else:
-        print(f"command-buffer host overhead run failed:\n{child.stderr[-2000:]}", file=sys.stderr)
+    except (subprocess.SubprocessError, IndexError, ValueError) as error:
+        stderr = getattr(error, "stderr", None) or ""
+        print(f"command-buffer host overhead run failed: {error}\n{stderr[-2000:]}", file=sys.stderr)
     return rows
 
 

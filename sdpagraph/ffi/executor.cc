@@ -441,6 +441,8 @@ class ThreadHandle {
  public:
   explicit ThreadHandle(cudnnHandle_t handle) : handle_(handle) {}
 
+  // Compares stream handles only: a stream destroyed and another created at the same address would
+  // keep the old binding, which is harmless because cuDNN keeps nothing of a stream but its handle.
   cudnnHandle_t OnStream(cudaStream_t stream) {
     if (!stream_known_ || stream != stream_) {
       stream_known_ = false;  // stays unknown if cudnnSetStream throws
@@ -581,10 +583,12 @@ class GraphRegistry {
 
 // Where the handler's host time goes, for bench/attention.py: the whole handler, and the part of it
 // inside the frontend's execute (cuDNN's own per-call work, kernel launch included). Counted only
-// while enabled, so an untimed call pays one relaxed load.
+// while enabled, so an untimed call pays one relaxed load. Meant for a quiet moment between calls:
+// a call still running when the totals are taken is counted in the next window.
 class HostTiming {
  public:
   struct Totals {
+    bool was_enabled = false;  // whether timing was on during the window these totals cover
     int64_t calls = 0;
     int64_t handler_ns = 0;
     int64_t cudnn_execute_ns = 0;
@@ -606,8 +610,8 @@ class HostTiming {
 
   // Returns the totals so far, resets them, and turns counting on or off.
   Totals Take(bool enable) {
-    enabled_.store(enable, std::memory_order_relaxed);
     Totals totals;
+    totals.was_enabled = enabled_.exchange(enable, std::memory_order_relaxed);
     totals.calls = calls_.exchange(0, std::memory_order_relaxed);
     totals.handler_ns = handler_ns_.exchange(0, std::memory_order_relaxed);
     totals.cudnn_execute_ns = cudnn_execute_ns_.exchange(0, std::memory_order_relaxed);
@@ -919,14 +923,16 @@ SDPAGRAPH_EXPORT int64_t sdpagraph_deserialize_count(void) {
 }
 
 // Writes the host-timing totals since the last call (calls, handler ns, ns inside the frontend's
-// execute) to `totals[0..2]`, resets them, and turns timing on (`enable` != 0) or off.
-SDPAGRAPH_EXPORT void sdpagraph_host_timing(int enable, int64_t* totals) {
+// execute) to `totals[0..2]`, resets them, and turns timing on (`enable` != 0) or off. Returns 1 when
+// timing was on until now.
+SDPAGRAPH_EXPORT int sdpagraph_host_timing(int enable, int64_t* totals) {
   const sdpagraph::HostTiming::Totals taken = sdpagraph::State().timing.Take(enable != 0);
   if (totals != nullptr) {
     totals[0] = taken.calls;
     totals[1] = taken.handler_ns;
     totals[2] = taken.cudnn_execute_ns;
   }
+  return taken.was_enabled ? 1 : 0;
 }
 
 // 1 when sdpagraph_execute carries XLA's command-buffer-compatible trait in this build.

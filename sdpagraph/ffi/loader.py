@@ -78,8 +78,10 @@ _ERROR_BUFFER_SIZE = 1024
 class HostTiming(NamedTuple):
     """Host time spent in ``sdpagraph_execute`` over ``calls`` timed calls: the whole handler, and
     the part inside the frontend's execute (cuDNN's own per-call work, kernel launch included).
-    ``handler_ns - cudnn_execute_ns`` is what sdpagraph itself adds on the host."""
+    ``handler_ns - cudnn_execute_ns`` is what sdpagraph itself adds on the host. ``was_enabled``:
+    whether timing was on over the window these totals cover."""
 
+    was_enabled: bool
     calls: int
     handler_ns: int
     cudnn_execute_ns: int
@@ -107,7 +109,7 @@ class ExecutorLib:
         library.sdpagraph_command_buffer_compatible.argtypes = []
         library.sdpagraph_command_buffer_compatible.restype = ctypes.c_int
         library.sdpagraph_host_timing.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
-        library.sdpagraph_host_timing.restype = None
+        library.sdpagraph_host_timing.restype = ctypes.c_int
         library.sdpagraph_version.argtypes = []
         library.sdpagraph_version.restype = ctypes.c_char_p
 
@@ -142,8 +144,8 @@ class ExecutorLib:
         """The handler's host time since the previous call (then reset), and timing switched on or
         off for what follows. Off by default: an untimed call costs one atomic load."""
         totals = (ctypes.c_int64 * 3)()
-        self._library.sdpagraph_host_timing(int(enable), totals)
-        return HostTiming(calls=totals[0], handler_ns=totals[1], cudnn_execute_ns=totals[2])
+        was_enabled = bool(self._library.sdpagraph_host_timing(int(enable), totals))
+        return HostTiming(was_enabled, calls=totals[0], handler_ns=totals[1], cudnn_execute_ns=totals[2])
 
 
 class _LoadState:

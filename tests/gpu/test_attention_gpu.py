@@ -204,6 +204,8 @@ def test_sixteen_threads_share_one_deserialized_graph():
     assert ffi.deserialize_count() == before
 
 
+@pytest.mark.skipif("command_buffer" in os.environ.get("XLA_FLAGS", ""),
+                    reason="under command buffers the handler runs only while XLA records")
 def test_host_timing_counts_each_call_and_splits_off_cudnn_execute():
     rng = np.random.default_rng()
     q, k, v = (jnp.asarray(rng.standard_normal((1, 128, 2, 64)), jnp.bfloat16) for _ in range(3))
@@ -211,11 +213,13 @@ def test_host_timing_counts_each_call_and_splits_off_cudnn_execute():
     jax.block_until_ready(f(q, k, v))  # build and deserialize before timing
     executor = ffi.load()
     executor.host_timing(True)
-    for _ in range(20):
-        out = f(q, k, v)
-    jax.block_until_ready(out)
-    timing = executor.host_timing(False)
-    assert timing.calls == 20
+    try:
+        for _ in range(20):
+            out = f(q, k, v)
+        jax.block_until_ready(out)
+    finally:
+        timing = executor.host_timing(False)
+    assert timing.was_enabled and timing.calls == 20
     assert 0 < timing.cudnn_execute_ns < timing.handler_ns
     jax.block_until_ready(f(q, k, v))
     assert executor.host_timing(False).calls == 0  # nothing is counted while timing is off
