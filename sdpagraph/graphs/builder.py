@@ -57,7 +57,7 @@ from sdpagraph.cache import CacheKey, GraphCache, default_cache
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.lowering import lower, new_graph
-from sdpagraph.graphs.operands import graph_io
+from sdpagraph.graphs.operands import graph_io, graph_spec
 from sdpagraph.spec import AttentionSpec
 
 __all__ = ["BuildEnvironment", "GraphBuildError", "build", "build_environment", "graph_io", "graph_key"]
@@ -134,6 +134,7 @@ def _frontend_version() -> str | None:
 
 
 def graph_key(spec: AttentionSpec, ir: ScoreModIR | None, direction: str, env: BuildEnvironment) -> CacheKey:
+    spec = graph_spec(spec, ir)
     if ir is None:
         ir_hash = NO_MOD
     else:
@@ -151,6 +152,7 @@ def build(spec: AttentionSpec, ir: ScoreModIR | None, direction: str,
     """
     cache = default_cache() if cache is None else cache
     env = build_environment()
+    spec = graph_spec(spec, ir)  # packed segments the THD layout cannot take run as a mask
     key = graph_key(spec, ir, direction, env)
     blob, meta = cache.get_or_build(key, functools.partial(compile_graph, spec, ir, direction, env))
     return CompiledGraph.from_meta(blob, meta)

@@ -305,6 +305,11 @@ class ScoreModIR:
             self._digests["fwd"] = hashlib.sha256(forward._canonical((forward.output, None))).hexdigest()
         return self._digests["fwd"]
 
+    @property
+    def reads_positions(self) -> bool:
+        """Whether the mod (forward or bprop) reads query or key positions: gen_index on axis 2 or 3."""
+        return any(n.op == "gen_index" and n.attr("axis") in (2, 3) for n in self.nodes)
+
     def slots(self, op: str) -> list[tuple[int, Node]]:
         return [(i, n) for i, n in enumerate(self.nodes) if n.op == op]
 

@@ -18,9 +18,13 @@ Key padding takes the same road when a mod is present (`operands.folds_padding`)
 mod switches cuDNN's padding mask off, and cuDNN 9.19 crashed the process (segfault,
 H100, 2026-11-22) planning sequence lengths written into the mod itself.
 
-Declined before building (`Unsupported`): packed segments with a mod (they need the
-padding mask), bottom-right alignment with lengths and a mod, and packed buffers whose
-element offsets do not fit cuDNN's int32 ragged offsets.
+Packed self-attention segments that the packed layout cannot take (with a mod, a bias or a
+mask) are built as a dense graph whose mask carries them (`operands.graph_spec`).
+
+Declined before building (`Unsupported`): packed segments with chunks, a mod that reads
+positions, or cross-attention ids together with a mod (they need the padding mask),
+bottom-right alignment with lengths and a mod, and packed buffers whose element offsets
+do not fit cuDNN's int32 ragged offsets.
 """
 from __future__ import annotations
 
@@ -184,12 +188,21 @@ def _storage_types(spec: AttentionSpec, cudnn: Any) -> dict[str, Any]:
     return {"io": _io_type(spec, cudnn), "float32": data_type.FLOAT, "int32": data_type.INT32}
 
 
+# Why a packed call with a mod is declined, by whether the segments are self-attention's.
+_PACKED_WITH_MOD = {
+    True: "packed segments cannot be combined with chunk_size or a score_mod that reads positions on cuDNN: "
+          "positions count from each segment's start, which only the packed layout sees, and a score_mod "
+          "turns off cuDNN's padding mask, which packed sequences need",
+    False: "packed cross-attention segments (a pair of ids) cannot be combined with a score_mod or "
+           "chunk_size on cuDNN: a score_mod turns off cuDNN's padding mask, which packed sequences need",
+}
+
+
 def _check_lowerable(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> None:
     if direction == "backward" and ir is not None and ir.grad_output is None:
         raise Unsupported("the score_mod has no bprop: pass score_mod_bprop or use differentiable ops")
     if needs_mod(spec, ir) and spec.segments:
-        raise Unsupported("packed segments cannot be combined with a score_mod or chunk_size on cuDNN: a score_mod "
-                          "turns off cuDNN's padding mask, which packed sequences need")
+        raise Unsupported(_PACKED_WITH_MOD[spec.segments == "self"])
     if folds_padding(spec, ir) and spec.causal_alignment == "bottom_right" and spec.has_position_mask:
         raise Unsupported("bottom-right alignment with sequence lengths cannot be combined with a score_mod or "
                           "chunk_size on cuDNN: the diagonal then moves with each row's lengths, which a mod's "

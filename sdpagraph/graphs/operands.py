@@ -17,6 +17,7 @@ can be rebuilt from the roles alone.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from sdpagraph.cache.keys import DIRECTIONS
@@ -52,6 +53,34 @@ def folds_padding(spec: AttentionSpec, ir: ScoreModIR | None) -> bool:
     additive bias and padded query rows are zeroed on the JAX side.
     """
     return spec.has_padding and not spec.segments and needs_mod(spec, ir)
+
+
+def folds_segments(spec: AttentionSpec, ir: ScoreModIR | None) -> bool:
+    """Whether packed self-attention segments run as a same-segment boolean mask on the dense
+    layout (`graph_spec`), because the packed (THD) layout cannot take this call.
+
+    THD needs cuDNN's padding mask, which a score_mod turns off, has no place for a (T, S) bias
+    or mask, and shares one ragged offset between the q/k and the v head dims. In self-attention a
+    segment starts at the same token for queries and keys, so the spec's causal and window masks
+    give the same answer from absolute positions as from positions within segments. Chunks and
+    mods that read positions count from each segment's start, which the dense layout cannot see:
+    those calls keep declining. The price is a (B, 1|N, T, S) bias operand instead of O(T) metadata.
+    """
+    if spec.segments != "self" or spec.chunk_size is not None or (ir is not None and ir.reads_positions):
+        return False
+    return (ir is not None or spec.bias_shape is not None or spec.mask_shape is not None
+            or spec.head_dim_v != spec.head_dim)
+
+
+def graph_spec(spec: AttentionSpec, ir: ScoreModIR | None) -> AttentionSpec:
+    """The spec the cuDNN graph is built for: `spec`, or with `folds_segments` its dense twin
+    whose boolean mask carries the segments. Self-attention has T == S, where both causal
+    alignments agree, so the twin takes top-left (cuDNN declines bottom-right with a bias)."""
+    if not folds_segments(spec, ir):
+        return spec
+    heads = 1 if spec.mask_shape is None else spec.mask_shape[1]
+    return dataclasses.replace(spec, segments=None, max_segments=0, causal_alignment="top_left",
+                               mask_shape=(spec.batch, heads, spec.q_len, spec.kv_len))
 
 
 def bias_operand_shape(spec: AttentionSpec, ir: ScoreModIR | None) -> tuple[int, int, int, int] | None:

@@ -8,6 +8,7 @@ forward graph when `training=True` and the smaller inference graph otherwise.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple
@@ -21,7 +22,7 @@ from sdpagraph.cache import default_cache
 from sdpagraph.graphs.builder import build, build_environment, graph_key
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.ir import ScoreModIR
-from sdpagraph.graphs.operands import ARRAY_PREFIX, bias_operand_shape, folds_padding
+from sdpagraph.graphs.operands import ARRAY_PREFIX, bias_operand_shape, folds_padding, graph_spec
 from sdpagraph.graphs.support import Support, check_graphs, environment_reason
 from sdpagraph.jax_api.segments import segment_metadata, segment_run_ids
 from sdpagraph.jax_api.xla import RuntimeInputs, attended_rows
@@ -132,6 +133,17 @@ def _operands(spec: AttentionSpec, inputs: RuntimeInputs) -> tuple[dict[str, Any
     return operands, validity
 
 
+def _segments_as_mask(spec: AttentionSpec, inputs: RuntimeInputs) -> RuntimeInputs:
+    """The inputs of `operands.graph_spec`'s dense twin: the same-segment test (B, 1, T, T) as the
+    boolean mask, and the user's mask with it. Segments past max_segments count as padding, as
+    in the packed layout."""
+    run = segment_run_ids(inputs.q_segment_ids)
+    run = jnp.where(run <= spec.max_segments, run, 0)
+    same = (run[:, None, :, None] == run[:, None, None, :]) & (run > 0)[:, None, :, None]
+    mask = same if inputs.mask is None else same & inputs.mask
+    return dataclasses.replace(inputs, mask=mask, q_segment_ids=None, kv_segment_ids=None)
+
+
 def _bias_operand(spec: AttentionSpec, ir: ScoreModIR | None, inputs: RuntimeInputs, validity: _Validity,
                   dtype: Any) -> Any:
     """The graph's bias (`operands.bias_operand_shape`): the user's bias, with the boolean mask
@@ -221,6 +233,9 @@ _core.defvjp(_core_fwd, _core_bwd)
 def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: RuntimeInputs,
               score_mod: ScoreModIR | None, *, training: bool = True) -> tuple[Any, Any]:
     """Return (output (B, T, N, H_v), logsumexp (B, N, T) or None for the inference graph)."""
+    dense = graph_spec(spec, score_mod)
+    if dense is not spec:
+        spec, inputs = dense, _segments_as_mask(spec, inputs)
     static = _Static(spec, score_mod, tuple(sorted((inputs.mod_scalars or {}).items())), training)
     aux, validity = _operands(spec, inputs)
     validity = validity._replace(attended=_attended(spec, score_mod, inputs))

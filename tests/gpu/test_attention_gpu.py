@@ -73,6 +73,11 @@ def case_kwargs(name, rng, B, T, S, N):
                                           query_seq_lengths=jnp.asarray(rng.integers(T // 2, T + 1, B), jnp.int32),
                                           key_value_seq_lengths=jnp.asarray(rng.integers(S // 2, S + 1, B), jnp.int32)),
         "segments": dict(is_causal=True, segment_ids=random_ids(rng, B, T, 3), max_segments_per_seq=3),
+        # Packed segments the THD layout cannot take run as a dense graph with a same-segment mask.
+        "segments_softcap": dict(is_causal=True, score_mod=mods.softcap(30.0), segment_ids=random_ids(rng, B, T, 3),
+                                 max_segments_per_seq=3),
+        "segments_mask_window_dropped": dict(local_window_size=(64, 0), mask=boolean_mask(rng, B, 1, T, S),
+                                             segment_ids=random_ids(rng, B, T, 3), max_segments_per_seq=2),
         "chunk": dict(is_causal=True, chunk_size=128),
         "softcap_causal": dict(is_causal=True, score_mod=mods.softcap(30.0)),
         "alibi": dict(score_mod=mods.compose(mods.alibi(slopes), mods.causal())),
@@ -98,11 +103,13 @@ def boolean_mask(rng, *shape):
 CASES = ["plain", "causal", "bottom_right", "window_left", "window_two_sided", "padding", "segments", "chunk",
          "softcap_causal", "alibi", "relative_bias", "prefix_lm", "sliding_window_mod", "chunked_mod", "mask",
          "mask_softcap", "mask_bias", "key_bias", "padding_softcap",
-         "kv_padding_softcap", "q_padding_softcap", "padding_softcap_noncausal"]
+         "kv_padding_softcap", "q_padding_softcap", "padding_softcap_noncausal", "segments_softcap",
+         "segments_mask_window_dropped"]
 # Every case in bf16 with 8/8 heads; head layouts and fp16 where they change the graph most.
 GRID = ([(name, (8, 8), "bfloat16") for name in CASES]
         + [(name, heads, "bfloat16") for name in ("causal", "padding", "softcap_causal") for heads in ((8, 2), (8, 1))]
-        + [(name, (8, 2), "float16") for name in ("causal", "softcap_causal")])
+        + [(name, (8, 2), "float16") for name in ("causal", "softcap_causal")]
+        + [("segments_softcap", (8, 2), "bfloat16")])
 
 
 @pytest.mark.parametrize("name,heads,dtype", GRID, ids=[f"{n}-{h[0]}/{h[1]}-{d}" for n, h, d in GRID])
