@@ -1,5 +1,6 @@
 """Attention speed, side by side in one run: sdpagraph (cuDNN via FFI) vs jax's cuDNN and XLA
-attention, and softcap+causal vs PyTorch FlexAttention. Needs a GPU.
+attention, and softcap+causal (alone, and with packed documents) vs PyTorch FlexAttention.
+Needs a GPU.
 
     python bench/attention.py [--out DIR] [--quick]
 
@@ -33,10 +34,14 @@ PLAIN_CASES = [  # (name, B, T, N, K, H, causal)
     ("B1 T8192 N32/K8 H128 causal", 1, 8192, 32, 8, 128, True),
 ]
 SOFTCAP_CASE = ("B4 T4096 N16 H128 softcap30+causal", 4, 4096, 16, 16, 128, True)
+# The same with each row packing PACKED_DOCS documents of equal length (segment_ids): the
+# document masking of packed training, which cuDNN runs as a dense graph with a same-segment mask.
+PACKED_DOCS = 4
+PACKED_CASE = (f"B4 T4096 N16 H128 softcap30+causal, {PACKED_DOCS} packed docs", 4, 4096, 16, 16, 128, True)
 
 
-def flops(B, T, N, H, causal, backward):
-    forward = 4.0 * B * N * T * T * H * (0.5 if causal else 1.0)
+def flops(B, T, N, H, causal, backward, docs=1):
+    forward = 4.0 * B * N * T * T * H * (0.5 if causal else 1.0) / docs  # docs: equal packed documents
     return forward * (3.5 if backward else 1.0)  # backward does 2.5x the forward's matmul work
 
 
@@ -66,13 +71,20 @@ def jax_fns(attn, backward):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-def implementations(causal, score_mod=None, training=True):
+def packed_ids(B, T, docs):
+    """(B, T) segment ids: `docs` documents of equal length per row, no padding."""
+    return np.repeat(np.arange(1, docs + 1, dtype=np.int32), T // docs)[None].repeat(B, axis=0)
+
+
+def implementations(causal, score_mod=None, training=True, segment_ids=None):
     """training=False for forward-only timing: the inference graph, as jax's cuDNN path uses."""
+    packed = {} if segment_ids is None else dict(segment_ids=jnp.asarray(segment_ids),
+                                                 max_segments_per_seq=int(segment_ids.max()))
     impls = {
         "sdpagraph": lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=causal, implementation="cudnn",
-                                                         score_mod=score_mod, training=training),
+                                                         score_mod=score_mod, training=training, **packed),
         "xla": lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=causal, implementation="xla",
-                                                   score_mod=score_mod),
+                                                   score_mod=score_mod, **packed),
     }
     if score_mod is None:
         impls["jax-cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
@@ -80,14 +92,20 @@ def implementations(causal, score_mod=None, training=True):
     return impls
 
 
-def torch_flex_ms(B, T, N, H, backward):
-    """softcap(30)+causal through torch.compile(flex_attention), timed with CUDA events."""
+def torch_flex_ms(B, T, N, H, backward, segment_ids=None):
+    """softcap(30)+causal through torch.compile(flex_attention), timed with CUDA events; with
+    `segment_ids`, also document masking (FlexAttention's block mask skips the other documents)."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     compiled = torch.compile(flex_attention)
     q, k, v = (torch.randn(B, N, T, H, device="cuda", dtype=torch.bfloat16, requires_grad=backward) for _ in range(3))
-    block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, B=None, H=None, Q_LEN=T, KV_LEN=T)
+    if segment_ids is None:
+        block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, B=None, H=None, Q_LEN=T, KV_LEN=T)
+    else:
+        docs = torch.from_numpy(segment_ids).to("cuda")
+        block_mask = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (docs[b, qi] == docs[b, ki]),
+                                       B=B, H=None, Q_LEN=T, KV_LEN=T)
     softcap = lambda s, b, h, qi, ki: 30.0 * torch.tanh(s / 30.0)  # noqa: E731
 
     def step():
@@ -178,12 +196,13 @@ def host_overhead_rows():
 def run(quick):
     rows = []
     cases = PLAIN_CASES[:1] if quick else PLAIN_CASES
-    for name, B, T, N, K, H, causal in cases + [SOFTCAP_CASE]:
+    for name, B, T, N, K, H, causal in cases + [SOFTCAP_CASE, PACKED_CASE]:
         score_mod = mods.softcap(30.0) if "softcap" in name else None
+        ids = packed_ids(B, T, PACKED_DOCS) if "packed" in name else None
         q, k, v = inputs(B, T, N, K, H)
         for backward in (False, True):
             row = {"case": name, "pass": "fwd+bwd" if backward else "fwd"}
-            for impl, attn in implementations(causal, score_mod, training=backward).items():
+            for impl, attn in implementations(causal, score_mod, training=backward, segment_ids=ids).items():
                 try:
                     row[impl] = time_ms(jax_fns(attn, backward), q, k, v)
                 except Exception as error:  # record and keep measuring the rest
@@ -191,11 +210,12 @@ def run(quick):
                     row[impl + "_error"] = f"{type(error).__name__}: {str(error)[:200]}"
             if score_mod is not None:
                 try:
-                    row["torch-flex"] = torch_flex_ms(B, T, N, H, backward)
+                    row["torch-flex"] = torch_flex_ms(B, T, N, H, backward, ids)
                 except Exception as error:
                     row["torch-flex"] = None
                     row["torch-flex_error"] = f"{type(error).__name__}: {str(error)[:200]}"
-            row["tflops"] = flops(B, T, N, H, causal, backward) / (row["sdpagraph"] * 1e9) if row.get("sdpagraph") else None
+            docs = PACKED_DOCS if ids is not None else 1
+            row["tflops"] = flops(B, T, N, H, causal, backward, docs) / (row["sdpagraph"] * 1e9) if row.get("sdpagraph") else None
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows, host_overhead_rows()
@@ -248,7 +268,7 @@ def plot(rows, path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=".")
-    parser.add_argument("--quick", action="store_true", help="one plain case + softcap")
+    parser.add_argument("--quick", action="store_true", help="one plain case + the softcap cases")
     parser.add_argument("--host-overhead-only", action="store_true",
                         help="print host_overhead_us() as one JSON line (run under other XLA_FLAGS)")
     args = parser.parse_args()
