@@ -56,6 +56,9 @@ class AttentionSpec:
     has_kv_lengths: bool = False
     segments: str | None = None  # None, "self" (one ids array) or "cross" (q ids, kv ids)
     max_segments: int = 0
+    # Internal (graphs.operands.graph_spec): packed self-attention segments kept apart on the dense
+    # layout by comparing per-token segment numbers inside the score_mod.
+    segment_mask: bool = False
 
     @property
     def has_window(self) -> bool:
@@ -95,6 +98,8 @@ class AttentionSpec:
             parts.append("padding")
         if self.segments:
             parts.append(f"segments({self.segments},{self.max_segments})")
+        if self.segment_mask:
+            parts.append(f"segment-mask({self.max_segments})")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:

@@ -512,3 +512,20 @@ def test_spec_fields_all_reach_the_key():
     base = builder.graph_key(make_spec(), None, "forward", env)
     for field, value in [("scale", 0.5), ("max_segments", 3), ("causal_alignment", "bottom_right")]:
         assert builder.graph_key(dataclasses.replace(make_spec(), **{field: value}), None, "forward", env) != base
+
+
+def test_a_dense_segment_twin_compares_segment_numbers_in_the_mod():
+    spec = make_spec(segment_mask=True, max_segments=3, is_causal=True)
+    for direction in ("forward", "backward"):
+        graph, lowering, _, options = lower_fake(spec, softcap_ir(), direction)
+        assert lowering.operand_roles[-2:] == ("q_segment", "kv_segment")
+        assert graph.tensors["q_segment"].attrs["dim"] == [2, 1, 128, 1]
+        assert graph.tensors["kv_segment"].attrs["dim"] == [2, 1, 1, 128]
+        assert "score_mod" in options and "use_padding_mask" not in options
+        callback = options["score_mod_bprop" if direction == "backward" else "score_mod"]
+        inner = FakeGraph()
+        callback(inner, FakeTensor("score"))
+        compared = [kwargs for op, kwargs in inner.nodes if op == "cmp_eq"]
+        # The bprop compares the segment numbers afresh, from the graph's own int32 tensors.
+        assert any(kw["input"] is graph.tensors["q_segment"] and kw["comparison"] is graph.tensors["kv_segment"]
+                   for kw in compared), inner.nodes

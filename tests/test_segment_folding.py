@@ -1,10 +1,12 @@
 """Packed self-attention segments that cuDNN's packed layout cannot take run as a dense graph
-whose boolean mask carries them (`graphs.operands.graph_spec`).
+whose score_mod compares segment numbers (`graphs.operands.graph_spec`, `masks.segment_ir`).
 
 The dense twin must mean the same as the packed call. These tests check that on the XLA
 backend (the two formulations side by side, on fresh random segment ids), check which calls
 fold and which keep declining, and check that the cuDNN path builds and keys the dense graph.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,9 @@ import pytest
 
 from sdpagraph import mods
 from sdpagraph.graphs import builder
+from sdpagraph.graphs.ir_eval import evaluate
 from sdpagraph.graphs.lowering import lower
+from sdpagraph.graphs.masks import segment_ir
 from sdpagraph.graphs.mod_lowering import Unsupported
 from sdpagraph.graphs.operands import folds_segments, graph_io, graph_spec
 from sdpagraph.jax_api import cudnn as cudnn_backend
@@ -53,6 +57,30 @@ FOLDED = {
 }
 
 
+def dense_twin_on_xla(call, dense):
+    """The dense twin, run on the XLA backend the way cuDNN runs it: the operands the cuDNN path
+    builds (`_operands`), `masks.segment_ir` evaluated into a boolean mask next to the user's, and
+    the rows the cuDNN path zeroes."""
+    aux, validity = cudnn_backend._operands(dense, call.inputs)
+    b, t = dense.batch, dense.q_len
+    scores = jnp.zeros((b, 1, t, t), jnp.float32)
+    index = [jnp.zeros((), jnp.int32)] * 4  # segment_ir reads no positions
+    masked, _ = evaluate(segment_ir(dense), scores, scalars={}, arrays=aux, index=index)
+    keep = jnp.isfinite(masked)
+    mask = keep if call.inputs.mask is None else keep & call.inputs.mask
+    plain = dataclasses.replace(dense, segment_mask=False, max_segments=0, mask_shape=(b, 1, t, t)
+                                if dense.mask_shape is None else (b, dense.mask_shape[1], t, t))
+    inputs = dataclasses.replace(call.inputs, mask=mask, q_segment_ids=None, kv_segment_ids=None)
+
+    def run(q, k, v):
+        out, lse = xla_attention(plain, q, k, v, inputs, call.score_mod)
+        valid = validity.q
+        return (jnp.where(valid[:, :, None, None], out, 0.0),
+                jnp.where(valid[:, None, :], lse, -jnp.inf))
+
+    return run
+
+
 @pytest.mark.parametrize("name", FOLDED)
 def test_dense_twin_matches_the_packed_call_on_xla(name):
     rng = np.random.default_rng()
@@ -63,16 +91,12 @@ def test_dense_twin_matches_the_packed_call_on_xla(name):
         kwargs["bias"] = jnp.asarray(rng.standard_normal((1, 4, 48, 48)), jnp.float32)
     (q, k, v), call = call_for(rng, **kwargs)
     dense = graph_spec(call.spec, call.score_mod)
-    assert dense is not call.spec and dense.segments is None and dense.mask_shape[2:] == (48, 48)
+    assert dense.segment_mask and dense.segments is None and dense.causal_alignment == "top_left"
+    assert dense.max_segments == call.spec.max_segments
 
-    inputs = cudnn_backend._segments_as_mask(call.spec, call.inputs)
-
-    def both(q, k, v):
-        packed = xla_attention(call.spec, q, k, v, call.inputs, call.score_mod)
-        twin = xla_attention(dense, q, k, v, inputs, call.score_mod)
-        return packed, twin
-
-    (out, lse), (out_twin, lse_twin) = both(q, k, v)
+    twin = dense_twin_on_xla(call, dense)
+    packed = lambda q, k, v: xla_attention(call.spec, q, k, v, call.inputs, call.score_mod)  # noqa: E731
+    (out, lse), (out_twin, lse_twin) = packed(q, k, v), twin(q, k, v)
     np.testing.assert_allclose(out_twin, out, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.isinf(lse_twin), np.isinf(lse))  # the same rows attend to nothing
     finite = np.isfinite(np.asarray(lse))
@@ -80,10 +104,10 @@ def test_dense_twin_matches_the_packed_call_on_xla(name):
     np.testing.assert_allclose(np.asarray(lse_twin)[finite], np.asarray(lse)[finite], rtol=1e-5, atol=1e-5)
 
     cotangent = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
-    grads = [jax.grad(lambda q, k, v, i=i: jnp.sum(both(q, k, v)[i][0] * cotangent), argnums=(0, 1, 2))(q, k, v)
-             for i in (0, 1)]
-    for packed, twin in zip(*grads):
-        np.testing.assert_allclose(twin, packed, rtol=1e-4, atol=1e-5)
+    grads = [jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v)[0] * cotangent), argnums=(0, 1, 2))(q, k, v)
+             for f in (packed, twin)]
+    for grad, grad_twin in zip(*grads):
+        np.testing.assert_allclose(grad_twin, grad, rtol=1e-4, atol=1e-5)
 
 
 def folded(**kwargs):
@@ -129,7 +153,8 @@ def test_the_cudnn_path_builds_and_keys_the_dense_graph(monkeypatch):
     dense = graph_spec(call.spec, call.score_mod)
     assert built_specs == [dense]
     operands, _ = graph_io(dense, call.score_mod, "forward")
-    assert "bias" in operands and not any(role.startswith("ragged") for role in operands)
+    assert {"q_segment", "kv_segment"} <= set(operands) and "bias" not in operands
+    assert not any(role.startswith("ragged") for role in operands)
     # A recorded (packed) spec and the runtime's dense one name the same cached graph, so a
     # precompiled cache serves the runtime.
     env = builder.BuildEnvironment("9.19.0", "1.32.0", "sm90 test")

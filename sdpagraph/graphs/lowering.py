@@ -19,7 +19,8 @@ mod switches cuDNN's padding mask off, and cuDNN 9.19 crashed the process (segfa
 H100, 2026-11-22) planning sequence lengths written into the mod itself.
 
 Packed self-attention segments that the packed layout cannot take (with a mod, a bias or a
-mask) are built as a dense graph whose mask carries them (`operands.graph_spec`).
+mask) are built as a dense graph whose mod compares segment numbers (`operands.graph_spec`,
+`masks.segment_ir`).
 
 Declined before building (`Unsupported`): packed segments with chunks, a mod that reads
 positions, or cross-attention ids together with a mod (they need the padding mask),
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sdpagraph.graphs.ir import ScoreModIR
-from sdpagraph.graphs.masks import mask_ir, needs_mod
+from sdpagraph.graphs.masks import SEGMENT_ARRAYS, mask_ir, needs_mod, segment_ir
 from sdpagraph.graphs.mod_lowering import (
     ModEmitter,
     ModStage,
@@ -123,6 +124,8 @@ def mod_stages(spec: AttentionSpec, ir: ScoreModIR | None) -> list[ModStage]:
     stages = []
     if ir is not None:
         stages.append(ModStage(ir, {name: ARRAY_PREFIX + name for name in ir.array_names}))
+    if spec.segment_mask:
+        stages.append(ModStage(segment_ir(spec), {name: name for name in SEGMENT_ARRAYS}))
     masks = mask_ir(spec)
     if masks is not None:
         stages.append(ModStage(masks, {}))

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 
-from sdpagraph.graphs.ir import ScoreModIR, trace_score_mod
+from sdpagraph.graphs.ir import INT, ScoreModIR, TensorInfo, trace_score_mod
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
 
 MASKED = float("-inf")
@@ -42,8 +42,30 @@ QUERY_AXIS, KEY_AXIS = 2, 3
 
 
 def needs_mod(spec: AttentionSpec, ir: ScoreModIR | None) -> bool:
-    """Whether the graph needs a score_mod: a user mod, or chunks (cuDNN has no chunk flag)."""
-    return ir is not None or spec.chunk_size is not None
+    """Whether the graph needs a score_mod: a user mod, chunks (cuDNN has no chunk flag), or the
+    segment mask of a dense twin (`operands.graph_spec`)."""
+    return ir is not None or spec.chunk_size is not None or spec.segment_mask
+
+
+# The segment mask's aux arrays: each token's segment number, 0 for padding (B, 1, T, 1) and
+# (B, 1, 1, S), int32. Padding tokens share number 0, so they attend to one another (never to a
+# real token); every row keeps a key to attend to, and the JAX side zeroes the padding rows.
+SEGMENT_ARRAYS = ("q_segment", "kv_segment")
+
+
+def segment_ir(spec: AttentionSpec) -> ScoreModIR:
+    """Keep a score only where query and key have the same segment number: one int32 equality
+    of two aux arrays (cuDNN 9.19 runs int comparisons; see above). The bprop compares afresh
+    rather than reaching into the forward's tensors."""
+    b, t, s = spec.batch, spec.q_len, spec.kv_len
+    shapes = {"q_segment": (b, 1, t, 1), "kv_segment": (b, 1, 1, s)}
+
+    def keep(graph, tensors):
+        return graph.cmp_eq(input=tensors["q_segment"], comparison=tensors["kv_segment"])
+
+    return trace_score_mod(lambda graph, score, tensors: select_each(graph, score, MASKED, [keep(graph, tensors)]),
+                           {name: TensorInfo("array", INT, shapes[name]) for name in SEGMENT_ARRAYS},
+                           lambda graph, dscore, tensors: select_each(graph, dscore, 0.0, [keep(graph, tensors)]))
 
 
 def mask_ir(spec: AttentionSpec) -> ScoreModIR | None:

@@ -7,7 +7,8 @@ side can compute the operand order without cuDNN or a GPU.
 
 Roles name the buffers: "q", "k", "v", "o", "dO", "stats", "bias",
 "seq_len_q", "seq_len_kv", "ragged_offset_q", "ragged_offset_kv",
-"ragged_offset_stats", "array:<name>" (score_mod aux arrays), and the results
+"ragged_offset_stats", "q_segment", "kv_segment" (`masks.segment_ir`), "array:<name>"
+(score_mod aux arrays), and the results
 "o", "stats", "dq", "dk", "dv", "dbias". Pass-by-value scalars are named
 "scalar:<name>" and "const:<i>"; they are not device operands.
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from sdpagraph.cache.keys import DIRECTIONS
 from sdpagraph.graphs.ir import FLOAT, INT, ScoreModIR
-from sdpagraph.graphs.masks import needs_mod
+from sdpagraph.graphs.masks import SEGMENT_ARRAYS, needs_mod
 from sdpagraph.spec import AttentionSpec
 
 ARRAY_PREFIX = "array:"
@@ -56,15 +57,16 @@ def folds_padding(spec: AttentionSpec, ir: ScoreModIR | None) -> bool:
 
 
 def folds_segments(spec: AttentionSpec, ir: ScoreModIR | None) -> bool:
-    """Whether packed self-attention segments run as a same-segment boolean mask on the dense
-    layout (`graph_spec`), because the packed (THD) layout cannot take this call.
+    """Whether packed self-attention segments run on the dense layout with a segment mask in the
+    score_mod (`graph_spec`), because the packed (THD) layout cannot take this call.
 
     THD needs cuDNN's padding mask, which a score_mod turns off, has no place for a (T, S) bias
     or mask, and shares one ragged offset between the q/k and the v head dims. In self-attention a
     segment starts at the same token for queries and keys, so the spec's causal and window masks
     give the same answer from absolute positions as from positions within segments. Chunks and
     mods that read positions count from each segment's start, which the dense layout cannot see:
-    those calls keep declining. The price is a (B, 1|N, T, S) bias operand instead of O(T) metadata.
+    those calls keep declining. The price: cuDNN computes the tiles between segments (and masks
+    them) instead of skipping them; memory stays O(T) (two int32 arrays of segment numbers).
     """
     if spec.segments != "self" or spec.chunk_size is not None or (ir is not None and ir.reads_positions):
         return False
@@ -74,13 +76,12 @@ def folds_segments(spec: AttentionSpec, ir: ScoreModIR | None) -> bool:
 
 def graph_spec(spec: AttentionSpec, ir: ScoreModIR | None) -> AttentionSpec:
     """The spec the cuDNN graph is built for: `spec`, or with `folds_segments` its dense twin
-    whose boolean mask carries the segments. Self-attention has T == S, where both causal
-    alignments agree, so the twin takes top-left (cuDNN declines bottom-right with a bias)."""
+    (`segment_mask`; it keeps max_segments, which says which segments count). Self-attention
+    has T == S, where both causal alignments agree, so the twin takes top-left (cuDNN declines
+    bottom-right with a bias)."""
     if not folds_segments(spec, ir):
         return spec
-    heads = 1 if spec.mask_shape is None else spec.mask_shape[1]
-    return dataclasses.replace(spec, segments=None, max_segments=0, causal_alignment="top_left",
-                               mask_shape=(spec.batch, heads, spec.q_len, spec.kv_len))
+    return dataclasses.replace(spec, segments=None, causal_alignment="top_left", segment_mask=True)
 
 
 def bias_operand_shape(spec: AttentionSpec, ir: ScoreModIR | None) -> tuple[int, int, int, int] | None:
@@ -114,6 +115,8 @@ def graph_io(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> tupl
         operands += ["ragged_offset_q", "ragged_offset_kv"]
         if direction != "inference":
             operands.append("ragged_offset_stats")
+    if spec.segment_mask:
+        operands += list(SEGMENT_ARRAYS)
     operands += [ARRAY_PREFIX + name for name in used_names(ir, "array", direction)]
 
     if direction == "backward":
@@ -182,6 +185,10 @@ def _describe_role(spec: AttentionSpec, ir: ScoreModIR | None, role: str) -> Ten
         return _row_major((b, 1, 1, 1), "int32")
     if role.startswith("ragged_offset_"):
         return _row_major((b + 1, 1, 1, 1), "int32")
+    if role == "q_segment":
+        return _row_major((b, 1, t, 1), "int32")
+    if role == "kv_segment":
+        return _row_major((b, 1, 1, s), "int32")
     if role.startswith(ARRAY_PREFIX):
         return array_desc(ir, role[len(ARRAY_PREFIX):])
     raise ValueError(f"unknown operand role {role!r}")

@@ -8,7 +8,6 @@ forward graph when `training=True` and the smaller inference graph otherwise.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple
@@ -123,6 +122,12 @@ def _operands(spec: AttentionSpec, inputs: RuntimeInputs) -> tuple[dict[str, Any
         operands.update(_packed_operands(spec, inputs))
         q_run, kv_run = segment_run_ids(inputs.q_segment_ids), segment_run_ids(inputs.kv_segment_ids)
         validity = _Validity((q_run > 0) & (q_run <= spec.max_segments), (kv_run > 0) & (kv_run <= spec.max_segments))
+    elif spec.segment_mask:  # a dense twin (operands.graph_spec): self-attention, one ids array
+        run = segment_run_ids(inputs.q_segment_ids)
+        valid = (run > 0) & (run <= spec.max_segments)
+        number = jnp.where(valid, run, 0).astype(jnp.int32)  # past max_segments: padding, as in THD
+        operands["q_segment"], operands["kv_segment"] = number[:, None, :, None], number[:, None, None, :]
+        validity = _Validity(valid, valid)
     else:
         q_len = jnp.full((b,), t, jnp.int32) if inputs.q_lengths is None else jnp.asarray(inputs.q_lengths, jnp.int32)
         kv_len = jnp.full((b,), s, jnp.int32) if inputs.kv_lengths is None else jnp.asarray(inputs.kv_lengths, jnp.int32)
@@ -131,17 +136,6 @@ def _operands(spec: AttentionSpec, inputs: RuntimeInputs) -> tuple[dict[str, Any
             operands["seq_len_q"], operands["seq_len_kv"] = q_len, kv_len
             validity = _Validity(jnp.arange(t)[None, :] < q_len[:, None], jnp.arange(s)[None, :] < kv_len[:, None])
     return operands, validity
-
-
-def _segments_as_mask(spec: AttentionSpec, inputs: RuntimeInputs) -> RuntimeInputs:
-    """The inputs of `operands.graph_spec`'s dense twin: the same-segment test (B, 1, T, T) as the
-    boolean mask, and the user's mask with it. Segments past max_segments count as padding, as
-    in the packed layout."""
-    run = segment_run_ids(inputs.q_segment_ids)
-    run = jnp.where(run <= spec.max_segments, run, 0)
-    same = (run[:, None, :, None] == run[:, None, None, :]) & (run > 0)[:, None, :, None]
-    mask = same if inputs.mask is None else same & inputs.mask
-    return dataclasses.replace(inputs, mask=mask, q_segment_ids=None, kv_segment_ids=None)
 
 
 def _bias_operand(spec: AttentionSpec, ir: ScoreModIR | None, inputs: RuntimeInputs, validity: _Validity,
@@ -233,9 +227,7 @@ _core.defvjp(_core_fwd, _core_bwd)
 def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: RuntimeInputs,
               score_mod: ScoreModIR | None, *, training: bool = True) -> tuple[Any, Any]:
     """Return (output (B, T, N, H_v), logsumexp (B, N, T) or None for the inference graph)."""
-    dense = graph_spec(spec, score_mod)
-    if dense is not spec:
-        spec, inputs = dense, _segments_as_mask(spec, inputs)
+    spec = graph_spec(spec, score_mod)  # packed segments the THD layout cannot take: a dense twin
     static = _Static(spec, score_mod, tuple(sorted((inputs.mod_scalars or {}).items())), training)
     aux, validity = _operands(spec, inputs)
     validity = validity._replace(attended=_attended(spec, score_mod, inputs))
