@@ -35,7 +35,7 @@ PLAIN_CASES = [  # (name, B, T, N, K, H, causal)
 ]
 SOFTCAP_CASE = ("B4 T4096 N16 H128 softcap30+causal", 4, 4096, 16, 16, 128, True)
 # The same with each row packing PACKED_DOCS documents of equal length (segment_ids): the
-# document masking of packed training, which cuDNN runs as a dense graph comparing segment numbers.
+# document masking of packed training, which cuDNN runs as a dense graph masking by segment bounds.
 PACKED_DOCS = 4
 PACKED_CASE = (f"B4 T4096 N16 H128 softcap30+causal, {PACKED_DOCS} packed docs", 4, 4096, 16, 16, 128, True)
 

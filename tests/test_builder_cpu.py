@@ -514,18 +514,20 @@ def test_spec_fields_all_reach_the_key():
         assert builder.graph_key(dataclasses.replace(make_spec(), **{field: value}), None, "forward", env) != base
 
 
-def test_a_dense_segment_twin_compares_segment_numbers_in_the_mod():
-    spec = make_spec(segment_mask=True, max_segments=3, is_causal=True)
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_dense_segment_twin_compares_key_positions_with_segment_bounds(causal):
+    spec = make_spec(segment_mask=True, max_segments=3, is_causal=causal)
     for direction in ("forward", "backward"):
         graph, lowering, _, options = lower_fake(spec, softcap_ir(), direction)
-        assert lowering.operand_roles[-2:] == ("q_segment", "kv_segment")
-        assert graph.tensors["q_segment"].attrs["dim"] == [2, 1, 128, 1]
-        assert graph.tensors["kv_segment"].attrs["dim"] == [2, 1, 1, 128]
+        assert lowering.operand_roles[-2:] == ("segment_start", "segment_end")
+        assert all(graph.tensors[role].attrs["dim"] == [2, 1, 128, 1] for role in ("segment_start", "segment_end"))
         assert "score_mod" in options and "use_padding_mask" not in options
         callback = options["score_mod_bprop" if direction == "backward" else "score_mod"]
         inner = FakeGraph()
         callback(inner, FakeTensor("score"))
-        compared = [kwargs for op, kwargs in inner.nodes if op == "cmp_eq"]
-        # The bprop compares the segment numbers afresh, from the graph's own int32 tensors.
-        assert any(kw["input"] is graph.tensors["q_segment"] and kw["comparison"] is graph.tensors["kv_segment"]
-                   for kw in compared), inner.nodes
+        compared = {id(kw.get("comparison")) for op, kw in inner.nodes if op == "cmp_ge"}
+        compared |= {id(kw.get("input")) for op, kw in inner.nodes if op == "cmp_ge"}
+        # Both passes compare afresh against the graph's own int32 bound tensors; the end bound
+        # only without the causal mask, which already keeps keys at or before the query.
+        assert id(graph.tensors["segment_start"]) in compared
+        assert (id(graph.tensors["segment_end"]) in compared) == (not causal)

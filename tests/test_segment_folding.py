@@ -1,5 +1,6 @@
 """Packed self-attention segments that cuDNN's packed layout cannot take run as a dense graph
-whose score_mod compares segment numbers (`graphs.operands.graph_spec`, `masks.segment_ir`).
+whose score_mod compares key positions with segment bounds (`graphs.operands.graph_spec`,
+`masks.segment_ir`).
 
 The dense twin must mean the same as the packed call. These tests check that on the XLA
 backend (the two formulations side by side, on fresh random segment ids), check which calls
@@ -64,7 +65,7 @@ def dense_twin_on_xla(call, dense):
     aux, validity = cudnn_backend._operands(dense, call.inputs)
     b, t = dense.batch, dense.q_len
     scores = jnp.zeros((b, 1, t, t), jnp.float32)
-    index = [jnp.zeros((), jnp.int32)] * 4  # segment_ir reads no positions
+    index = [None, None, None, jnp.arange(t, dtype=jnp.int32)[None, None, None, :]]  # segment_ir reads key positions
     masked, _ = evaluate(segment_ir(dense), scores, scalars={}, arrays=aux, index=index)
     keep = jnp.isfinite(masked)
     mask = keep if call.inputs.mask is None else keep & call.inputs.mask
@@ -153,7 +154,7 @@ def test_the_cudnn_path_builds_and_keys_the_dense_graph(monkeypatch):
     dense = graph_spec(call.spec, call.score_mod)
     assert built_specs == [dense]
     operands, _ = graph_io(dense, call.score_mod, "forward")
-    assert {"q_segment", "kv_segment"} <= set(operands) and "bias" not in operands
+    assert {"segment_start", "segment_end"} <= set(operands) and "bias" not in operands
     assert not any(role.startswith("ragged") for role in operands)
     # A recorded (packed) spec and the runtime's dense one name the same cached graph, so a
     # precompiled cache serves the runtime.

@@ -47,25 +47,32 @@ def needs_mod(spec: AttentionSpec, ir: ScoreModIR | None) -> bool:
     return ir is not None or spec.chunk_size is not None or spec.segment_mask
 
 
-# The segment mask's aux arrays: each token's segment number, 0 for padding (B, 1, T, 1) and
-# (B, 1, 1, S), int32. Padding tokens share number 0, so they attend to one another (never to a
-# real token); every row keeps a key to attend to, and the JAX side zeroes the padding rows.
-SEGMENT_ARRAYS = ("q_segment", "kv_segment")
+# The segment mask's aux arrays, (B, 1, T, 1) int32: the index of the first and of the last token
+# of each query's segment (segments are contiguous runs, and in self-attention a query's segment
+# is also its keys'). A padding token gets its own index for both, so it attends to itself only:
+# no row is left empty, and the JAX side zeroes the padding rows.
+SEGMENT_ARRAYS = ("segment_start", "segment_end")
 
 
 def segment_ir(spec: AttentionSpec) -> ScoreModIR:
-    """Keep a score only where query and key have the same segment number: one int32 equality
-    of two aux arrays (cuDNN 9.19 runs int comparisons; see above). The bprop compares afresh
-    rather than reaching into the forward's tensors."""
-    b, t, s = spec.batch, spec.q_len, spec.kv_len
-    shapes = {"q_segment": (b, 1, t, 1), "kv_segment": (b, 1, 1, s)}
+    """Keep a score only where the key lies in the query's segment: `k >= start[q]`, and
+    `end[q] >= k` unless the causal mask already bounds keys by the query. These compare key
+    positions with an int32 array, a form cuDNN 9.19 runs; it finds no engine for an equality
+    of two aux arrays (segment numbers; H100, 2026-11-22). The bprop compares afresh, from its own
+    indices, as the position masks do."""
+    shape = (spec.batch, 1, spec.q_len, 1)
 
-    def keep(graph, tensors):
-        return graph.cmp_eq(input=tensors["q_segment"], comparison=tensors["kv_segment"])
+    def conditions(graph, score, tensors):
+        k = graph.gen_index(input=score, axis=KEY_AXIS)
+        keep = [graph.cmp_ge(input=k, comparison=tensors["segment_start"])]
+        if not spec.is_causal:
+            keep.append(graph.cmp_ge(input=tensors["segment_end"], comparison=k))
+        return keep
 
-    return trace_score_mod(lambda graph, score, tensors: select_each(graph, score, MASKED, [keep(graph, tensors)]),
-                           {name: TensorInfo("array", INT, shapes[name]) for name in SEGMENT_ARRAYS},
-                           lambda graph, dscore, tensors: select_each(graph, dscore, 0.0, [keep(graph, tensors)]))
+    return trace_score_mod(
+        lambda graph, score, tensors: select_each(graph, score, MASKED, conditions(graph, score, tensors)),
+        {name: TensorInfo("array", INT, shape) for name in SEGMENT_ARRAYS},
+        lambda graph, dscore, tensors: select_each(graph, dscore, 0.0, conditions(graph, dscore, tensors)))
 
 
 def mask_ir(spec: AttentionSpec) -> ScoreModIR | None:

@@ -7,7 +7,7 @@ side can compute the operand order without cuDNN or a GPU.
 
 Roles name the buffers: "q", "k", "v", "o", "dO", "stats", "bias",
 "seq_len_q", "seq_len_kv", "ragged_offset_q", "ragged_offset_kv",
-"ragged_offset_stats", "q_segment", "kv_segment" (`masks.segment_ir`), "array:<name>"
+"ragged_offset_stats", "segment_start", "segment_end" (`masks.segment_ir`), "array:<name>"
 (score_mod aux arrays), and the results
 "o", "stats", "dq", "dk", "dv", "dbias". Pass-by-value scalars are named
 "scalar:<name>" and "const:<i>"; they are not device operands.
@@ -66,7 +66,7 @@ def folds_segments(spec: AttentionSpec, ir: ScoreModIR | None) -> bool:
     give the same answer from absolute positions as from positions within segments. Chunks and
     mods that read positions count from each segment's start, which the dense layout cannot see:
     those calls keep declining. The price: cuDNN computes the tiles between segments (and masks
-    them) instead of skipping them; memory stays O(T) (two int32 arrays of segment numbers).
+    them) instead of skipping them; memory stays O(T) (two int32 arrays of segment bounds).
     """
     if spec.segments != "self" or spec.chunk_size is not None or (ir is not None and ir.reads_positions):
         return False
@@ -185,10 +185,8 @@ def _describe_role(spec: AttentionSpec, ir: ScoreModIR | None, role: str) -> Ten
         return _row_major((b, 1, 1, 1), "int32")
     if role.startswith("ragged_offset_"):
         return _row_major((b + 1, 1, 1, 1), "int32")
-    if role == "q_segment":
+    if role in SEGMENT_ARRAYS:
         return _row_major((b, 1, t, 1), "int32")
-    if role == "kv_segment":
-        return _row_major((b, 1, 1, s), "int32")
     if role.startswith(ARRAY_PREFIX):
         return array_desc(ir, role[len(ARRAY_PREFIX):])
     raise ValueError(f"unknown operand role {role!r}")

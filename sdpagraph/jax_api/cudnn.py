@@ -21,9 +21,10 @@ from sdpagraph.cache import default_cache
 from sdpagraph.graphs.builder import build, build_environment, graph_key
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.ir import ScoreModIR
+from sdpagraph.graphs.masks import SEGMENT_ARRAYS
 from sdpagraph.graphs.operands import ARRAY_PREFIX, bias_operand_shape, folds_padding, graph_spec
 from sdpagraph.graphs.support import Support, check_graphs, environment_reason
-from sdpagraph.jax_api.segments import segment_metadata, segment_run_ids
+from sdpagraph.jax_api.segments import segment_metadata, segment_positions, segment_run_ids
 from sdpagraph.jax_api.xla import RuntimeInputs, attended_rows
 from sdpagraph.spec import AttentionSpec
 
@@ -123,10 +124,14 @@ def _operands(spec: AttentionSpec, inputs: RuntimeInputs) -> tuple[dict[str, Any
         q_run, kv_run = segment_run_ids(inputs.q_segment_ids), segment_run_ids(inputs.kv_segment_ids)
         validity = _Validity((q_run > 0) & (q_run <= spec.max_segments), (kv_run > 0) & (kv_run <= spec.max_segments))
     elif spec.segment_mask:  # a dense twin (operands.graph_spec): self-attention, one ids array
-        run = segment_run_ids(inputs.q_segment_ids)
-        valid = (run > 0) & (run <= spec.max_segments)
-        number = jnp.where(valid, run, 0).astype(jnp.int32)  # past max_segments: padding, as in THD
-        operands["q_segment"], operands["kv_segment"] = number[:, None, :, None], number[:, None, None, :]
+        ids = inputs.q_segment_ids
+        run = segment_run_ids(ids)
+        valid = (run > 0) & (run <= spec.max_segments)  # past max_segments: padding, as in THD
+        token = jnp.arange(t, dtype=jnp.int32)[None, :]
+        start = token - segment_positions(ids)
+        end = token + segment_positions(ids[:, ::-1])[:, ::-1]  # positions from the segment's end
+        for role, bound in zip(SEGMENT_ARRAYS, (start, end)):  # masks.segment_ir; padding: itself
+            operands[role] = jnp.where(valid, bound, token).astype(jnp.int32)[:, None, :, None]
         validity = _Validity(valid, valid)
     else:
         q_len = jnp.full((b,), t, jnp.int32) if inputs.q_lengths is None else jnp.asarray(inputs.q_lengths, jnp.int32)

@@ -73,7 +73,7 @@ def case_kwargs(name, rng, B, T, S, N):
                                           query_seq_lengths=jnp.asarray(rng.integers(T // 2, T + 1, B), jnp.int32),
                                           key_value_seq_lengths=jnp.asarray(rng.integers(S // 2, S + 1, B), jnp.int32)),
         "segments": dict(is_causal=True, segment_ids=random_ids(rng, B, T, 3), max_segments_per_seq=3),
-        # Packed segments the THD layout cannot take run as a dense graph that compares segment numbers.
+        # Packed segments the THD layout cannot take run as a dense graph masking by segment bounds.
         "segments_softcap": dict(is_causal=True, score_mod=mods.softcap(30.0), segment_ids=random_ids(rng, B, T, 3),
                                  max_segments_per_seq=3),
         "segments_mask_window_dropped": dict(local_window_size=(64, 0), mask=boolean_mask(rng, B, 1, T, S),

@@ -91,8 +91,8 @@ CASES = [
     Case("head_dims_128_64", 1, 256, 256, 8, 8, 128, Hv=64),
 ]
 # Declined before building (graphs.lowering): cuDNN 9.19 crashed the process planning packed
-# segments with a mod. A mod that reads no positions runs as a dense graph comparing segment
-# numbers instead (tests/gpu/test_attention_gpu.py); one that reads positions stays declined.
+# segments with a mod. A mod that reads no positions runs as a dense graph masking by segment
+# bounds instead (tests/gpu/test_attention_gpu.py); one that reads positions stays declined.
 DECLINED_BEFORE_BUILDING = [
     (Case("segments_alibi", 2, 256, 256, 8, 2, 64, options=dict(score_mod=mods.alibi(SLOPES)), max_segments=4),
      "packed segments cannot be combined with chunk_size or a score_mod that reads positions"),
