@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sdpagraph.graphs.ir import ScoreModIR
-from sdpagraph.graphs.masks import SEGMENT_ARRAYS, mask_ir, needs_mod, segment_ir
+from sdpagraph.graphs.masks import mask_ir, needs_mod, segment_arrays, segment_ir
 from sdpagraph.graphs.mod_lowering import (
     ModEmitter,
     ModStage,
@@ -125,7 +125,7 @@ def mod_stages(spec: AttentionSpec, ir: ScoreModIR | None) -> list[ModStage]:
     if ir is not None:
         stages.append(ModStage(ir, {name: ARRAY_PREFIX + name for name in ir.array_names}))
     if spec.segment_mask:
-        stages.append(ModStage(segment_ir(spec), {name: name for name in SEGMENT_ARRAYS}))
+        stages.append(ModStage(segment_ir(spec), {name: name for name in segment_arrays(spec)}))
     masks = mask_ir(spec)
     if masks is not None:
         stages.append(ModStage(masks, {}))

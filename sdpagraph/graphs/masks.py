@@ -54,24 +54,28 @@ def needs_mod(spec: AttentionSpec, ir: ScoreModIR | None) -> bool:
 SEGMENT_ARRAYS = ("segment_start", "segment_end")
 
 
+def segment_arrays(spec: AttentionSpec) -> tuple[str, ...]:
+    """The bounds `segment_ir` reads: the end only without the causal mask, which already keeps
+    keys at or before the query (and so inside its segment's end)."""
+    return SEGMENT_ARRAYS[:1] if spec.is_causal else SEGMENT_ARRAYS
+
+
 def segment_ir(spec: AttentionSpec) -> ScoreModIR:
-    """Keep a score only where the key lies in the query's segment: `k >= start[q]`, and
-    `end[q] >= k` unless the causal mask already bounds keys by the query. These compare key
-    positions with an int32 array, a form cuDNN 9.19 runs; it finds no engine for an equality
-    of two aux arrays (segment numbers; H100, 2026-11-22). The bprop compares afresh, from its own
-    indices, as the position masks do."""
+    """Keep a score only where the key lies in the query's segment: `k >= start[q]` and
+    `k <= end[q]` (`segment_arrays`). Each compares the key position (input) with an int32 array
+    (comparison), the form cuDNN 9.19 runs; it found no engine for an equality of two aux arrays
+    (segment numbers), nor for the array as the input of `cmp_ge` (H100, 2026-11-22). The bprop
+    compares afresh, from its own indices, as the position masks do."""
     shape = (spec.batch, 1, spec.q_len, 1)
+    compare = {"segment_start": "cmp_ge", "segment_end": "cmp_le"}
 
     def conditions(graph, score, tensors):
         k = graph.gen_index(input=score, axis=KEY_AXIS)
-        keep = [graph.cmp_ge(input=k, comparison=tensors["segment_start"])]
-        if not spec.is_causal:
-            keep.append(graph.cmp_ge(input=tensors["segment_end"], comparison=k))
-        return keep
+        return [getattr(graph, compare[name])(input=k, comparison=tensors[name]) for name in segment_arrays(spec)]
 
     return trace_score_mod(
         lambda graph, score, tensors: select_each(graph, score, MASKED, conditions(graph, score, tensors)),
-        {name: TensorInfo("array", INT, shape) for name in SEGMENT_ARRAYS},
+        {name: TensorInfo("array", INT, shape) for name in segment_arrays(spec)},
         lambda graph, dscore, tensors: select_each(graph, dscore, 0.0, conditions(graph, dscore, tensors)))
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from sdpagraph.cache.keys import DIRECTIONS
 from sdpagraph.graphs.ir import FLOAT, INT, ScoreModIR
-from sdpagraph.graphs.masks import SEGMENT_ARRAYS, needs_mod
+from sdpagraph.graphs.masks import SEGMENT_ARRAYS, needs_mod, segment_arrays
 from sdpagraph.spec import AttentionSpec
 
 ARRAY_PREFIX = "array:"
@@ -116,7 +116,7 @@ def graph_io(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> tupl
         if direction != "inference":
             operands.append("ragged_offset_stats")
     if spec.segment_mask:
-        operands += list(SEGMENT_ARRAYS)
+        operands += list(segment_arrays(spec))
     operands += [ARRAY_PREFIX + name for name in used_names(ir, "array", direction)]
 
     if direction == "backward":
