@@ -26,6 +26,9 @@ IMPLEMENTATIONS = (None, "xla", "cudnn")
 UNBOUNDED = -1  # a window side that does not limit attention
 
 
+_FIELDS_ADDED_LATER = {"segment_mask": False}  # name -> default (see AttentionSpec.canonical)
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """Static description of one attention call (BSHD layout, as the user passes it).
@@ -74,8 +77,13 @@ class AttentionSpec:
         return self.is_causal or self.has_window or self.chunk_size is not None
 
     def canonical(self) -> str:
-        """Deterministic text of every field, the spec's part of a cache key."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        """Deterministic text of every field, the spec's part of a cache key. A field added after
+        keys were first shipped is left out while it holds its default, so those keys stay valid."""
+        fields = dataclasses.asdict(self)
+        for name, default in _FIELDS_ADDED_LATER.items():
+            if fields[name] == default:
+                del fields[name]
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
     def summary(self) -> str:
         """One human line, for `cache ls`, logs and error messages."""

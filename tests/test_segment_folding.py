@@ -7,6 +7,7 @@ backend (the two formulations side by side, on fresh random segment ids), check 
 fold and which keep declining, and check that the cuDNN path builds and keys the dense graph.
 """
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -161,3 +162,12 @@ def test_the_cudnn_path_builds_and_keys_the_dense_graph(monkeypatch):
     env = builder.BuildEnvironment("9.19.0", "1.32.0", "sm90 test")
     assert (builder.graph_key(call.spec, call.score_mod, "forward", env)
             == builder.graph_key(dense, call.score_mod, "forward", env))
+
+
+def test_the_twin_field_leaves_earlier_cache_keys_unchanged():
+    _, call = call_for(np.random.default_rng(), is_causal=True, score_mod=mods.softcap(5.0))
+    fields = json.loads(call.spec.canonical())
+    assert "segment_mask" not in fields  # as keys made before the field existed
+    assert fields == {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(call.spec))).items()
+                      if k != "segment_mask"}
+    assert json.loads(graph_spec(call.spec, call.score_mod).canonical())["segment_mask"] is True

@@ -7,8 +7,9 @@ attention at all. Such graphs run the user's mod and then this one: one
 
 It is recorded with the same recorder as user mods, so it goes through the same
 emitter, and `graphs.ir_eval` can check it against the XLA backend's `allowed_mask`
-on a CPU. The semantics follow `jax_api/xla.py` (dense layout, no sequence lengths:
-`graphs.lowering` declines padding and packed segments on the mod path):
+on a CPU. The semantics follow `jax_api/xla.py` on the dense layout (on the mod path, key
+padding travels in the bias operand and packed self-attention segments in `segment_ir`, the
+dense twin's extra stage; see `graphs.operands`):
 
     diag = q + (S - T)   bottom-right        diag = q   top-left
     keep:  k <= diag                               (causal)
@@ -63,9 +64,10 @@ def segment_arrays(spec: AttentionSpec) -> tuple[str, ...]:
 def segment_ir(spec: AttentionSpec) -> ScoreModIR:
     """Keep a score only where the key lies in the query's segment: `k >= start[q]` and
     `k <= end[q]` (`segment_arrays`). Each compares the key position (input) with an int32 array
-    (comparison), the form cuDNN 9.19 runs; it found no engine for an equality of two aux arrays
-    (segment numbers), nor for the array as the input of `cmp_ge` (H100, 2026-11-22). The bprop
-    compares afresh, from its own indices, as the position masks do."""
+    (comparison), the form cuDNN 9.19 builds; it found no engine for an equality of two aux arrays
+    (segment numbers), and none for a non-causal forward that had the array as the input of the end
+    comparison (H100, 2026-11-22). The bprop compares afresh, from its own indices, as the position
+    masks do."""
     shape = (spec.batch, 1, spec.q_len, 1)
     compare = {"segment_start": "cmp_ge", "segment_end": "cmp_le"}
 
