@@ -107,7 +107,7 @@ class AttentionSpec:
         if self.segments:
             parts.append(f"segments({self.segments},{self.max_segments})")
         if self.segment_mask:
-            parts.append(f"segment-mask({self.max_segments})")
+            parts.append("segment-mask")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:

@@ -29,7 +29,7 @@ def folded_recipe(kwargs):
     def run(q, k, v, user_bias):
         call = prepare_call(q, k, v, user_bias, **kwargs)
         spec, ir, inputs = call.spec, call.score_mod, call.inputs
-        _, validity = cudnn_path._operands(spec, inputs)
+        _, validity = cudnn_path._operands(spec, inputs, spec.max_segments)
         operand = cudnn_path._bias_operand(spec, ir, inputs, validity, q.dtype)
         graph_spec = normalize_arguments(q, k, v, operand, is_causal=spec.is_causal).spec
         graph_inputs = RuntimeInputs(bias=operand, mod_scalars=inputs.mod_scalars, mod_arrays=inputs.mod_arrays)

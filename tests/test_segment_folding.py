@@ -20,10 +20,10 @@ from sdpagraph.graphs.ir_eval import evaluate
 from sdpagraph.graphs.lowering import lower
 from sdpagraph.graphs.masks import segment_ir
 from sdpagraph.graphs.mod_lowering import Unsupported
-from sdpagraph.graphs.operands import folds_segments, graph_io, graph_spec
+from sdpagraph.graphs.operands import ARRAY_PREFIX, folds_segments, graph_io, graph_spec
 from sdpagraph.jax_api import cudnn as cudnn_backend
 from sdpagraph.jax_api.attention import prepare_call
-from sdpagraph.jax_api.xla import xla_attention
+from sdpagraph.jax_api.xla import RuntimeInputs, xla_attention
 
 
 def random_segment_ids(rng, batch, length, segments):
@@ -59,33 +59,33 @@ FOLDED = {
 }
 
 
-def dense_twin_on_xla(call, dense):
-    """The dense twin, run on the XLA backend the way cuDNN runs it: the operands the cuDNN path
-    builds (`_operands`), `masks.segment_ir` evaluated into a boolean mask next to the user's, and
-    the rows the cuDNN path zeroes."""
-    aux, validity = cudnn_backend._operands(dense, call.inputs)
-    b, t = dense.batch, dense.q_len
-    scores = jnp.zeros((b, 1, t, t), jnp.float32)
-    index = [None, None, None, jnp.arange(t, dtype=jnp.int32)[None, None, None, :]]  # segment_ir reads key positions
-    masked, _ = evaluate(segment_ir(dense), scores, scalars={}, arrays=aux, index=index)
-    keep = jnp.isfinite(masked)
-    mask = keep if call.inputs.mask is None else keep & call.inputs.mask
-    plain = dataclasses.replace(dense, segment_mask=False, max_segments=0, mask_shape=(b, 1, t, t)
-                                if dense.mask_shape is None else (b, dense.mask_shape[1], t, t))
-    inputs = dataclasses.replace(call.inputs, mask=mask, q_segment_ids=None, kv_segment_ids=None)
-
-    def run(q, k, v):
-        out, lse = xla_attention(plain, q, k, v, inputs, call.score_mod)
-        valid = validity.q
-        return (jnp.where(valid[:, :, None, None], out, 0.0),
-                jnp.where(valid[:, None, :], lse, -jnp.inf))
-
-    return run
+def fake_graph_core(static, q, k, v, bias, aux, validity):
+    """The dense twin's cuDNN graph, on XLA, as cuDNN computes it: the user's mod, the spec's
+    position masks and `masks.segment_ir` (evaluated on the graph's own bound operands) as -inf,
+    then the bias operand, in which the user's mask is a large finite negative value, so a row it
+    empties is averaged over its masked keys, as cuDNN does."""
+    spec = static.spec
+    b, t = spec.batch, spec.q_len
+    index = [None, None, None, jnp.arange(t, dtype=jnp.int32)[None, None, None, :]]
+    bounds = {name: value for name, value in aux.items() if name.startswith("segment_")}
+    masked, _ = evaluate(segment_ir(spec), jnp.zeros((b, 1, t, t), jnp.float32), scalars={}, arrays=bounds,
+                         index=index)
+    plain = dataclasses.replace(spec, segment_mask=False, max_segments=0, mask_shape=(b, 1, t, t),
+                                bias_shape=None if bias is None else bias.shape)
+    arrays = {name[len(ARRAY_PREFIX):]: value for name, value in aux.items() if name.startswith(ARRAY_PREFIX)}
+    inputs = RuntimeInputs(bias=bias, mask=jnp.isfinite(masked), mod_scalars=dict(static.scalars),
+                           mod_arrays=arrays)
+    return xla_attention(plain, q, k, v, inputs, static.ir)
 
 
 @pytest.mark.parametrize("name", FOLDED)
-def test_dense_twin_matches_the_packed_call_on_xla(name):
-    rng = np.random.default_rng()
+def test_dense_twin_matches_the_packed_call_on_xla(name, monkeypatch):
+    """The cuDNN path (`jax_api.cudnn.attention`: operands, bias, row zeroing, logsumexp) around
+    a stand-in for the graph, against the packed call on the XLA backend."""
+    monkeypatch.setattr(cudnn_backend, "_core", fake_graph_core)
+    monkeypatch.setitem(cudnn_backend.MASKED_BIAS, "float32", -1e30)
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
     kwargs = dict(FOLDED[name])
     if name.startswith("mask"):
         kwargs["mask"] = jnp.asarray(rng.random((2, 1, 48, 48)) < 0.7)
@@ -94,13 +94,12 @@ def test_dense_twin_matches_the_packed_call_on_xla(name):
     (q, k, v), call = call_for(rng, **kwargs)
     dense = graph_spec(call.spec, call.score_mod)
     assert dense.segment_mask and dense.segments is None and dense.causal_alignment == "top_left"
-    assert dense.max_segments == call.spec.max_segments
 
-    twin = dense_twin_on_xla(call, dense)
     packed = lambda q, k, v: xla_attention(call.spec, q, k, v, call.inputs, call.score_mod)  # noqa: E731
+    twin = lambda q, k, v: cudnn_backend.attention(call.spec, q, k, v, call.inputs, call.score_mod)  # noqa: E731
     (out, lse), (out_twin, lse_twin) = packed(q, k, v), twin(q, k, v)
-    np.testing.assert_allclose(out_twin, out, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.isinf(lse_twin), np.isinf(lse))  # the same rows attend to nothing
+    np.testing.assert_allclose(out_twin, out, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(np.isinf(lse_twin), np.isinf(lse), err_msg=f"seed {seed}")  # same empty rows
     finite = np.isfinite(np.asarray(lse))
     assert finite.any() and (~finite).any()  # padding rows exist, and real ones
     np.testing.assert_allclose(np.asarray(lse_twin)[finite], np.asarray(lse)[finite], rtol=1e-5, atol=1e-5)
@@ -109,7 +108,7 @@ def test_dense_twin_matches_the_packed_call_on_xla(name):
     grads = [jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v)[0] * cotangent), argnums=(0, 1, 2))(q, k, v)
              for f in (packed, twin)]
     for grad, grad_twin in zip(*grads):
-        np.testing.assert_allclose(grad_twin, grad, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(grad_twin, grad, rtol=1e-4, atol=1e-5, err_msg=f"seed {seed}")
 
 
 def folded(**kwargs):
@@ -121,6 +120,12 @@ def test_which_packed_calls_fold():
     assert folded(score_mod=mods.softcap(5.0))
     assert folded(is_causal=True, score_mod=mods.softcap(5.0), local_window_size=(4, 0))
     assert not folded(is_causal=True)  # the packed layout takes it: O(T) metadata, no bias
+    plain = call_for(np.random.default_rng(), is_causal=True)[1].spec
+    assert folds_segments(dataclasses.replace(plain, head_dim_v=8), None)  # THD shares one offset per side
+    # One graph serves every max_segments: the JAX side applies it to the bounds.
+    twins = [graph_spec(call.spec, call.score_mod) for call in
+             (call_for(np.random.default_rng(), score_mod=mods.softcap(5.0), max_segments=m)[1] for m in (2, 4))]
+    assert twins[0] == twins[1] and twins[0].max_segments == 0
     assert not folded(score_mod=mods.softcap(5.0), chunk_size=8)  # chunks count from each segment's start
     assert not folded(score_mod=mods.alibi(np.ones(4, np.float32)))  # reads positions
     assert not folded(score_mod=mods.compose(mods.softcap(5.0), mods.causal()))  # reads positions

@@ -76,12 +76,14 @@ def folds_segments(spec: AttentionSpec, ir: ScoreModIR | None) -> bool:
 
 def graph_spec(spec: AttentionSpec, ir: ScoreModIR | None) -> AttentionSpec:
     """The spec the cuDNN graph is built for: `spec`, or with `folds_segments` its dense twin
-    (`segment_mask`; it keeps max_segments, which says which segments count). Self-attention
+    (`segment_mask`). The graph does not depend on max_segments (the JAX side applies it to the
+    bounds it passes), so the twin drops it and one graph serves every bound. Self-attention
     has T == S, where both causal alignments agree, so the twin takes top-left (cuDNN declines
     bottom-right with a bias)."""
     if not folds_segments(spec, ir):
         return spec
-    return dataclasses.replace(spec, segments=None, causal_alignment="top_left", segment_mask=True)
+    return dataclasses.replace(spec, segments=None, max_segments=0, causal_alignment="top_left",
+                               segment_mask=True)
 
 
 def bias_operand_shape(spec: AttentionSpec, ir: ScoreModIR | None) -> tuple[int, int, int, int] | None:

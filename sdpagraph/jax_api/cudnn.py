@@ -113,8 +113,10 @@ def _packed_operands(spec: AttentionSpec, inputs: RuntimeInputs) -> dict[str, An
     return operands
 
 
-def _operands(spec: AttentionSpec, inputs: RuntimeInputs) -> tuple[dict[str, Any], _Validity]:
-    """Every non-differentiable device operand by role, and which rows cuDNN writes."""
+def _operands(spec: AttentionSpec, inputs: RuntimeInputs, max_segments: int) -> tuple[dict[str, Any], _Validity]:
+    """Every non-differentiable device operand by role, and which rows cuDNN writes.
+
+    `max_segments` is the call's own (a dense twin drops it from its spec)."""
     operands: dict[str, Any] = {}
     b, t, s = spec.batch, spec.q_len, spec.kv_len
     for name, value in (inputs.mod_arrays or {}).items():
@@ -126,7 +128,7 @@ def _operands(spec: AttentionSpec, inputs: RuntimeInputs) -> tuple[dict[str, Any
     elif spec.segment_mask:  # a dense twin (operands.graph_spec): self-attention, one ids array
         ids = inputs.q_segment_ids
         run = segment_run_ids(ids)
-        valid = (run > 0) & (run <= spec.max_segments)  # past max_segments: padding, as in THD
+        valid = (run > 0) & (run <= max_segments)  # past max_segments: padding, as in THD
         token = jnp.arange(t, dtype=jnp.int32)[None, :]
         start = token - segment_positions(ids)
         end = token + segment_positions(ids[:, ::-1])[:, ::-1]  # positions from the segment's end
@@ -232,10 +234,14 @@ _core.defvjp(_core_fwd, _core_bwd)
 def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: RuntimeInputs,
               score_mod: ScoreModIR | None, *, training: bool = True) -> tuple[Any, Any]:
     """Return (output (B, T, N, H_v), logsumexp (B, N, T) or None for the inference graph)."""
-    spec = graph_spec(spec, score_mod)  # packed segments the THD layout cannot take: a dense twin
+    # Which rows attend to some key follows the call's own spec: with a dense twin (packed segments
+    # the THD layout cannot take), a row the user's mask empties within its segment must give 0.
+    attended = _attended(spec, score_mod, inputs)
+    max_segments = spec.max_segments
+    spec = graph_spec(spec, score_mod)
     static = _Static(spec, score_mod, tuple(sorted((inputs.mod_scalars or {}).items())), training)
-    aux, validity = _operands(spec, inputs)
-    validity = validity._replace(attended=_attended(spec, score_mod, inputs))
+    aux, validity = _operands(spec, inputs, max_segments)
+    validity = validity._replace(attended=attended)
     bias = _bias_operand(spec, score_mod, inputs, validity, query.dtype)
     out, stats = _core(static, query, key, value, bias, aux, validity)
     out = _zero_rows(out, validity.q)
