@@ -462,6 +462,9 @@ def test_support_builds_the_runtime_graphs_and_remembers_answers(fake_gpu, tmp_p
     builder.build(spec, softcap_ir(), "backward", cache)
     assert cache.stats()["builds"] == 2
     assert support.check_graphs(spec, None, False, cache).reason == "cuDNN builds the inference graph"
+    packed = make_spec(is_causal=True, segments="self", max_segments=4)
+    assert "dense layout" in support.check_graphs(packed, softcap_ir(), False, cache).reason
+    assert support.check_graphs(packed, None, False, cache).reason == "cuDNN builds the inference graph"
 
 
 def test_support_declines_with_one_actionable_sentence(fake_gpu, tmp_path):

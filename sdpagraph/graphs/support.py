@@ -10,6 +10,7 @@ from sdpagraph.cache import CacheMissError, GraphCache, default_cache
 from sdpagraph.graphs.builder import GraphBuildError, build
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.mod_lowering import Unsupported
+from sdpagraph.graphs.operands import folds_segments
 from sdpagraph.spec import AttentionSpec
 
 BACKENDS = ("cudnn", "xla", "small_seq")
@@ -87,7 +88,13 @@ def _answer(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, cache: G
         return Support(False, "xla", f"building the cuDNN graph failed unexpectedly: {type(error).__name__}: "
                        f"{' '.join(str(error).split())[:300]}"), False
     what = "forward and backward graphs" if training else "inference graph"
-    return Support(True, "cudnn", f"cuDNN builds the {what}"), True
+    how = _DENSE_SEGMENTS if folds_segments(spec, ir) else ""
+    return Support(True, "cudnn", f"cuDNN builds the {what}{how}"), True
+
+
+# What a supported answer adds when packed segments run on the dense twin (`operands.graph_spec`).
+_DENSE_SEGMENTS = (" (packed segments on the dense layout, masked by segment bounds: memory stays O(T), "
+                   "and the tiles between segments are computed and masked rather than skipped)")
 
 
 def condense_reason(spec: AttentionSpec, error: GraphBuildError) -> str:
