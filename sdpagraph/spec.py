@@ -77,13 +77,8 @@ class AttentionSpec:
         return self.is_causal or self.has_window or self.chunk_size is not None
 
     def canonical(self) -> str:
-        """Deterministic text of every field, the spec's part of a cache key. A field added after
-        keys were first shipped is left out while it holds its default, so those keys stay valid."""
-        fields = dataclasses.asdict(self)
-        for name, default in _FIELDS_ADDED_LATER.items():
-            if fields[name] == default:
-                del fields[name]
-        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+        """Deterministic text of every field, the spec's part of a cache key (see `to_dict`)."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     def summary(self) -> str:
         """One human line, for `cache ls`, logs and error messages."""
@@ -111,7 +106,13 @@ class AttentionSpec:
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, except one added after keys and spec files were first shipped while it
+        holds its default: those keys stay valid and those files stay as they were."""
+        fields = dataclasses.asdict(self)
+        for name, default in _FIELDS_ADDED_LATER.items():
+            if fields[name] == default:
+                del fields[name]
+        return fields
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "AttentionSpec":
