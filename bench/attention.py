@@ -180,7 +180,8 @@ def handler_runs_in_a_step(executor, q, k, v, layers=4, steps=50):
 
 def host_overhead_rows():
     """host_overhead_us() with XLA's default flags (this process) and with command buffers (CUDA
-    graphs) turned on for custom calls (a fresh process: XLA reads its flags once)."""
+    graphs) turned on for custom calls and fusions (COMMAND_BUFFER_FLAGS; a fresh process: XLA
+    reads its flags once)."""
     rows = [{"XLA flags": "default", **host_overhead_us()}]
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFER_FLAGS).strip())
     try:  # a failure here loses this row only, never the run's other results

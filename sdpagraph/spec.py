@@ -60,7 +60,7 @@ class AttentionSpec:
     segments: str | None = None  # None, "self" (one ids array) or "cross" (q ids, kv ids)
     max_segments: int = 0
     # Internal (graphs.operands.graph_spec): packed self-attention segments kept apart on the dense
-    # layout by comparing per-token segment numbers inside the score_mod.
+    # layout by comparing each key's position with its query's segment bounds (masks.segment_ir).
     segment_mask: bool = False
 
     @property

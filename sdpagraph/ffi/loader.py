@@ -142,7 +142,8 @@ class ExecutorLib:
 
     def host_timing(self, enable: bool) -> HostTiming:
         """The handler's host time since the previous call (then reset), and timing switched on or
-        off for what follows. Off by default: an untimed call costs one atomic load."""
+        off for what follows. Off by default: an untimed call costs one atomic load. Counts
+        successful calls only, timed from the handler's entry (after XLA decodes the call)."""
         totals = (ctypes.c_int64 * 3)()
         was_enabled = bool(self._library.sdpagraph_host_timing(int(enable), totals))
         return HostTiming(was_enabled, calls=totals[0], handler_ns=totals[1], cudnn_execute_ns=totals[2])

@@ -2,7 +2,7 @@
 
     build(spec, ir, direction, cache=None) -> CompiledGraph      direction: forward | inference | backward
 
-The key is `CacheKey(spec.canonical(), "lowering<N>:" + ir hash, direction, cuDNN
+The key is `CacheKey(graph_spec(spec, ir).canonical(), "lowering<N>:" + ir hash, direction, cuDNN
 version, frontend version, "sm<cc> <gpu name>")`; the IR hash is `ir.forward_digest` for
 forward and inference graphs (they never run the bprop) and `ir.digest` for backward,
 "none" without a mod, and N is LOWERING_VERSION. A miss builds with heuristics [A, FALLBACK] and keeps only a cuDNN
@@ -11,7 +11,7 @@ builds, so callers can check that a graph was not built twice.
 
 Executor contract (what the FFI executor / JAX side passes; `graphs.operands` computes it)
 -----------------------------------------------------------------------------------------
-Operands, in this order (`graph_io(spec, ir, direction)`); B batch, T/S query/key
+Operands, in this order (`graph_io(graph_spec(spec, ir), ir, direction)`); B batch, T/S query/key
 length, N/K query/kv heads, H/Hv head dims, M = spec.max_segments:
 
     q (B,T,N,H), k (B,S,K,H), v (B,S,K,Hv)         io dtype (bf16/fp16), BSHD as the user passes them
@@ -31,6 +31,10 @@ length, N/K query/kv heads, H/Hv head dims, M = spec.max_segments:
                                                    start[b,m] = b*T + offsets[b,m] (q side, b*S kv side):
                                                    q: start*N*H, kv: start*K*H, stats: start*N; the
                                                    last entry is the end of the buffer (B*T*N*H, ...)
+    segment_start, segment_end                     dense twin only (spec.segment_mask), int32 (B,1,T,1):
+                                                   first and last token of each query's segment (a
+                                                   padding token: its own index); segment_end only
+                                                   without the causal mask
     array:<name>                                   score_mod aux arrays in ir.array_names order (only
                                                    those the direction reads), 4-D broadcast shape,
                                                    float32 (FLOAT) or int32 (INT)
@@ -41,7 +45,8 @@ tokens between or after packed segments) are not written: zero them on the JAX s
 Pass-by-value tensors (`CompiledGraph.pass_by_value`) are host values bound by UID: float32
 for scalars (int scalars too) and float literals, int32 for int literals.
 Packed (THD) graphs need H == Hv and take no bias or mask, and no score_mod or chunks
-(`graphs.lowering` says why).
+(`graphs.lowering` says why); self-attention ids in such calls run on the dense twin
+(`operands.graph_spec`).
 """
 from __future__ import annotations
 

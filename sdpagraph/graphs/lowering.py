@@ -18,9 +18,9 @@ Key padding takes the same road when a mod is present (`operands.folds_padding`)
 mod switches cuDNN's padding mask off, and cuDNN 9.19 crashed the process (segfault,
 H100, 2026-11-22) planning sequence lengths written into the mod itself.
 
-Packed self-attention segments that the packed layout cannot take (with a mod, a bias or a
-mask) are built as a dense graph whose mod compares segment numbers (`operands.graph_spec`,
-`masks.segment_ir`).
+Packed self-attention segments that the packed layout cannot take (with a mod, a bias, a
+mask or differing head dims) are built as a dense graph whose mod compares each key's position
+with its query's segment bounds (`operands.graph_spec`, `masks.segment_ir`).
 
 Declined before building (`Unsupported`): packed segments with chunks, a mod that reads
 positions, or cross-attention ids together with a mod (they need the padding mask),

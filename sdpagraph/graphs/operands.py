@@ -66,7 +66,7 @@ def folds_segments(spec: AttentionSpec, ir: ScoreModIR | None) -> bool:
     give the same answer from absolute positions as from positions within segments. Chunks and
     mods that read positions count from each segment's start, which the dense layout cannot see:
     those calls keep declining. The price: cuDNN computes the tiles between segments (and masks
-    them) instead of skipping them; memory stays O(T) (two int32 arrays of segment bounds).
+    them) instead of skipping them; memory stays O(T) (one or two int32 arrays of segment bounds).
     """
     if spec.segments != "self" or spec.chunk_size is not None or (ir is not None and ir.reads_positions):
         return False

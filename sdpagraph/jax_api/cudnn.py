@@ -86,7 +86,7 @@ def _run_graph(static: _Static, direction: str, operands: Mapping[str, Any],
 class _Validity(NamedTuple):
     """Which rows hold results (a pytree, so it can pass through custom_vjp)."""
 
-    q: Any  # (B, T) bool: token rows cuDNN computes, or None when it computes all
+    q: Any  # (B, T) bool: token rows that hold results, or None when all do
     kv: Any  # (B, S) bool, or None
     attended: Any = None  # (B|1, T, N|1, 1) bool when the bias carries masks: rows with a key to attend to
 
@@ -172,7 +172,8 @@ def _attended(spec: AttentionSpec, ir: ScoreModIR | None, inputs: RuntimeInputs)
 
 
 def _zero_rows(x: Any, valid: Any) -> Any:
-    """Zero the token rows cuDNN leaves unwritten (x: (B, L, heads, dim), valid: (B, L)).
+    """Zero the token rows that hold no result (x: (B, L, heads, dim), valid: (B, L)): rows cuDNN
+    leaves unwritten, or a dense twin's padding rows, which attend to themselves.
 
     `valid` is None when every row is computed (no padding, no segments): no extra pass.
     """
