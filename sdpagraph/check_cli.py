@@ -6,6 +6,7 @@ and `check_support` use, so a "supported" answer leaves its graphs in the cache.
 
     sdpagraph check specs.json [--json]
     sdpagraph check --query 4,4096,16,128 --key 4,4096,16,128 --dtype bfloat16 --causal --softcap 30
+    sdpagraph check --query 4,4096,16,128 --causal --softcap 30 --segments 8
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def add_check_command(subparsers: argparse._SubParsersAction) -> None:
     flags.add_argument("--window", type=_shape, metavar="LEFT,RIGHT", help="local_window_size")
     flags.add_argument("--chunk", type=int, metavar="N", help="chunk_size")
     flags.add_argument("--softcap", type=float, metavar="CAP", help="score_mod = mods.softcap(CAP)")
+    flags.add_argument("--segments", type=int, metavar="M",
+                       help="packed self-attention: segment_ids of the query's (B, T), max_segments_per_seq=M")
     flags.add_argument("--inference", action="store_true", help="check the inference graph (training=False)")
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
     parser.set_defaults(handler=_handle_check)
@@ -62,6 +65,9 @@ def entry_from_flags(args: argparse.Namespace) -> SpecEntry:
         item["chunk_size"] = args.chunk
     if args.softcap is not None:
         item["score_mod"] = {"mod": "softcap", "args": [args.softcap]}
+    if args.segments is not None:
+        item["segment_ids"] = {"shape": args.query[:2]}
+        item["max_segments_per_seq"] = args.segments
     return parse_entry(0, item)
 
 

@@ -31,6 +31,14 @@ def test_flags_describe_one_config(verdicts, capsys):
     assert spec.is_causal and spec.window == (64, 0) and ir is not None and training
 
 
+def test_segments_flag_asks_about_packed_self_attention(verdicts, capsys):
+    assert main(["check", "--query", "2,512,8,128", "--causal", "--softcap", "30", "--segments", "6"]) == 0
+    spec, ir, _ = verdicts[0]
+    assert spec.segments == "self" and spec.max_segments == 6 and ir is not None
+    assert main(["check", "--query", "2,512,8,128", "--segments", "0"]) == 2
+    assert "max_segments_per_seq" in capsys.readouterr().out
+
+
 def test_spec_file_entries_get_a_verdict_and_a_reason_each(verdicts, tmp_path, capsys):
     path = tmp_path / "specs.json"
     path.write_text(json.dumps({"entries": [
