@@ -26,7 +26,7 @@ IMPLEMENTATIONS = (None, "xla", "cudnn")
 UNBOUNDED = -1  # a window side that does not limit attention
 
 
-_FIELDS_ADDED_LATER = {"segment_mask": False}  # name -> default (see AttentionSpec.canonical)
+_FIELDS_ADDED_LATER = {"segment_mask": False}  # name -> default (see AttentionSpec.to_dict)
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,8 @@ def _packed_operands(spec: AttentionSpec, inputs: RuntimeInputs) -> dict[str, An
 def _operands(spec: AttentionSpec, inputs: RuntimeInputs, max_segments: int) -> tuple[dict[str, Any], _Validity]:
     """Every non-differentiable device operand by role, and which rows cuDNN writes.
 
-    `max_segments` is the call's own (a dense twin drops it from its spec)."""
+    `max_segments` is the call's own: segments past it count as padding (a dense twin drops it
+    from its spec)."""
     operands: dict[str, Any] = {}
     b, t, s = spec.batch, spec.q_len, spec.kv_len
     for name, value in (inputs.mod_arrays or {}).items():
@@ -124,11 +125,11 @@ def _operands(spec: AttentionSpec, inputs: RuntimeInputs, max_segments: int) -> 
     if spec.segments:
         operands.update(_packed_operands(spec, inputs))
         q_run, kv_run = segment_run_ids(inputs.q_segment_ids), segment_run_ids(inputs.kv_segment_ids)
-        validity = _Validity((q_run > 0) & (q_run <= spec.max_segments), (kv_run > 0) & (kv_run <= spec.max_segments))
+        validity = _Validity((q_run > 0) & (q_run <= max_segments), (kv_run > 0) & (kv_run <= max_segments))
     elif spec.segment_mask:  # a dense twin (operands.graph_spec): self-attention, one ids array
         ids = inputs.q_segment_ids
         run = segment_run_ids(ids)
-        valid = (run > 0) & (run <= max_segments)  # past max_segments: padding, as in THD
+        valid = (run > 0) & (run <= max_segments)  # as in the packed layout
         token = jnp.arange(t, dtype=jnp.int32)[None, :]
         start = token - segment_positions(ids)
         end = token + segment_positions(ids[:, ::-1])[:, ::-1]  # positions from the segment's end
