@@ -24,7 +24,7 @@ from sdpagraph.graphs import lowering as lowering_module
 from sdpagraph.graphs.lowering import lower, new_graph
 from sdpagraph.graphs.mod_lowering import ModEmitter
 from sdpagraph.graphs.operands import describe
-from sdpagraph.jax_api.attention import prepare_call
+from sdpagraph.jax_api.call import prepare_call
 
 from cuda_timing import cuda_event_ms  # bench/ is on sys.path when a script here runs
 

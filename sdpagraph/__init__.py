@@ -5,8 +5,7 @@ Public API: `attention`, `check_support`, `precompile`, `Support`, `mods`, the `
 from sdpagraph import mods
 from sdpagraph.graphs.support import Support
 from sdpagraph.jax_api.attention import attention, check_support
-from sdpagraph.deploy import precompile
-from sdpagraph.recording import record
+from sdpagraph.deploy import precompile, record
 
 
 __all__ = ["attention", "check_support", "precompile", "record", "Support", "mods"]

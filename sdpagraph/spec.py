@@ -24,6 +24,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 UNBOUNDED = -1  # a window side that does not limit attention
+# The graphs one spec compiles to: forward (output + softmax stats), backward, and inference
+# (output only, for calls that are not differentiated).
+DIRECTIONS = ("forward", "backward", "inference")
 
 
 _FIELDS_ADDED_LATER = {"segment_mask": False}  # name -> default (see AttentionSpec.to_dict)

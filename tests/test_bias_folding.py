@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 
 from sdpagraph import mods
-from sdpagraph.graphs.operands import bias_operand_shape, folds_padding, graph_io
+from sdpagraph.graphs.operands import bias_operand_shape, folds_padding, graph_io, plan_layout
 from sdpagraph.jax_api import cudnn as cudnn_path
-from sdpagraph.jax_api.attention import prepare_call
-from sdpagraph.jax_api.xla import RuntimeInputs, xla_attention
+from sdpagraph.jax_api.call import prepare_call
+from sdpagraph.jax_api.call import RuntimeInputs
+from sdpagraph.jax_api.xla import xla_attention
 from sdpagraph.spec import normalize_arguments
 from tests import reference as ref
 
@@ -29,13 +30,14 @@ def folded_recipe(kwargs):
     def run(q, k, v, user_bias):
         call = prepare_call(q, k, v, user_bias, **kwargs)
         spec, ir, inputs = call.spec, call.score_mod, call.inputs
+        plan = plan_layout(spec, ir)
         _, validity = cudnn_path._operands(spec, inputs, spec.max_segments)
-        operand = cudnn_path._bias_operand(spec, ir, inputs, validity, q.dtype)
+        operand = cudnn_path._bias_operand(plan, inputs, validity, q.dtype)
         graph_spec = normalize_arguments(q, k, v, operand, is_causal=spec.is_causal).spec
         graph_inputs = RuntimeInputs(bias=operand, mod_scalars=inputs.mod_scalars, mod_arrays=inputs.mod_arrays)
         out, lse = xla_attention(graph_spec, q, k, v, graph_inputs, ir)
         out = cudnn_path._zero_rows(out, validity.q)
-        attended = cudnn_path._attended(spec, ir, inputs)
+        attended = cudnn_path._attended(plan, inputs)
         out = jnp.where(attended, out, 0)
         return out, jnp.where(jnp.swapaxes(attended[..., 0], 1, 2), lse, -jnp.inf)
 

@@ -15,14 +15,17 @@ import pytest
 
 from sdpagraph import mods
 from sdpagraph.cache import GraphCache
+from sdpagraph.cache.graphs import cached_graph, check_graphs, graph_key
 from sdpagraph.graphs import builder, support
 from sdpagraph.graphs.compiled import CompiledGraph
-from sdpagraph.graphs.ir import BOOL, FLOAT, INT, TensorInfo, trace_score_mod
+from sdpagraph.graphs.ir import BOOL, FLOAT, INT
+from sdpagraph.graphs.trace import TensorInfo, trace_score_mod
 from sdpagraph.graphs.ir_eval import evaluate
 from sdpagraph.graphs.lowering import lower, mod_stages, native_band
 from sdpagraph.graphs.mod_lowering import ModEmitter, Unsupported, pass_by_value_plan
-from sdpagraph.graphs.operands import bias_operand_shape, describe, graph_io, uid_map
-from sdpagraph.jax_api.xla import RuntimeInputs, _layout, allowed_mask
+from sdpagraph.graphs.operands import bias_operand_shape, describe, graph_io, graph_spec, uid_map
+from sdpagraph.jax_api.call import RuntimeInputs
+from sdpagraph.jax_api.xla import _layout, allowed_mask
 from sdpagraph.spec import AttentionSpec
 
 cudnn = pytest.importorskip("cudnn")
@@ -412,6 +415,7 @@ def fake_gpu(monkeypatch):
     env = builder.BuildEnvironment("9.19.0", "1.32.0", "sm90 NVIDIA H200")
 
     def compile_graph(spec, ir, direction, env):
+        spec = graph_spec(spec, ir)  # as builder.compile_graph: it takes the call's spec
         if spec.head_dim % 8:
             raise builder.GraphBuildError(direction, "[cudnn_frontend] Error: Num hidden_dim should be less than "
                                           "or equal to 256 and hidden_dim should be multiple of 8", env.cudnn_version)
@@ -431,14 +435,14 @@ def fake_gpu(monkeypatch):
 def test_build_goes_through_the_cache_once_per_key(fake_gpu, tmp_path):
     cache = GraphCache(tmp_path)
     spec = make_spec(is_causal=True)
-    first = builder.build(spec, softcap_ir(), "forward", cache)
-    again = builder.build(spec, softcap_ir(), "forward", cache)
+    first = cached_graph(spec, softcap_ir(), "forward", cache).compiled
+    again = cached_graph(spec, softcap_ir(), "forward", cache).compiled
     assert first == again and cache.stats()["builds"] == 1
-    builder.build(spec, softcap_ir(), "backward", cache)
-    builder.build(spec, None, "forward", cache)
+    cached_graph(spec, softcap_ir(), "backward", cache).compiled
+    cached_graph(spec, None, "forward", cache).compiled
     assert cache.stats()["builds"] == 3
     fresh_process = GraphCache(tmp_path)  # the disk layer serves a new process without building
-    assert builder.build(spec, softcap_ir(), "forward", fresh_process) == first
+    assert cached_graph(spec, softcap_ir(), "forward", fresh_process).compiled == first
     assert fresh_process.stats()["builds"] == 0
 
 
@@ -447,32 +451,32 @@ def test_keys_hash_the_forward_part_for_forward_graphs():
     custom = trace_score_mod(lambda g, s, t: s * 2.0, {}, lambda g, d, t: d * 3.0)
     derived = trace_score_mod(lambda g, s, t: s * 2.0, {})
     spec = make_spec()
-    assert builder.graph_key(spec, custom, "forward", env) == builder.graph_key(spec, derived, "forward", env)
-    assert builder.graph_key(spec, custom, "backward", env) != builder.graph_key(spec, derived, "backward", env)
-    assert builder.graph_key(spec, None, "inference", env).ir_hash == f"lowering{builder.LOWERING_VERSION}:none"
+    assert graph_key(spec, custom, "forward", env) == graph_key(spec, derived, "forward", env)
+    assert graph_key(spec, custom, "backward", env) != graph_key(spec, derived, "backward", env)
+    assert graph_key(spec, None, "inference", env).ir_hash == f"lowering{builder.LOWERING_VERSION}:none"
 
 
 def test_support_builds_the_runtime_graphs_and_remembers_answers(fake_gpu, tmp_path):
     cache = GraphCache(tmp_path)
     spec = make_spec(is_causal=True)
-    answer = support.check_graphs(spec, softcap_ir(), True, cache)
+    answer = check_graphs(spec, softcap_ir(), True, cache)
     assert answer.supported and answer.backend == "cudnn"
     assert [direction for _, direction in fake_gpu] == ["forward", "backward"]
-    builder.build(spec, softcap_ir(), "forward", cache)  # what attention() does next
-    builder.build(spec, softcap_ir(), "backward", cache)
+    cached_graph(spec, softcap_ir(), "forward", cache).compiled  # what attention() does next
+    cached_graph(spec, softcap_ir(), "backward", cache).compiled
     assert cache.stats()["builds"] == 2
-    assert support.check_graphs(spec, None, False, cache).reason == "cuDNN builds the inference graph"
+    assert check_graphs(spec, None, False, cache).reason == "cuDNN builds the inference graph"
     packed = make_spec(is_causal=True, segments="self", max_segments=4)
-    assert "dense layout" in support.check_graphs(packed, softcap_ir(), False, cache).reason
-    assert support.check_graphs(packed, None, False, cache).reason == "cuDNN builds the inference graph"
+    assert "dense layout" in check_graphs(packed, softcap_ir(), False, cache).reason
+    assert check_graphs(packed, None, False, cache).reason == "cuDNN builds the inference graph"
 
 
 def test_support_declines_with_one_actionable_sentence(fake_gpu, tmp_path):
     cache = GraphCache(tmp_path)
-    answer = support.check_graphs(make_spec(head_dim=68, head_dim_v=68), None, True, cache)
+    answer = check_graphs(make_spec(head_dim=68, head_dim_v=68), None, True, cache)
     assert not answer.supported and answer.backend == "xla"
     assert answer.reason == "head dim 68 is not a multiple of 8"
-    assert support.check_graphs(make_spec(dtype="float32"), None, True, cache).reason == (
+    assert check_graphs(make_spec(dtype="float32"), None, True, cache).reason == (
         "cuDNN SDPA takes bfloat16 or float16 inputs, not float32")
     generic = builder.GraphBuildError("backward", "Tensor q has bad strides. Details follow.", "9.19.0")
     assert support.condense_reason(make_spec(), generic) == (
@@ -484,7 +488,7 @@ def test_support_never_raises(fake_gpu, monkeypatch, tmp_path):
         raise RuntimeError("driver exploded\nwith details")
 
     monkeypatch.setattr(builder, "compile_graph", broken)
-    answer = support.check_graphs(make_spec(), None, True, GraphCache(tmp_path))
+    answer = check_graphs(make_spec(), None, True, GraphCache(tmp_path))
     assert not answer.supported and "driver exploded with details" in answer.reason
 
 
@@ -492,29 +496,29 @@ def test_cached_answers_cost_at_most_50_microseconds(fake_gpu, tmp_path):
     cache = GraphCache(tmp_path)
     questions = [(make_spec(is_causal=True), softcap_ir(), True), (make_spec(head_dim=68, head_dim_v=68), None, True)]
     for spec, ir, training in questions:
-        support.check_graphs(spec, ir, training, cache)
+        check_graphs(spec, ir, training, cache)
     builds = cache.stats()["builds"]
     for spec, ir, training in questions:
         calls = 2000
         started = time.perf_counter()
         for _ in range(calls):
-            support.check_graphs(spec, ir, training, cache)
+            check_graphs(spec, ir, training, cache)
         per_call = (time.perf_counter() - started) / calls
         assert per_call <= 50e-6, f"cached answer took {per_call * 1e6:.1f} us"
     assert cache.stats()["builds"] == builds
 
 
 def test_no_gpu_answer_comes_from_the_environment(tmp_path):
-    answer = support.check_graphs(make_spec(), None, True, GraphCache(tmp_path))
+    answer = check_graphs(make_spec(), None, True, GraphCache(tmp_path))
     if support.environment_reason() is not None:  # this CPU machine
         assert not answer.supported and answer.reason == support.environment_reason()
 
 
 def test_spec_fields_all_reach_the_key():
     env = builder.BuildEnvironment("9.19.0", "1.32.0", "sm90 NVIDIA H200")
-    base = builder.graph_key(make_spec(), None, "forward", env)
+    base = graph_key(make_spec(), None, "forward", env)
     for field, value in [("scale", 0.5), ("max_segments", 3), ("causal_alignment", "bottom_right")]:
-        assert builder.graph_key(dataclasses.replace(make_spec(), **{field: value}), None, "forward", env) != base
+        assert graph_key(dataclasses.replace(make_spec(), **{field: value}), None, "forward", env) != base
 
 
 @pytest.mark.parametrize("causal", [True, False])

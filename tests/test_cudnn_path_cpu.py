@@ -13,9 +13,10 @@ from sdpagraph import ffi, mods
 from sdpagraph.cache import GraphCache
 from sdpagraph.graphs.builder import BuildEnvironment
 from sdpagraph.graphs.compiled import CompiledGraph
-from sdpagraph.graphs.operands import graph_io, uid_map
+from sdpagraph.cache.graphs import CachedGraph, graph_key
+from sdpagraph.graphs.operands import graph_io, graph_spec, uid_map
 from sdpagraph.jax_api import cudnn as cudnn_backend
-from sdpagraph.jax_api.attention import prepare_call
+from sdpagraph.jax_api.call import prepare_call
 
 
 @pytest.fixture
@@ -23,19 +24,19 @@ def fake_gpu(monkeypatch, tmp_path):
     built, registered = [], {}
     cache = GraphCache(str(tmp_path))
 
-    def fake_build(spec, ir, direction, cache_arg=None):
+    def fake_cached_graph(spec, ir, direction, cache_arg=None):
         built.append(direction)
-        operands, results = graph_io(spec, ir, direction)
+        operands, results = graph_io(graph_spec(spec, ir), ir, direction)
         scalars = () if ir is None else tuple(("scalar", n) for n in ir.scalar_names)
         roles = operands + results + tuple(f"scalar:{n}" for _, n in scalars)
         uids = uid_map(roles)
         pass_by_value = tuple((uids[f"scalar:{n}"], ("scalar", n), "float32") for _, n in scalars)
-        return CompiledGraph(b"blob-" + direction.encode(), 1024, operands, results, uids, pass_by_value,
-                             direction, {}, 0.0)
+        compiled = CompiledGraph(b"blob-" + direction.encode(), 1024, operands, results, uids, pass_by_value,
+                                 direction, {}, 0.0)
+        key = graph_key(spec, ir, direction, BuildEnvironment("9.19.0", "1.32.0", "sm90 fake"))
+        return CachedGraph(key, compiled, cache.entry_path(key))
 
-    monkeypatch.setattr(cudnn_backend, "build", fake_build)
-    monkeypatch.setattr(cudnn_backend, "build_environment", lambda: BuildEnvironment("9.19.0", "1.32.0", "sm90 fake"))
-    monkeypatch.setattr(cudnn_backend, "default_cache", lambda: cache)
+    monkeypatch.setattr(cudnn_backend, "cached_graph", fake_cached_graph)
     monkeypatch.setattr(ffi, "register_graph", lambda digest, blob: registered.__setitem__(digest, blob))
     return built, registered
 

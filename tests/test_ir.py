@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from sdpagraph import mods
-from sdpagraph.graphs.ir import ScoreModError, ScoreModIR, TensorInfo, trace_score_mod
+from sdpagraph.graphs.ir import ScoreModError, ScoreModIR
+from sdpagraph.graphs.trace import TensorInfo, trace_score_mod
 from sdpagraph.graphs.ir_eval import evaluate
 
 SCALAR = TensorInfo("scalar", "float32")

@@ -19,15 +19,16 @@ import pytest
 
 from sdpagraph.cache import GraphCache
 from sdpagraph.cache.admin import verify_entries
+from sdpagraph.cache.graphs import graph_key
 from sdpagraph.graphs import builder
 from sdpagraph.graphs.support import Support
-from sdpagraph.deploy import Builder, BuilderUnavailable, Progress, precompile
-from sdpagraph.verify import verify
-from sdpagraph.specfile import parse_entry, save_specs
+from sdpagraph.deploy.precompile import Builder, BuilderUnavailable, Progress, precompile
+from sdpagraph.deploy.verify import verify
+from sdpagraph.deploy.specfile import parse_entry, save_specs
 
 # By module name: the package may re-export the function `precompile` under the same name.
-module = importlib.import_module("sdpagraph.deploy")
-deploy_cli = importlib.import_module("sdpagraph.deploy_cli")
+module = importlib.import_module("sdpagraph.deploy.precompile")
+deploy_cli = importlib.import_module("sdpagraph.cli.deploy")
 REPO = Path(__file__).resolve().parents[1]
 DECLINED_HEAD_DIM = 256  # the fake cuDNN declines head dims above 128
 BROKEN_KV_LEN = 13  # and fails (an error, not a decline) on this key length
@@ -53,7 +54,7 @@ class FakeCudnn:
 
     def graph_key(self, spec, ir, direction):
         env = builder.BuildEnvironment("9.19.0", "1.32.0", self.gpu)
-        return builder.graph_key(spec, ir, direction, env)
+        return graph_key(spec, ir, direction, env)
 
     def build(self, spec, ir, direction, cache):
         key = self.graph_key(spec, ir, direction)
@@ -342,7 +343,7 @@ def test_verify_without_a_gpu_says_so(tmp_path, spec_file, capsys):
 
 CHILD = r"""
 import argparse, sys
-from sdpagraph import deploy_cli
+from sdpagraph.cli import deploy as deploy_cli
 from tests.test_precompile import FakeCudnn, module
 
 module.cudnn_builder = FakeCudnn(sys.argv[1], delay_s=float(sys.argv[2])).builder

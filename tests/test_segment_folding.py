@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from sdpagraph import mods
+from sdpagraph.cache import graphs as graphs_cache
 from sdpagraph.graphs import builder
 from sdpagraph.graphs.ir_eval import evaluate
 from sdpagraph.graphs.lowering import lower
@@ -22,8 +23,9 @@ from sdpagraph.graphs.masks import segment_ir
 from sdpagraph.graphs.mod_lowering import Unsupported
 from sdpagraph.graphs.operands import ARRAY_PREFIX, folds_segments, graph_io, graph_spec
 from sdpagraph.jax_api import cudnn as cudnn_backend
-from sdpagraph.jax_api.attention import prepare_call
-from sdpagraph.jax_api.xla import RuntimeInputs, xla_attention
+from sdpagraph.jax_api.call import prepare_call
+from sdpagraph.jax_api.call import RuntimeInputs
+from sdpagraph.jax_api.xla import xla_attention
 
 
 def random_segment_ids(rng, batch, length, segments):
@@ -64,7 +66,7 @@ def fake_graph_core(static, q, k, v, bias, aux, validity):
     position masks and `masks.segment_ir` (evaluated on the graph's own bound operands) as -inf,
     then the bias operand, in which the user's mask is a large finite negative value, so a row it
     empties is averaged over its masked keys, as cuDNN does."""
-    spec = static.spec
+    spec = static.graph_spec
     b, t = spec.batch, spec.q_len
     index = [None, None, None, jnp.arange(t, dtype=jnp.int32)[None, None, None, :]]
     bounds = {name: value for name, value in aux.items() if name.startswith("segment_")}
@@ -150,11 +152,13 @@ def test_the_cudnn_path_builds_and_keys_the_dense_graph(monkeypatch):
     (q, k, v), call = call_for(rng, is_causal=True, score_mod=mods.softcap(5.0), dtype=jnp.bfloat16)
     built_specs = []
 
-    def fake_build(spec, ir, direction, cache=None):
-        built_specs.append(spec)
+    def fake_compile(spec, ir, direction, env):
+        built_specs.append(graph_spec(spec, ir))  # what compile_graph builds
         raise RuntimeError("stop after the spec")  # only the spec handed to the builder matters here
 
-    monkeypatch.setattr(cudnn_backend, "build", fake_build)
+    env = builder.BuildEnvironment("9.19.0", "1.32.0", "sm90 test")
+    monkeypatch.setattr(builder, "compile_graph", fake_compile)
+    monkeypatch.setattr(builder, "build_environment", lambda: env)
     with pytest.raises(RuntimeError, match="stop after the spec"):
         cudnn_backend.attention(call.spec, q, k, v, call.inputs, call.score_mod)
     dense = graph_spec(call.spec, call.score_mod)
@@ -164,9 +168,8 @@ def test_the_cudnn_path_builds_and_keys_the_dense_graph(monkeypatch):
     assert not any(role.startswith("ragged") for role in operands)
     # A recorded (packed) spec and the runtime's dense one name the same cached graph, so a
     # precompiled cache serves the runtime.
-    env = builder.BuildEnvironment("9.19.0", "1.32.0", "sm90 test")
-    assert (builder.graph_key(call.spec, call.score_mod, "forward", env)
-            == builder.graph_key(dense, call.score_mod, "forward", env))
+    assert (graphs_cache.graph_key(call.spec, call.score_mod, "forward", env)
+            == graphs_cache.graph_key(dense, call.score_mod, "forward", env))
 
 
 def test_the_twin_field_leaves_earlier_cache_keys_unchanged():

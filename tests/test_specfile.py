@@ -12,11 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sdpagraph import mods, specfile
-from sdpagraph.jax_api.attention import prepare_call
+from sdpagraph import mods
+from sdpagraph.deploy import specfile
+from sdpagraph.jax_api.call import prepare_call
 from sdpagraph.spec import DTYPES
-from sdpagraph.recording import ENV_RECORD, record, record_call
-from sdpagraph.specfile import SpecEntry, SpecFileError
+from sdpagraph.deploy.recording import ENV_RECORD, record, record_call
+from sdpagraph.deploy.specfile import SpecEntry, SpecFileError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -291,7 +292,7 @@ def test_record_merges_into_a_hand_written_file(tmp_path):
 
 RECORDING_PROCESS = r"""
 import json, sys
-from sdpagraph import recording, specfile
+from sdpagraph.deploy import recording, specfile
 path, fields = sys.argv[1], json.loads(sys.argv[2])
 entries = [specfile.parse_entry(i, item) for i, item in enumerate(fields)]
 with recording.record(path):

@@ -1,6 +1,7 @@
 """Graph cache: compiled graphs in an in-process LRU and a shared on-disk store.
 
-Generic over blobs: nothing here knows about cuDNN. See docs/cache.md.
+Generic over blobs, except `cache.graphs`, which keys and builds cuDNN graphs through it
+(see docs/cache.md).
 """
 from sdpagraph.cache.defaults import default_cache, set_default_cache
 from sdpagraph.cache.graph_cache import CacheMissError, GraphCache

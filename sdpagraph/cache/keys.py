@@ -17,11 +17,11 @@ import json
 from dataclasses import dataclass, fields
 from typing import Union
 
+from sdpagraph.spec import DIRECTIONS
+
 # Bump when the entry file layout or the meaning of a key field changes: old entries then
 # stop matching (different digest) and fail the header check, so they are rebuilt.
 FORMAT_VERSION = 1
-
-DIRECTIONS = ("forward", "backward", "inference")
 
 # Compact, sorted, UTF-8 JSON. One shared encoder: json.dumps with options builds a new
 # one per call, which is a noticeable part of making a key.
@@ -83,7 +83,9 @@ def key_text(key: Key) -> str:
 
 
 def key_digest(key: Key) -> str:
-    """sha256 hex of the key's canonical text."""
+    """sha256 hex of the key's canonical text (a CacheKey's, computed when it was made)."""
+    if isinstance(key, CacheKey):
+        return key.digest()
     return _sha256_hex(key_text(key))
 
 

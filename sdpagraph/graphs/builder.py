@@ -1,13 +1,14 @@
-"""Build the cuDNN SDPA graph of (spec, score_mod IR, direction), through the graph cache.
+"""Compile the cuDNN SDPA graph of (spec, score_mod IR, direction) into a serialized plan.
 
-    build(spec, ir, direction, cache=None) -> CompiledGraph      direction: forward | inference | backward
+    compile_graph(spec, ir, direction, env) -> (blob, meta)    direction: forward | inference | backward
+    graph_identity(spec, ir, direction) -> (spec text, IR text) what the compiled graph depends on
 
-The key is `CacheKey(graph_spec(spec, ir).canonical(), "lowering<N>:" + ir hash, direction, cuDNN
-version, frontend version, "sm<cc> <gpu name>")`; the IR hash is `ir.forward_digest` for
-forward and inference graphs (they never run the bprop) and `ir.digest` for backward,
-"none" without a mod, and N is LOWERING_VERSION. A miss builds with heuristics [A, FALLBACK] and keeps only a cuDNN
-backend plan (a Python-engine plan cannot run from C++). The cache's stats count
-builds, so callers can check that a graph was not built twice.
+The builder only compiles: keys and get-or-build live in the cache layer (`cache.graphs`),
+which composes a graph's key from `graph_identity` and the `BuildEnvironment`. The IR text
+is "lowering<N>:" + `ir.forward_digest` for forward and inference graphs (they never run the
+bprop) and `ir.digest` for backward ("none" without a mod), N being LOWERING_VERSION. A
+graph is built with heuristics [A, FALLBACK] and only a cuDNN backend plan is kept (a
+Python-engine plan cannot run from C++).
 
 Executor contract (what the FFI executor / JAX side passes; `graphs.operands` computes it)
 -----------------------------------------------------------------------------------------
@@ -58,14 +59,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sdpagraph.cache import CacheKey, GraphCache, default_cache
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.lowering import lower, new_graph
-from sdpagraph.graphs.operands import graph_io, graph_spec
+from sdpagraph.graphs.operands import graph_spec
 from sdpagraph.spec import AttentionSpec
 
-__all__ = ["BuildEnvironment", "GraphBuildError", "build", "build_environment", "graph_io", "graph_key"]
+__all__ = ["BuildEnvironment", "GraphBuildError", "build_environment", "compile_graph", "graph_identity"]
 
 NO_MOD = "none"
 # Bump when the lowering emits a different graph for the same key inputs, so caches built
@@ -138,36 +138,27 @@ def _frontend_version() -> str | None:
         return None
 
 
-def graph_key(spec: AttentionSpec, ir: ScoreModIR | None, direction: str, env: BuildEnvironment) -> CacheKey:
-    spec = graph_spec(spec, ir)
+def graph_identity(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> tuple[str, str]:
+    """(canonical text of the graph's spec, "lowering<N>:<IR hash>"): everything of the call that
+    the compiled `direction` graph depends on. `spec` is the call's: packed segments that the THD
+    layout cannot take are keyed as the dense twin they run on (`operands.graph_spec`)."""
     if ir is None:
         ir_hash = NO_MOD
     else:
         ir_hash = ir.digest if direction == "backward" else ir.forward_digest
-    return CacheKey(spec.canonical(), f"lowering{LOWERING_VERSION}:{ir_hash}", direction, env.cudnn_version,
-                    env.frontend_version, env.gpu)
-
-
-def build(spec: AttentionSpec, ir: ScoreModIR | None, direction: str,
-          cache: GraphCache | None = None) -> CompiledGraph:
-    """The compiled `direction` graph of (spec, ir): from the cache, else built once.
-
-    Raises `Unsupported` (a config sdpagraph cannot lower), `GraphBuildError` (cuDNN
-    declined) or the cache's `CacheMissError` in strict mode.
-    """
-    cache = default_cache() if cache is None else cache
-    env = build_environment()
-    spec = graph_spec(spec, ir)  # packed segments the THD layout cannot take run as a mask
-    key = graph_key(spec, ir, direction, env)
-    blob, meta = cache.get_or_build(key, functools.partial(compile_graph, spec, ir, direction, env))
-    return CompiledGraph.from_meta(blob, meta)
+    return graph_spec(spec, ir).canonical(), f"lowering{LOWERING_VERSION}:{ir_hash}"
 
 
 def compile_graph(spec: AttentionSpec, ir: ScoreModIR | None, direction: str,
                   env: BuildEnvironment) -> tuple[bytes, dict[str, Any]]:
-    """Describe, build and serialize one graph: the cache's `build` callback."""
+    """Describe, build and serialize one graph: the cache's `build` callback.
+
+    `spec` is the call's (mapped to the graph's own with `operands.graph_spec`). Raises
+    `Unsupported` (a config sdpagraph cannot lower) or `GraphBuildError` (cuDNN declined).
+    """
     import cudnn
 
+    spec = graph_spec(spec, ir)
     started = time.perf_counter()
     graph = new_graph(spec, direction, cudnn)
     lowering = lower(graph, spec, ir, direction, cudnn)

@@ -172,6 +172,10 @@ class RecordingGraph:
         self._memo: dict[Node, int] = {}
         self._leaf_names: dict[int, str] = {}
 
+    def to_ir(self, output: int, grad_output: int | None) -> "ScoreModIR":
+        """The canonical IR of what `output` (and the bprop `grad_output`) reach."""
+        return _canonicalize(self._nodes, output, grad_output, self._leaf_names)
+
     # -- pygraph-compatible pointwise methods --------------------------------------------
     def __getattr__(self, op: str) -> Callable[..., ModTensor]:
         if op.startswith("_") or op not in OP_PARAMS:
@@ -375,49 +379,3 @@ def _canonicalize(nodes, output, grad_output, leaf_names, scalar_names=(), array
         scalar_names=tuple(names["scalar"]),
         array_names=tuple(names["array"]),
     )
-
-
-# ----------------------------------------------------------------------------- tracing
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Static facts of one `score_mod_tensors` entry: a scalar, or an array's 4-D shape."""
-
-    kind: str  # "scalar" or "array"
-    dtype: str
-    shape: tuple[int, ...] = ()
-
-
-def trace_score_mod(
-    score_mod: Callable,
-    tensors: Mapping[str, TensorInfo],
-    score_mod_bprop: Callable | None = None,
-) -> ScoreModIR:
-    """Record `score_mod` (and `score_mod_bprop`, else a derived one) into a ScoreModIR."""
-    from sdpagraph.graphs.ir_grad import derive_bprop  # the differentiator builds on this module
-
-    graph = RecordingGraph()
-    score = graph.leaf("score")
-    proxies = {
-        name: graph.leaf(info.kind, (("shape", info.shape),) if info.kind == "array" else (), info.dtype, name=name)
-        for name, info in tensors.items()
-    }
-    out = _call(score_mod, graph, score, proxies, "score_mod")
-    if out.dtype == BOOL:
-        raise ScoreModError("score_mod returned a boolean tensor; it must return the modified score")
-    if score_mod_bprop is not None:
-        dscore = graph.leaf("dscore")
-        grad = _call(score_mod_bprop, graph, dscore, proxies, "score_mod_bprop").index
-        derived = False
-    else:
-        grad = derive_bprop(graph, out.index, score.index)
-        derived = True
-    ir = _canonicalize(graph._nodes, out.index, grad, graph._leaf_names)
-    return ScoreModIR(ir.nodes, ir.output, ir.grad_output, ir.scalar_names, ir.array_names, grad_derived=derived)
-
-
-def _call(fn: Callable, graph: RecordingGraph, first: ModTensor, proxies: dict, what: str) -> ModTensor:
-    result = fn(graph, first, dict(proxies))
-    if not isinstance(result, ModTensor) or result.graph is not graph:
-        raise ScoreModError(f"{what} must return a graph tensor, got {type(result).__name__}")
-    return result

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import math
 
-from sdpagraph.graphs.ir import INT, ScoreModIR, TensorInfo, trace_score_mod
+from sdpagraph.graphs.ir import INT, ScoreModIR
+from sdpagraph.graphs.trace import TensorInfo, trace_score_mod
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
 
 MASKED = float("-inf")

@@ -21,10 +21,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from sdpagraph.cache.keys import DIRECTIONS
 from sdpagraph.graphs.ir import FLOAT, INT, ScoreModIR
 from sdpagraph.graphs.masks import SEGMENT_ARRAYS, needs_mod, segment_arrays
-from sdpagraph.spec import AttentionSpec
+from sdpagraph.spec import DIRECTIONS, AttentionSpec
 
 ARRAY_PREFIX = "array:"
 SCALAR_PREFIX = "scalar:"
@@ -101,6 +100,31 @@ def bias_operand_shape(spec: AttentionSpec, ir: ScoreModIR | None) -> tuple[int,
         return None
     batch, heads = (max(sizes) for sizes in list(zip(*shapes))[:2])
     return (batch, heads, spec.q_len, spec.kv_len)
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """How one call runs on cuDNN, decided once per call: the graph's spec and what the
+    JAX side fills in around it."""
+
+    call_spec: AttentionSpec  # the call as the user made it
+    graph_spec: AttentionSpec  # what the graph is built for (`graph_spec`)
+    bias_shape: tuple[int, int, int, int] | None  # the bias operand (`bias_operand_shape`), or None
+    folds_padding: bool  # key padding rides in the bias operand (`folds_padding`)
+    folds_segments: bool  # packed segments run on the dense twin (`folds_segments`)
+
+    @property
+    def bias_carries_masks(self) -> bool:
+        """Whether the bias operand holds a boolean mask or folded padding: rows with no key left
+        to attend to must then be zeroed on the JAX side (cuDNN averages over masked keys)."""
+        return self.call_spec.mask_shape is not None or self.folds_padding
+
+
+def plan_layout(spec: AttentionSpec, ir: ScoreModIR | None) -> LayoutPlan:
+    """The one layout decision for a call of `spec` with the score_mod `ir`."""
+    graph = graph_spec(spec, ir)
+    return LayoutPlan(call_spec=spec, graph_spec=graph, bias_shape=bias_operand_shape(graph, ir),
+                      folds_padding=folds_padding(graph, ir), folds_segments=folds_segments(spec, ir))
 
 
 def graph_io(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> tuple[tuple[str, ...], tuple[str, ...]]:

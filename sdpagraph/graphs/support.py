@@ -1,13 +1,16 @@
-"""The answer to "will this config run on cuDNN here, and if not, why?"."""
+"""The answer to "will this config run on cuDNN here, and if not, why?".
+
+The answer comes from building the graphs the runtime would use (`answer_from_builds`);
+the cache layer (`cache.graphs.check_graphs`) runs it through the cache and remembers it.
+"""
 from __future__ import annotations
 
 import importlib.util
 import re
-import weakref
 from dataclasses import dataclass
+from typing import Callable
 
-from sdpagraph.cache import CacheMissError, GraphCache, default_cache
-from sdpagraph.graphs.builder import GraphBuildError, build
+from sdpagraph.graphs.builder import GraphBuildError
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.mod_lowering import Unsupported
 from sdpagraph.graphs.operands import folds_segments
@@ -43,47 +46,29 @@ def environment_reason() -> str | None:
     return None
 
 
-# Per-cache memo of answers (keyed weakly: a dropped cache takes its answers with it).
-_ANSWERS: "weakref.WeakKeyDictionary[GraphCache, dict]" = weakref.WeakKeyDictionary()
+def answer_from_builds(spec: AttentionSpec, ir: ScoreModIR | None, training: bool,
+                       build: Callable[[str], object],
+                       passthrough: tuple[type[BaseException], ...] = ()) -> tuple[Support, bool]:
+    """Whether cuDNN builds the graphs `attention` would run for (spec, ir), and whether that
+    answer stays true for the life of this process.
 
-
-def check_graphs(spec: AttentionSpec, ir: ScoreModIR | None, training: bool,
-                 cache: GraphCache | None = None) -> Support:
-    """Whether cuDNN builds the graphs `attention` would run for (spec, ir).
-
-    Raises only the cache's `CacheMissError` (strict mode: a graph is not precompiled).
-
-    Builds through `graphs.builder.build` with the runtime's own keys: forward and
-    backward when `training`, else inference. A supported answer leaves the graphs in
-    `cache`, so the later call builds nothing. Answers, positive and negative, are
-    remembered per cache, so asking again costs a dictionary lookup.
+    `build(direction)` builds (or finds) one graph the way the runtime does: forward and
+    backward when `training`, else inference. The errors in `passthrough` (a strict cache's
+    miss) propagate; every other failure becomes a "no" with the reason.
     """
-    cache = default_cache() if cache is None else cache
-    answers = _ANSWERS.setdefault(cache, {})
-    question = (spec, None if ir is None else ir.digest, training)
-    answer = answers.get(question)
-    if answer is None:
-        answer, final = _answer(spec, ir, training, cache)
-        if final:
-            answers[question] = answer
-    return answer
-
-
-def _answer(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, cache: GraphCache) -> tuple[Support, bool]:
-    """(answer, whether it stays true for this process)."""
     reason = environment_reason()
     if reason is not None:
         return Support(False, "xla", reason), True
     directions = ("forward", "backward") if training else ("inference",)
     try:
         for direction in directions:
-            build(spec, ir, direction, cache)
+            build(direction)
+    except passthrough:
+        raise
     except Unsupported as error:
         return Support(False, "xla", str(error)), True
     except GraphBuildError as error:
         return Support(False, "xla", condense_reason(spec, error)), True
-    except CacheMissError:  # strict mode: the caller decides between an error and a "no"
-        raise
     except Exception as error:  # noqa: BLE001 - the query must answer, whatever went wrong
         return Support(False, "xla", f"building the cuDNN graph failed unexpectedly: {type(error).__name__}: "
                        f"{' '.join(str(error).split())[:300]}"), False

@@ -1,139 +1,55 @@
 """`sdpagraph.attention` and `sdpagraph.check_support`: one argument path, two questions.
 
-Both normalize arguments with `prepare_call` (the same code), so the support query
-and the runtime can never disagree about what a call means.
+Both normalize arguments with `jax_api.call.prepare_call` (the same code), so the support
+query and the runtime can never disagree about what a call means.
+
+Layers above (deployment's spec recording) watch the calls the runtime traces through
+`add_trace_listener`, so this module never imports them.
 """
 from __future__ import annotations
 
 import logging
-import numbers
-import weakref
-from dataclasses import dataclass
+import threading
 from typing import Any, Callable, Mapping
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
-from sdpagraph import recording
 from sdpagraph.cache import CacheMissError
-from sdpagraph.graphs.ir import FLOAT, INT, ScoreModIR, TensorInfo, trace_score_mod
+from sdpagraph.cache.memory import BoundedMemo
+from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.support import Support
 from sdpagraph.jax_api import cudnn as cudnn_backend
-from sdpagraph.jax_api.xla import RuntimeInputs, xla_attention
-from sdpagraph.spec import AttentionSpec, normalize_arguments
+from sdpagraph.jax_api.call import PreparedCall, as_4d, prepare_call
+from sdpagraph.jax_api.xla import xla_attention
+from sdpagraph.spec import AttentionSpec
 
 logger = logging.getLogger("sdpagraph")
-_logged_reasons: set[str] = set()
+# Each distinct fallback reason is logged once per process (bounded: a long-running server
+# tracing many shapes must not grow this forever; a reason dropped from it may log again).
+_logged_reasons = BoundedMemo(1024)
+
+TraceListener = Callable[[AttentionSpec, "ScoreModIR | None", bool], None]
+_trace_listeners: list[TraceListener] = []
+_listeners_lock = threading.Lock()
 
 
-@dataclass(frozen=True)
-class PreparedCall:
-    """A validated call: the static spec, the recorded score_mod, and the runtime inputs."""
-
-    spec: AttentionSpec
-    score_mod: ScoreModIR | None
-    inputs: RuntimeInputs
-    unbatched: bool
+def add_trace_listener(listener: TraceListener) -> None:
+    """Call `listener(spec, score_mod_ir, training)` for every attention call traced for a graph
+    (not for `implementation="xla"`). Listeners must return fast when they have nothing to do."""
+    with _listeners_lock:
+        if listener not in _trace_listeners:
+            _trace_listeners.append(listener)
 
 
-def _mod_tensor_info(name: str, value: Any, full: tuple[int, int, int, int]) -> tuple[TensorInfo, Any]:
-    """Classify one score_mod_tensors entry: Python/NumPy scalar -> bound scalar, else an operand."""
-    if isinstance(value, (numbers.Number, np.generic)) or (isinstance(value, np.ndarray) and value.ndim == 0):
-        scalar = value.item() if hasattr(value, "item") else value
-        if isinstance(scalar, (bool, complex)):
-            raise TypeError(f"score_mod_tensors[{name!r}] must be a real number, got {type(scalar).__name__}")
-        kind = INT if isinstance(scalar, numbers.Integral) else FLOAT
-        return TensorInfo("scalar", kind), scalar
-    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
-        raise TypeError(f"score_mod_tensors[{name!r}] must be a number or an array, got {type(value).__name__}")
-    shape = tuple(value.shape)
-    if len(shape) > 4:
-        raise ValueError(f"score_mod_tensors[{name!r}] has rank {len(shape)}; it must broadcast to (B, N, T, S)={full}")
-    shape4 = (1,) * (4 - len(shape)) + shape
-    if any(d not in (1, f) for d, f in zip(shape4, full)):
-        raise ValueError(f"score_mod_tensors[{name!r}] shape {shape} is not broadcastable to (B, N, T, S)={full}")
-    kind = np.dtype(value.dtype)
-    if kind == np.bool_:
-        raise TypeError(f"score_mod_tensors[{name!r}] is boolean; pass boolean masks as mask= or as 0/1 int32")
-    dtype = INT if np.issubdtype(kind, np.integer) else FLOAT
-    reshape = np.reshape if isinstance(value, np.ndarray) else jnp.reshape  # NumPy stays on the host
-    return TensorInfo("array", dtype, shape4), reshape(value, shape4)
-
-
-def _record_mod(score_mod, score_mod_tensors, score_mod_bprop, spec: AttentionSpec):
-    if score_mod is None:
-        if score_mod_tensors or score_mod_bprop is not None:
-            raise ValueError("score_mod_tensors / score_mod_bprop need a score_mod")
-        return None, {}, {}
-    if not callable(score_mod):
-        raise TypeError(f"score_mod must be callable (graph, score, tensors) -> tensor, got {type(score_mod).__name__}")
-    values = dict(getattr(score_mod, "tensors", {}))
-    for name, value in (score_mod_tensors or {}).items():
-        if name in values:
-            raise ValueError(f"score_mod_tensors[{name!r}] clashes with a tensor the score_mod carries")
-        values[name] = value
-    bprop = score_mod_bprop if score_mod_bprop is not None else getattr(score_mod, "bprop", None)
-    full = (spec.batch, spec.num_heads, spec.q_len, spec.kv_len)
-    infos, scalars, arrays = {}, {}, {}
-    for name, value in values.items():
-        info, bound = _mod_tensor_info(name, value, full)
-        infos[name] = info
-        (scalars if info.kind == "scalar" else arrays)[name] = bound
-    return _traced(score_mod, infos, bprop), scalars, arrays
-
-
-# Recorded IRs per score_mod function object and tensor signature (scalar values are not part of
-# it), so a repeated call or support query does not trace again. Like jax.jit's trace cache, this
-# assumes a callback's ops depend only on its arguments, not on mutable state it closes over.
-_traces: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
-
-
-def _traced(score_mod: Callable, infos: dict[str, TensorInfo], bprop: Callable | None) -> ScoreModIR:
-    signature = (tuple(sorted(infos.items())), bprop)
-    try:
-        per_function = _traces.setdefault(score_mod, {})
-    except TypeError:  # not weak-referenceable: trace every time
-        return trace_score_mod(score_mod, infos, bprop)
-    if signature not in per_function:
-        per_function[signature] = trace_score_mod(score_mod, infos, bprop)
-    return per_function[signature]
-
-
-def _as_4d(x: Any, unbatched: bool) -> Any:
-    return None if x is None else (jnp.asarray(x)[None] if unbatched else jnp.asarray(x))
-
-
-def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-                 query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                 implementation=None, causal_alignment="top_left", segment_ids=None,
-                 max_segments_per_seq=None, chunk_size=None, score_mod=None, score_mod_tensors=None,
-                 score_mod_bprop=None) -> PreparedCall:
-    """Validate everything and record the score_mod; arrays may be ShapeDtypeStructs."""
-    call = normalize_arguments(
-        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=local_window_size, causal_alignment=causal_alignment, segment_ids=segment_ids,
-        max_segments_per_seq=max_segments_per_seq, chunk_size=chunk_size, implementation=implementation,
-    )
-    ir, scalars, arrays = _record_mod(score_mod, score_mod_tensors, score_mod_bprop, call.spec)
-    q_ids = kv_ids = None
-    if segment_ids is not None:
-        q_ids, kv_ids = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
-    is_array = not isinstance(query, jax.ShapeDtypeStruct)
-    wrap = (lambda x: _as_4d(x, call.unbatched)) if is_array else (lambda x: x)
-    inputs = RuntimeInputs(
-        bias=wrap(bias), mask=wrap(mask),
-        q_lengths=query_seq_lengths, kv_lengths=key_value_seq_lengths,
-        q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-        mod_scalars=scalars, mod_arrays=arrays,
-    )
-    return PreparedCall(call.spec, ir, inputs, call.unbatched)
+def _notify_listeners(call: PreparedCall, training: bool) -> None:
+    with _listeners_lock:
+        listeners = list(_trace_listeners)
+    for listener in listeners:
+        listener(call.spec, call.score_mod, training)
 
 
 def _log_once(message: str) -> None:
-    if message not in _logged_reasons:
-        _logged_reasons.add(message)
+    if _logged_reasons.add(message):
         logger.info(message)
 
 
@@ -246,8 +162,8 @@ def attention(
         score_mod_tensors=score_mod_tensors, score_mod_bprop=score_mod_bprop,
     )
     if implementation != "xla":
-        recording.record_call(call.spec, call.score_mod, training)
-    q, k, v = (_as_4d(x, call.unbatched) for x in (query, key, value))
+        _notify_listeners(call, training)
+    q, k, v = (as_4d(x, call.unbatched) for x in (query, key, value))
     backend = _choose_backend(call, implementation, training)
     if backend == "xla":
         out, lse = xla_attention(call.spec, q, k, v, call.inputs, call.score_mod)

@@ -17,15 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdpagraph import ffi
-from sdpagraph.cache import default_cache
-from sdpagraph.graphs.builder import build, build_environment, graph_key
+from sdpagraph.cache.graphs import cached_graph, check_graphs
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.masks import SEGMENT_ARRAYS
-from sdpagraph.graphs.operands import ARRAY_PREFIX, bias_operand_shape, folds_padding, graph_spec
-from sdpagraph.graphs.support import Support, check_graphs, environment_reason
+from sdpagraph.graphs.operands import ARRAY_PREFIX, LayoutPlan, plan_layout
+from sdpagraph.graphs.support import Support, environment_reason
+from sdpagraph.jax_api.call import RuntimeInputs
 from sdpagraph.jax_api.segments import segment_metadata, segment_positions, segment_run_ids
-from sdpagraph.jax_api.xla import RuntimeInputs, attended_rows
+from sdpagraph.jax_api.xla import attended_rows
 from sdpagraph.spec import AttentionSpec
 
 
@@ -41,7 +41,8 @@ def support(spec: AttentionSpec, score_mod: ScoreModIR | None, *, training: bool
 class _Static:
     """Everything static about one call (hashable: custom_vjp's non-differentiable argument)."""
 
-    spec: AttentionSpec
+    spec: AttentionSpec  # the call's own spec: graphs are keyed and built from it
+    graph_spec: AttentionSpec  # the spec the graph runs (`LayoutPlan.graph_spec`): shapes of results
     ir: ScoreModIR | None
     scalars: tuple[tuple[str, Any], ...]
     training: bool
@@ -60,10 +61,8 @@ def _scalar_bits(compiled: CompiledGraph, scalars: Mapping[str, Any]) -> tuple[n
 def _run_graph(static: _Static, direction: str, operands: Mapping[str, Any],
                results: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
     """Build or fetch the `direction` graph, register it with the executor, and call it."""
-    cache = default_cache()
-    compiled = build(static.spec, static.ir, direction, cache)
-    key = graph_key(static.spec, static.ir, direction, build_environment())
-    digest = key.digest()
+    graph = cached_graph(static.spec, static.ir, direction)
+    compiled, digest = graph.compiled, graph.digest
     ffi.register_graph(digest, compiled.blob)
     scalar_uids, scalar_bits = _scalar_bits(compiled, dict(static.scalars))
     result_shapes = [results[role] for role in compiled.result_roles]
@@ -72,7 +71,7 @@ def _run_graph(static: _Static, direction: str, operands: Mapping[str, Any],
     outputs = call(
         *(operands[role] for role in compiled.operand_roles),
         graph_key=digest,
-        entry_path=cache.entry_path(key) or "",
+        entry_path=graph.entry_path or "",
         uids=np.array([compiled.uids[r] for r in compiled.operand_roles + compiled.result_roles], np.int64),
         scalar_uids=scalar_uids,
         scalar_values=scalar_bits,
@@ -146,30 +145,31 @@ def _operands(spec: AttentionSpec, inputs: RuntimeInputs, max_segments: int) -> 
     return operands, validity
 
 
-def _bias_operand(spec: AttentionSpec, ir: ScoreModIR | None, inputs: RuntimeInputs, validity: _Validity,
-                  dtype: Any) -> Any:
-    """The graph's bias (`operands.bias_operand_shape`): the user's bias, with the boolean mask
+def _bias_operand(plan: LayoutPlan, inputs: RuntimeInputs, validity: _Validity, dtype: Any) -> Any:
+    """The graph's bias (`LayoutPlan.bias_shape`): the user's bias, with the boolean mask
     and folded key padding (`validity.kv`) as MASKED_BIAS where they say no."""
-    shape = bias_operand_shape(spec, ir)
-    if shape is None:
+    if plan.bias_shape is None:
         return None
     keep = inputs.mask
-    if folds_padding(spec, ir) and inputs.kv_lengths is not None:
+    if plan.folds_padding and inputs.kv_lengths is not None:
         kv_valid = validity.kv[:, None, None, :]
         keep = kv_valid if keep is None else keep & kv_valid
     bias = inputs.bias
     if keep is not None:
         kept = jnp.zeros((), jnp.float32) if bias is None else bias.astype(jnp.float32)
-        bias = jnp.where(keep, kept, jnp.float32(MASKED_BIAS[spec.dtype]))
-    return jnp.broadcast_to(bias, shape).astype(dtype)
+        bias = jnp.where(keep, kept, jnp.float32(MASKED_BIAS[plan.graph_spec.dtype]))
+    return jnp.broadcast_to(bias, plan.bias_shape).astype(dtype)
 
 
-def _attended(spec: AttentionSpec, ir: ScoreModIR | None, inputs: RuntimeInputs) -> Any:
+def _attended(plan: LayoutPlan, inputs: RuntimeInputs) -> Any:
     """When the bias carries masks, which (B|1, T, N|1, 1) rows attend to some key (cuDNN
-    averages over the others, where sdpagraph gives 0); None when cuDNN masks everything itself."""
-    if inputs.mask is None and not folds_padding(spec, ir):
+    averages over the others, where sdpagraph gives 0); None when cuDNN masks everything itself.
+
+    Which rows attend follows the call's own spec: with a dense twin (packed segments the THD
+    layout cannot take), a row the user's mask empties within its segment must give 0."""
+    if not plan.bias_carries_masks:
         return None
-    return jnp.swapaxes(attended_rows(spec, inputs), 1, 2)[..., None]
+    return jnp.swapaxes(attended_rows(plan.call_spec, inputs), 1, 2)[..., None]
 
 
 def _zero_rows(x: Any, valid: Any) -> Any:
@@ -192,7 +192,7 @@ def _stats_shape(spec: AttentionSpec) -> tuple[int, ...]:
 
 
 def _forward(static: _Static, q, k, v, bias, aux, direction: str):
-    spec = static.spec
+    spec = static.graph_spec
     results = {"o": jax.ShapeDtypeStruct((spec.batch, spec.q_len, spec.num_heads, spec.head_dim_v), q.dtype),
                "stats": jax.ShapeDtypeStruct(_stats_shape(spec), jnp.float32)}
     operands = {"q": q, "k": k, "v": v, "bias": bias, **aux}
@@ -215,7 +215,7 @@ def _core_bwd(static: _Static, residuals, cotangents):
     # The stats (logsumexp) are returned without a gradient, as jax does. Rows that `attention`
     # zeroes after this core (padding, nothing to attend to) already arrive with a zero d_o.
     d_o, _ = cotangents
-    spec = static.spec
+    spec = static.graph_spec
     results = {"dq": jax.ShapeDtypeStruct(q.shape, q.dtype), "dk": jax.ShapeDtypeStruct(k.shape, k.dtype),
                "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
     if spec.bias_shape is not None:
@@ -236,15 +236,12 @@ _core.defvjp(_core_fwd, _core_bwd)
 def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: RuntimeInputs,
               score_mod: ScoreModIR | None, *, training: bool = True) -> tuple[Any, Any]:
     """Return (output (B, T, N, H_v), logsumexp (B, N, T) or None for the inference graph)."""
-    # Which rows attend to some key follows the call's own spec: with a dense twin (packed segments
-    # the THD layout cannot take), a row the user's mask empties within its segment must give 0.
-    attended = _attended(spec, score_mod, inputs)
-    max_segments = spec.max_segments
-    spec = graph_spec(spec, score_mod)
-    static = _Static(spec, score_mod, tuple(sorted((inputs.mod_scalars or {}).items())), training)
-    aux, validity = _operands(spec, inputs, max_segments)
-    validity = validity._replace(attended=attended)
-    bias = _bias_operand(spec, score_mod, inputs, validity, query.dtype)
+    plan = plan_layout(spec, score_mod)
+    static = _Static(spec, plan.graph_spec, score_mod, tuple(sorted((inputs.mod_scalars or {}).items())), training)
+    aux, validity = _operands(plan.graph_spec, inputs, spec.max_segments)
+    validity = validity._replace(attended=_attended(plan, inputs))
+    bias = _bias_operand(plan, inputs, validity, query.dtype)
+    spec = plan.graph_spec
     out, stats = _core(static, query, key, value, bias, aux, validity)
     out = _zero_rows(out, validity.q)
     if validity.attended is not None:

@@ -22,22 +22,9 @@ import jax.numpy as jnp
 
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.ir_eval import evaluate
+from sdpagraph.jax_api.call import RuntimeInputs
 from sdpagraph.jax_api.segments import segment_metadata, segment_positions, segment_run_ids
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
-
-
-@dataclass(frozen=True)
-class RuntimeInputs:
-    """The traced (non-static) inputs next to q, k, v: what the spec only flags."""
-
-    bias: Any = None
-    mask: Any = None
-    q_lengths: Any = None
-    kv_lengths: Any = None
-    q_segment_ids: Any = None
-    kv_segment_ids: Any = None
-    mod_scalars: Mapping[str, Any] | None = None
-    mod_arrays: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,12 @@ import jax.numpy as jnp  # noqa: E402
 
 from sdpagraph import mods  # noqa: E402
 from sdpagraph.cache import GraphCache  # noqa: E402
+from sdpagraph.cache.graphs import cached_graph, check_graphs  # noqa: E402
 from sdpagraph.graphs import builder, support  # noqa: E402
-from sdpagraph.graphs.ir import FLOAT, INT, TensorInfo, trace_score_mod  # noqa: E402
+from sdpagraph.graphs.ir import FLOAT, INT  # noqa: E402
+from sdpagraph.graphs.trace import TensorInfo, trace_score_mod  # noqa: E402
 from sdpagraph.graphs.lowering import lower, new_graph  # noqa: E402
-from sdpagraph.jax_api.attention import prepare_call  # noqa: E402
+from sdpagraph.jax_api.call import prepare_call  # noqa: E402
 from sdpagraph.jax_api.segments import segment_metadata  # noqa: E402
 from sdpagraph.jax_api.xla import _layout, allowed_mask, xla_attention  # noqa: E402
 from sdpagraph.spec import AttentionSpec  # noqa: E402
@@ -432,9 +434,9 @@ def test_inference_graph_matches_training_forward(cache, handle, build_times):
     case = Case("inference_causal", 2, 512, 512, 8, 2, 128, options=dict(is_causal=True, score_mod=mods.softcap(30.0)))
     inputs = make_inputs(case, seed=1)
     spec, ir = inputs["call"].spec, inputs["call"].score_mod
-    assert support.check_graphs(spec, ir, False, cache).supported
-    inference = builder.build(spec, ir, "inference", cache)
-    forward = builder.build(spec, ir, "forward", cache)
+    assert check_graphs(spec, ir, False, cache).supported
+    inference = cached_graph(spec, ir, "inference", cache).compiled
+    forward = cached_graph(spec, ir, "forward", cache).compiled
     build_times.append((case.name, "inference", inference.build_time_s, len(inference.blob), inference.workspace_size))
     buffers = operand_buffers(case, inputs, inference.operand_roles)
     scalars = inputs["call"].inputs.mod_scalars
@@ -449,9 +451,9 @@ def test_new_scalar_value_reuses_the_graph(cache, handle):
     first = make_inputs(dataclasses.replace(softcap_5, options=dict(score_mod=mods.softcap(20.0))))
     second = make_inputs(softcap_5)
     spec, ir = first["call"].spec, first["call"].score_mod
-    compiled = builder.build(spec, ir, "forward", cache)
+    compiled = cached_graph(spec, ir, "forward", cache).compiled
     builds = cache.stats()["builds"]
-    assert builder.build(second["call"].spec, second["call"].score_mod, "forward", cache) == compiled
+    assert cached_graph(second["call"].spec, second["call"].score_mod, "forward", cache).compiled == compiled
     assert cache.stats()["builds"] == builds
     buffers = operand_buffers(softcap_5, second, compiled.operand_roles)
     out = execute(compiled, spec, ir, buffers, second["call"].inputs.mod_scalars, handle)["o"]
@@ -463,8 +465,8 @@ def test_serialized_graphs_execute_and_reload_from_disk(cache, handle):
     case = CASES[1]
     inputs = make_inputs(case)
     spec = inputs["call"].spec
-    compiled = builder.build(spec, None, "forward", cache)
-    reloaded = builder.build(spec, None, "forward", GraphCache(cache.directory))  # a new process, same directory
+    compiled = cached_graph(spec, None, "forward", cache).compiled
+    reloaded = cached_graph(spec, None, "forward", GraphCache(cache.directory)).compiled  # a new process, same directory
     assert reloaded == compiled
     buffers = operand_buffers(case, inputs, compiled.operand_roles)
     from_blob = execute(compiled, spec, None, buffers, {}, handle)["o"]
@@ -482,7 +484,7 @@ def test_serialized_graphs_execute_and_reload_from_disk(cache, handle):
 def test_crash_prone_configs_are_declined_before_building(cache, case, expect):
     call = make_inputs(case)["call"]
     builds = cache.stats()["builds"]
-    answer = support.check_graphs(call.spec, call.score_mod, True, cache)
+    answer = check_graphs(call.spec, call.score_mod, True, cache)
     assert not answer.supported and expect in answer.reason
     assert cache.stats()["builds"] == builds
 
@@ -490,12 +492,12 @@ def test_crash_prone_configs_are_declined_before_building(cache, case, expect):
 @pytest.mark.parametrize("head_dim, expect", [(68, "multiple of 8"), (72, None), (512, None)])
 def test_unsupported_configs_answer_with_a_reason(cache, head_dim, expect, report):
     call = make_inputs(Case(f"h{head_dim}", 1, 128, 128, 8, 8, head_dim))["call"]
-    answer = support.check_graphs(call.spec, None, True, cache)
+    answer = check_graphs(call.spec, None, True, cache)
     report(f"[head dim {head_dim}] supported={answer.supported} backend={answer.backend} reason: {answer.reason}")
     if expect is not None:
         assert not answer.supported and answer.backend == "xla" and expect in answer.reason
     float32 = make_inputs(dataclasses.replace(Case("f32", 1, 128, 128, 8, 8, 64), dtype="float32"))["call"]
-    assert "bfloat16 or float16" in support.check_graphs(float32.spec, None, True, cache).reason
+    assert "bfloat16 or float16" in check_graphs(float32.spec, None, True, cache).reason
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
@@ -503,15 +505,15 @@ def test_forward_and_backward_match_xla(case, cache, handle, build_times, report
     inputs = make_inputs(case)
     call = inputs["call"]
     spec, ir = call.spec, call.score_mod
-    answer = support.check_graphs(spec, ir, True, cache)
+    answer = check_graphs(spec, ir, True, cache)
     report(f"[{case.name}] {spec.summary()}: supported={answer.supported} ({answer.reason})")
     if not answer.supported:
         if case.may_decline:
             pytest.skip(f"cuDNN declines: {answer.reason}")
         pytest.fail(f"not supported: {answer.reason}")
     builds = cache.stats()["builds"]
-    forward = builder.build(spec, ir, "forward", cache)
-    backward = builder.build(spec, ir, "backward", cache)
+    forward = cached_graph(spec, ir, "forward", cache).compiled
+    backward = cached_graph(spec, ir, "backward", cache).compiled
     assert cache.stats()["builds"] == builds, "the support query's graphs were rebuilt"
     for compiled in (forward, backward):
         build_times.append((case.name, compiled.direction, compiled.build_time_s, len(compiled.blob),

@@ -23,10 +23,11 @@ from typing import Any, Callable, Iterable, TextIO
 
 from sdpagraph.cache import GraphCache
 from sdpagraph.cache.admin import format_age, format_table
-from sdpagraph.graphs.builder import GraphBuildError, build, build_environment, graph_key
+from sdpagraph.cache.graphs import cached_graph, check_graphs, graph_key
+from sdpagraph.deploy.specfile import SpecEntry, load_entries
+from sdpagraph.graphs.builder import GraphBuildError
 from sdpagraph.graphs.mod_lowering import Unsupported
-from sdpagraph.graphs.support import check_graphs, environment_reason
-from sdpagraph.specfile import SpecEntry, load_entries
+from sdpagraph.graphs.support import environment_reason
 
 STATUSES = ("built", "cached", "unsupported", "failed")
 STATUS_LABELS = {"built": "built", "cached": "already there", "unsupported": "unsupported", "failed": "failed"}
@@ -57,13 +58,9 @@ class Builder:
 
 
 def cudnn_builder() -> Builder:
-    """The real builder (sdpagraph.graphs.builder), for the GPU and cuDNN of this process."""
-    return Builder(build=build, graph_key=_cudnn_graph_key, check_graphs=check_graphs,
+    """The real builder (the runtime's `cache.graphs`), for the GPU and cuDNN of this process."""
+    return Builder(build=cached_graph, graph_key=graph_key, check_graphs=check_graphs,
                    declines=(Unsupported, GraphBuildError), unavailable=environment_reason)
-
-
-def _cudnn_graph_key(spec: Any, ir: Any, direction: str) -> Any:
-    return graph_key(spec, ir, direction, build_environment())
 
 
 def usable_builder(builder: Builder | None, task: str) -> Builder:

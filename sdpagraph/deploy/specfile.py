@@ -26,12 +26,12 @@ or *hand-written*: the arguments of `sdpagraph.attention`, as shapes instead of 
              | {"mod": "softcap", "args": [30.0]}      (a factory of sdpagraph.mods)
              | [SCORE_MOD, ...]                         (mods.compose of the list)
 
-A hand-written entry is resolved by tracing `jax_api.attention.prepare_call` on
+A hand-written entry is resolved by tracing `jax_api.call.prepare_call` on
 `jax.ShapeDtypeStruct`s, the runtime's own normalization, so it yields exactly the spec
 and IR the runtime traces. Recorded specs are checked the same way. An invalid entry
 raises SpecFileError (a ValueError): "specs.json: entry 3: field 'dtype': ...".
 
-Recording into spec files (`record`, SDPAGRAPH_RECORD) is in `sdpagraph.recording`.
+Recording into spec files (`record`, SDPAGRAPH_RECORD) is in `sdpagraph.deploy.recording`.
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from sdpagraph import mods
 from sdpagraph.cache.disk import write_atomically
 from sdpagraph.graphs.ir import ScoreModIR
+from sdpagraph.jax_api.call import prepare_call
 from sdpagraph.spec import DTYPES, AttentionSpec
 
 FORMAT = "sdpagraph-specs"
@@ -376,9 +377,6 @@ def _checked_callable(mod: Any, source: Any) -> Any:
 def _trace_call(arguments: Mapping[str, Any]) -> Any:
     """`prepare_call(**arguments)` traced as under `jax.jit`: ShapeDtypeStruct leaves become
     abstract arrays (score_mod_tensors arrays too), every other argument stays static."""
-    # Imported here, not at the top: the runtime imports this module to record its calls.
-    from sdpagraph.jax_api.attention import prepare_call
-
     leaves, tree = jax.tree_util.tree_flatten(dict(arguments))
     is_array = [isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves]
     prepared = []

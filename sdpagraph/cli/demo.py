@@ -6,17 +6,19 @@ result against the XLA reference backend, and times both.
 """
 from __future__ import annotations
 
+import argparse
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 
-import sdpagraph
-from sdpagraph import mods
+def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
+    demo = subparsers.add_parser("demo", help="run flex attention end to end (cuDNN on a GPU, else XLA)")
+    demo.add_argument("--seq", type=int, default=1024, help="sequence length (capped at 256 without a GPU)")
+    demo.set_defaults(handler=lambda args: run_demo(seq=args.seq))
 
 
 def _time(fn, *args, repeats: int = 5) -> float:
+    import jax
+
     jax.block_until_ready(fn(*args))  # compile (and build the cuDNN graph) once
     start = time.perf_counter()
     for _ in range(repeats):
@@ -25,6 +27,14 @@ def _time(fn, *args, repeats: int = 5) -> float:
 
 
 def run_demo(batch: int = 2, seq: int = 1024, heads: int = 8, head_dim: int = 64) -> int:
+    # Imported here: jax is slow to import, and `sdpagraph cache ...` should start fast.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import sdpagraph
+    from sdpagraph import mods
+
     on_gpu = bool([d for d in jax.devices() if d.platform == "gpu"])
     if not on_gpu:
         seq = min(seq, 256)  # keep the CPU run short

@@ -18,8 +18,8 @@ from sdpagraph.cache.admin import format_table
 from sdpagraph.cache.disk import DiskStore, Miss
 from sdpagraph.cache.graph_cache import DEFAULT_LOCK_TIMEOUT_S
 from sdpagraph.cache.keys import key_digest, key_text, key_versions
-from sdpagraph.deploy import Builder, ExitCode, usable_builder
-from sdpagraph.specfile import SpecEntry, load_entries
+from sdpagraph.deploy.precompile import Builder, ExitCode, usable_builder
+from sdpagraph.deploy.specfile import SpecEntry, load_entries
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from sdpagraph.deploy import BuilderUnavailable, PrecompileReport, precompile, without_gpu_preallocation
-from sdpagraph.verify import VerifyReport, verify
-from sdpagraph.specfile import SpecFileError
+from sdpagraph.deploy.precompile import BuilderUnavailable, PrecompileReport, precompile, without_gpu_preallocation
+from sdpagraph.deploy.verify import VerifyReport, verify
+from sdpagraph.deploy.specfile import SpecFileError
 
 EXIT_CANNOT_RUN = 2
 EXIT_INTERRUPTED = 130

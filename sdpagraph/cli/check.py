@@ -16,7 +16,7 @@ from typing import Any
 
 from sdpagraph.cache import CacheMissError
 from sdpagraph.cache.admin import format_table
-from sdpagraph.specfile import SpecEntry, SpecFileError, load_entries, parse_entry
+from sdpagraph.deploy.specfile import SpecEntry, SpecFileError, load_entries, parse_entry
 
 
 def add_check_command(subparsers: argparse._SubParsersAction) -> None:

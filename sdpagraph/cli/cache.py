@@ -1,55 +1,13 @@
-"""The `sdpagraph` command.
-
-Each top-level subcommand is added by one function taking the subparsers object and
-setting `handler` (args -> exit code) on its parsers; list it in SUBCOMMANDS.
-"""
+"""`sdpagraph cache ...`: inspect and maintain a graph cache directory (ls, info, verify, prune, clear)."""
 from __future__ import annotations
 
 import argparse
-import sys
-from typing import Callable, Sequence
+from typing import Callable
 
 from sdpagraph.cache import admin
 from sdpagraph.cache.defaults import default_cache_dir, parse_size
-from sdpagraph.check_cli import add_check_command
-from sdpagraph.deploy_cli import add_precompile_command, add_verify_command
 
 Handler = Callable[[argparse.Namespace], int]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:  # --help or a usage error: return its code instead of exiting
-        return exit_.code if isinstance(exit_.code, int) else 2
-    return args.handler(args)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sdpagraph", description="Flex attention for JAX on cuDNN.")
-    subparsers = parser.add_subparsers(metavar="COMMAND", required=True)
-    for add_subcommand in SUBCOMMANDS:
-        add_subcommand(subparsers)
-    return parser
-
-
-# -- sdpagraph demo -------------------------------------------------------------------------
-
-
-def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
-    demo = subparsers.add_parser("demo", help="run flex attention end to end (cuDNN on a GPU, else XLA)")
-    demo.add_argument("--seq", type=int, default=1024, help="sequence length (capped at 256 without a GPU)")
-    demo.set_defaults(handler=lambda args: _run_demo(args.seq))
-
-
-def _run_demo(seq: int) -> int:
-    from sdpagraph.demo import run_demo  # imports jax: keep `sdpagraph cache ...` fast
-
-    return run_demo(seq=seq)
-
-
-# -- sdpagraph cache ... -------------------------------------------------------------------
 
 
 def add_cache_command(subparsers: argparse._SubParsersAction) -> None:
@@ -92,10 +50,3 @@ def _size_argument(text: str) -> int:
         return parse_size(text, source="--max-bytes")
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-
-
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_demo_command, add_check_command, add_cache_command, add_precompile_command, add_verify_command]
-
-if __name__ == "__main__":
-    sys.exit(main())

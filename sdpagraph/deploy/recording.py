@@ -1,7 +1,7 @@
 """Recording the specs a process traces into a spec file (`record`, SDPAGRAPH_RECORD).
 
-The runtime calls `record_call` once per traced attention call; it returns at once
-when nothing is recording. Entries are merged into the file under a lock and written
+`record_call` listens to the runtime (`jax_api.attention.add_trace_listener`): it is
+called once per traced attention call and returns at once when nothing is recording. Entries are merged into the file under a lock and written
 atomically, so processes recording into one file merge instead of clobbering.
 """
 from __future__ import annotations
@@ -11,9 +11,10 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
+from sdpagraph.deploy.specfile import SpecEntry, add_to_spec_file, directions_for
 from sdpagraph.graphs.ir import ScoreModIR
+from sdpagraph.jax_api.attention import add_trace_listener
 from sdpagraph.spec import AttentionSpec
-from sdpagraph.specfile import SpecEntry, add_to_spec_file, directions_for
 
 ENV_RECORD = "SDPAGRAPH_RECORD"
 
@@ -60,7 +61,7 @@ def record(path: str | os.PathLike[str]) -> Iterator[None]:
 
 
 def record_call(spec: AttentionSpec, ir: ScoreModIR | None, training: bool) -> None:
-    """The runtime's hook: one traced attention call. Cheap when nothing is recording."""
+    """The runtime's trace listener: one traced attention call. Cheap when nothing is recording."""
     environment_path = os.environ.get(ENV_RECORD)
     if not _active and not environment_path:
         return
@@ -78,3 +79,6 @@ def _environment_recorder(path: str) -> Recorder:
     if absolute not in _environment_recorders:
         _environment_recorders[absolute] = Recorder(absolute)
     return _environment_recorders[absolute]
+
+
+add_trace_listener(record_call)
