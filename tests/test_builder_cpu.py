@@ -6,7 +6,9 @@ and numerically, by emitting the mod into the score_mod recorder and evaluating 
 with jax.numpy against the XLA backend's own masks.
 """
 import dataclasses
+import gc
 import time
+import weakref
 
 import jax.numpy as jnp
 import msgpack
@@ -88,6 +90,8 @@ class FakeGraph:
         return self._record("sdpa_backward", kwargs, [FakeTensor("dq"), FakeTensor("dk"), FakeTensor("dv")])
 
     def __getattr__(self, op):  # pointwise ops inside callbacks
+        if op.startswith("_"):
+            raise AttributeError(op)
         return lambda **kwargs: self._record(op, kwargs, FakeTensor(f"%{len(self.nodes)}", op=op, inputs=kwargs))
 
     def _record(self, op, kwargs, result):
@@ -537,3 +541,38 @@ def test_a_dense_segment_twin_compares_key_positions_with_segment_bounds(causal)
         # Both passes compare afresh, key position against the graph's own int32 bound tensors.
         assert ("cmp_ge", id(graph.tensors["segment_start"])) in compared
         assert (("cmp_le", id(graph.tensors.get("segment_end"))) in compared) == (not causal)
+
+
+def test_release_breaks_the_cycle_the_frontend_keeps_through_callbacks():
+    """cudnn-frontend hands callbacks a shim whose `_lower` closes over the C++ graph, which holds
+    the callbacks: a cycle Python cannot collect. `Lowering.release` must empty those cells."""
+
+    class CppGraph:  # stands in for the frontend's C++ graph
+        pass
+
+    cpp = CppGraph()
+    alive = weakref.ref(cpp)
+    tensor_map = {}
+
+    def lower_tensor(tensor):  # as the frontend's translator: a closure over the C++ graph
+        return cpp, tensor_map
+
+    class Shim(FakeGraph):
+        def __init__(self, translator):
+            super().__init__()
+            self._lower = translator
+
+    graph = FakeGraph()
+    lowering = lower(graph, make_spec(is_causal=True), softcap_ir(), "backward", cudnn)
+    options = graph.nodes[-1][1]
+    shim = Shim(lower_tensor)
+    options["score_mod"](shim, FakeTensor("score"))  # cuDNN calls the callbacks while it builds
+    options["score_mod_bprop"](shim, FakeTensor("dscore"))
+    lowering.release()
+    assert all(cell.cell_contents is None for cell in lower_tensor.__closure__)
+    gc.disable()  # the graph must go by reference counting alone, as a C++ object would
+    try:
+        del cpp
+        assert alive() is None
+    finally:
+        gc.enable()

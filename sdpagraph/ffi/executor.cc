@@ -626,8 +626,10 @@ class HostTiming {
 };
 
 struct ExecutorState {
-  GraphRegistry graphs;
+  // Members are destroyed in reverse order: the graphs (built and executed with these handles) go
+  // before the handles they need.
   HandlePool handles;
+  GraphRegistry graphs;
   std::atomic<int64_t> deserialize_count{0};
   HostTiming timing;
 };

@@ -171,6 +171,8 @@ def compile_graph(spec: AttentionSpec, ir: ScoreModIR | None, direction: str,
         raise
     except Exception as error:  # noqa: BLE001 - cuDNN reports declines with several exception types
         raise GraphBuildError(direction, _one_line(error), env.cudnn_version) from error
+    finally:
+        lowering.release()  # the plan is serialized (or declined): free the frontend's graph objects
     compiled = CompiledGraph(
         blob=bytes(blob),
         workspace_size=workspace_size,

@@ -178,7 +178,9 @@ class RecordingGraph:
 
     # -- pygraph-compatible pointwise methods --------------------------------------------
     def __getattr__(self, op: str) -> Callable[..., ModTensor]:
-        if op.startswith("_") or op not in OP_PARAMS:
+        if op.startswith("_"):  # private names are never ops: getattr(graph, "_x", default) works
+            raise AttributeError(op)
+        if op not in OP_PARAMS:
             raise ScoreModError(
                 f"score_mod used unknown op {op!r}; supported ops: {', '.join(sorted(OP_PARAMS))}"
             )

@@ -29,7 +29,7 @@ do not fit cuDNN's int32 ragged offsets.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sdpagraph.graphs.ir import ScoreModIR
@@ -65,6 +65,12 @@ class Lowering:
     result_roles: tuple[str, ...]
     uids: dict[str, int]
     pass_by_value: tuple[tuple[int, tuple[str, Any], str], ...]  # as CompiledGraph.pass_by_value
+    emitter: ModEmitter | None = field(default=None, compare=False, repr=False)  # the graph's callbacks
+
+    def release(self) -> None:
+        """Free the frontend objects the graph holds through its callbacks (`ModEmitter.release`)."""
+        if self.emitter is not None:
+            self.emitter.release()
 
 
 def new_graph(spec: AttentionSpec, direction: str, cudnn: Any) -> Any:
@@ -114,7 +120,7 @@ def lower(graph: Any, spec: AttentionSpec, ir: ScoreModIR | None, direction: str
         _mark_output(outputs[role], descs[role], uids[role], types, tensors)
 
     pass_by_value = tuple((uids[entry.role], entry.source, entry.dtype) for entry in plan)
-    return Lowering(operands, results, uids, pass_by_value)
+    return Lowering(operands, results, uids, pass_by_value, emitter)
 
 
 def mod_stages(spec: AttentionSpec, ir: ScoreModIR | None) -> list[ModStage]:

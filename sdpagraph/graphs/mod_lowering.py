@@ -125,8 +125,10 @@ class ModEmitter:
         self._types = cudnn_types
         self._states = [_StageState(stage, _leaf_tensors(stage, plan, tensors), score_dependent=_score_dependent(stage.ir))
                         for stage in stages]
+        self._translators: list[Any] = []  # the frontend's IR -> C++ translators our callbacks were handed
 
     def forward(self, graph: Any, score: Any) -> Any:
+        self._remember_translator(graph)
         for state in self._states:
             state.values = {}
             state.score = score
@@ -134,6 +136,7 @@ class ModEmitter:
         return score
 
     def bprop(self, graph: Any, dscore: Any) -> Any:
+        self._remember_translator(graph)
         for state in reversed(self._states):
             # Positions, and masks computed from them, are emitted again inside the bprop from
             # dscore's indices: cuDNN skips the masked tiles in the backward only when the bprop's
@@ -143,6 +146,28 @@ class ModEmitter:
             dscore = self._emit(graph, state, state.stage.ir.grad_output, score=state.score, dscore=dscore,
                                 index_input=dscore)
         return dscore
+
+    def release(self) -> None:
+        """Free what the built graph holds through these callbacks; call once its plan is serialized.
+
+        cudnn-frontend 1.3x keeps each callback in the C++ graph, wrapped in a closure whose
+        translator (`_lower` on the graph it hands the callback) closes over that same C++ graph.
+        A cycle through a C++ object is invisible to Python's collector, so every built graph
+        (its cuDNN tensors and engine objects) would live until exit, where nanobind reports
+        them as leaks. Emptying the translator's closure cells breaks the cycle: the graph is
+        freed when the builder drops it. The emitter is not usable afterwards.
+        """
+        for translator in self._translators:
+            for cell in getattr(translator, "__closure__", None) or ():
+                cell.cell_contents = None
+        self._translators.clear()
+        for state in self._states:
+            state.leaves, state.values, state.score = {}, {}, None
+
+    def _remember_translator(self, graph: Any) -> None:
+        translator = getattr(graph, "_lower", None)  # absent on graphs that are not the frontend's shim
+        if translator is not None and translator not in self._translators:
+            self._translators.append(translator)
 
     def _emit(self, graph: Any, state: _StageState, root: int, index_input: Any = None, **bound: Any) -> Any:
         nodes = state.stage.ir.nodes
