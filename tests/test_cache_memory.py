@@ -7,7 +7,7 @@ import pytest
 
 from sdpagraph.cache import GraphCache
 from sdpagraph.cache.entry import Entry
-from sdpagraph.cache.memory import KeyedLocks, MemoryLRU
+from sdpagraph.cache.memory import BoundedMemo, KeyedLocks, MemoryLRU
 
 
 def entry(size: int) -> Entry:
@@ -128,3 +128,39 @@ def test_failed_build_is_not_cached_and_is_retried(tmp_path):
         cache.get_or_build("k", failing)
     assert cache.get("k") is None
     assert cache.get_or_build("k", lambda: (b"ok", {}))[0] == b"ok"
+
+
+def test_bounded_memo_keeps_the_most_recent_answers_and_computes_each_once():
+    from sdpagraph.cache.memory import BoundedMemo
+
+    memo = BoundedMemo(3)
+    calls = []
+    for question in ["a", "b", "c", "a", "d"]:  # "a" is used again, so "b" is the oldest when "d" comes
+        memo.get_or_compute(question, lambda q=question: calls.append(q) or q.upper())
+    assert calls == ["a", "b", "c", "d"] and len(memo) == 3
+    assert memo.get("b") is None and memo.get("a") == "A"
+    assert memo.add("x") is True and memo.add("x") is False and len(memo) == 3
+    with pytest.raises(ValueError, match="max_entries"):
+        BoundedMemo(0)
+
+
+def test_bounded_memo_is_safe_under_threads():
+    from sdpagraph.cache.memory import BoundedMemo
+
+    memo = BoundedMemo(64)
+    errors = []
+
+    def worker(seed):
+        try:
+            for i in range(2000):
+                question = (seed * 7 + i) % 200
+                assert memo.get_or_compute(question, lambda q=question: q * 2) == question * 2
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(memo) <= 64
