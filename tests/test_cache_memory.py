@@ -131,8 +131,6 @@ def test_failed_build_is_not_cached_and_is_retried(tmp_path):
 
 
 def test_bounded_memo_keeps_the_most_recent_answers_and_computes_each_once():
-    from sdpagraph.cache.memory import BoundedMemo
-
     memo = BoundedMemo(3)
     calls = []
     for question in ["a", "b", "c", "a", "d"]:  # "a" is used again, so "b" is the oldest when "d" comes
@@ -145,8 +143,6 @@ def test_bounded_memo_keeps_the_most_recent_answers_and_computes_each_once():
 
 
 def test_bounded_memo_is_safe_under_threads():
-    from sdpagraph.cache.memory import BoundedMemo
-
     memo = BoundedMemo(64)
     errors = []
 
