@@ -1,4 +1,4 @@
-"""The `sdpagraph` command: one module per command group (check, cache, precompile/verify, demo).
+"""The `sdpagraph` command: one module per command group (check, cache, precompile/verify, demo, doctor).
 
 Each top-level subcommand is added by one function taking the subparsers object and
 setting `handler` (args -> exit code) on its parsers; list it in SUBCOMMANDS.
@@ -12,6 +12,7 @@ from sdpagraph.cli.cache import add_cache_command
 from sdpagraph.cli.check import add_check_command
 from sdpagraph.cli.demo import add_demo_command
 from sdpagraph.cli.deploy import add_precompile_command, add_verify_command
+from sdpagraph.cli.doctor import add_doctor_command
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -24,7 +25,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sdpagraph import __version__
+
     parser = argparse.ArgumentParser(prog="sdpagraph", description="Flex attention for JAX on cuDNN.")
+    parser.add_argument("--version", action="version", version=f"sdpagraph {__version__}")
     subparsers = parser.add_subparsers(metavar="COMMAND", required=True)
     for add_subcommand in SUBCOMMANDS:
         add_subcommand(subparsers)
@@ -32,4 +36,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_demo_command, add_check_command, add_cache_command, add_precompile_command, add_verify_command]
+    add_demo_command, add_check_command, add_cache_command, add_precompile_command, add_verify_command,
+    add_doctor_command]

@@ -1,8 +1,11 @@
 """Loads the C++ executor (``_sdpagraph_executor.so``) and registers its XLA FFI target.
 
 The executor runs serialized cuDNN frontend graphs on XLA's stream. It is a plain shared library
-built by the package build when the cuDNN, cudnn-frontend, CUDA and XLA FFI headers are present
-(see CMakeLists.txt); without it, ``load()`` returns None and ``unavailable_reason()`` says why.
+built by the package build when the cuDNN, cudnn-frontend, CUDA and XLA FFI headers and a C++
+compiler are present (see CMakeLists.txt; pip's isolated build brings the headers on Linux). The
+build also installs ``_build_status.json`` next to it, saying whether it built the library and
+if not, why. Without the library, ``load()`` returns None and ``unavailable_reason()`` says why
+and how to fix it, in one sentence.
 
 Call contract of the FFI target ``sdpagraph_execute`` (platform "CUDA", typed FFI, api_version 1)
 ---------------------------------------------------------------------------------------------------
@@ -49,21 +52,30 @@ The handler carries XLA's command-buffer-compatible trait unless the library was
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import threading
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 EXECUTOR_TARGET = "sdpagraph_execute"
 LIBRARY_FILE = "_sdpagraph_executor.so"
+# Written by the build (CMakeLists.txt) next to the library: {"built": bool, "reason": str | None, ...}.
+BUILD_STATUS_FILE = "_build_status.json"
+# The executor's source: next to this file in a source checkout only (the wheel leaves it out).
+SOURCE_FILE = "executor.cc"
+DISTRIBUTION = "sdpagraph"
 # Points at a library somewhere else (a build directory) instead of the one next to this file.
 LIBRARY_ENV = "SDPAGRAPH_EXECUTOR_LIBRARY"
 
-_BUILD_HINT = (
-    "build it with `pip install --no-build-isolation .` in an environment that has jax, "
-    "nvidia-cudnn-cu13 (or -cu12), nvidia-cudnn-frontend and the CUDA headers "
-    "(see CMakeLists.txt), or run .ci/build-ffi"
+# How to get a library, for each way of not having one.
+_REINSTALL_HINT = (
+    "to build it, reinstall on Linux x86_64 or aarch64 with a C++ compiler (the build fetches the "
+    "headers it needs): `SDPAGRAPH_REQUIRE_FFI=1 pip install --force-reinstall --no-deps --no-cache-dir "
+    "sdpagraph` (`.` instead of `sdpagraph` in a checkout), which stops with the build's error if it "
+    "still cannot"
 )
+_CHECKOUT_HINT = "`pip install .` from the checkout builds and installs it"
 
 # Status codes of the library's C entry points (executor.cc, section 8).
 _STATUS_MESSAGES = {
@@ -163,9 +175,57 @@ _state = _LoadState()
 
 
 def library_path() -> Path:
-    """Where ``load()`` looks for the executor library."""
+    """Where ``load()`` looks for the executor library (``locate()``'s path)."""
+    return locate()[0]
+
+
+def locate() -> tuple[Path, str | None]:
+    """(the executor library to load, None) or (where it would be, the one sentence that says why
+    there is none and how to get one).
+
+    The library is ``$SDPAGRAPH_EXECUTOR_LIBRARY`` when set, else the one next to this file. In a
+    source checkout without one (this directory has executor.cc and no build status: `python -m
+    sdpagraph` or `pytest` run from the repository root after `pip install .`), it is the library of
+    the installed sdpagraph distribution, provided that was built from this checkout's executor.cc.
+    """
     override = os.environ.get(LIBRARY_ENV)
-    return Path(override) if override else Path(__file__).with_name(LIBRARY_FILE)
+    if override:
+        path = Path(override)
+        if path.is_file():
+            return path, None
+        return path, (f"FFI extension not built: {LIBRARY_ENV} points at {path}, which does not exist; "
+                      f"unset it to use the installed executor")
+    here = Path(__file__).resolve().parent
+    local = here / LIBRARY_FILE
+    if local.is_file():
+        return local, None
+    status = build_status(here)
+    if status is None and (here / SOURCE_FILE).is_file():
+        return _installed_library(here, local)
+    return local, missing_reason(local, status)
+
+
+def _installed_library(checkout: Path, local: Path) -> tuple[Path, str | None]:
+    """The installed distribution's library for a source checkout that has none (see ``locate``)."""
+    import hashlib
+    import importlib.metadata
+
+    try:
+        installed = Path(importlib.metadata.distribution(DISTRIBUTION).locate_file("sdpagraph/ffi")).resolve()
+    except importlib.metadata.PackageNotFoundError:
+        return local, (f"FFI extension not built (this checkout has no {local.name} and sdpagraph is not "
+                       f"installed): {_CHECKOUT_HINT}")
+    library = installed / LIBRARY_FILE
+    if installed == checkout:
+        return local, f"FFI extension not built ({local} does not exist): {_CHECKOUT_HINT}"
+    status = build_status(installed)
+    if not library.is_file():
+        return local, missing_reason(library, status)
+    source_digest = hashlib.sha256((checkout / SOURCE_FILE).read_bytes()).hexdigest()
+    if status is None or status.get("source_sha256") != source_digest:
+        return local, (f"FFI extension not used: this checkout has no {local.name}, and the installed one "
+                       f"({library}) was built from another version of {SOURCE_FILE}; {_CHECKOUT_HINT}")
+    return library, None
 
 
 def load() -> ExecutorLib | None:
@@ -178,10 +238,34 @@ def load() -> ExecutorLib | None:
         return _state.library
 
 
+def build_status(directory: str | os.PathLike | None = None) -> dict[str, Any] | None:
+    """What the package build said about the executor (``_build_status.json`` in ``directory``,
+    default this package's directory): ``{"built": bool, "reason": str | None, ...}``, or None when
+    there is no readable status file (a source checkout, or a build from before the file existed)."""
+    path = Path(directory if directory is not None else Path(__file__).parent) / BUILD_STATUS_FILE
+    try:
+        status = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return status if isinstance(status, dict) and "built" in status else None
+
+
+def missing_reason(path: Path, status: dict[str, Any] | None) -> str:
+    """The one sentence that says why there is no library at ``path`` (an installed package's) and
+    how to get one, from the build's status (``build_status()``) when there is one."""
+    if status is None:
+        return f"FFI extension not built ({path} does not exist); {_REINSTALL_HINT}"
+    if status.get("built"):
+        return (f"FFI extension missing: the build made it, but {path} does not exist; "
+                f"{_REINSTALL_HINT}")
+    reason = str(status.get("reason") or "no reason recorded").rstrip(".")
+    return f"FFI extension not built when sdpagraph was installed ({reason}); {_REINSTALL_HINT}"
+
+
 def _load_and_register() -> tuple[ExecutorLib | None, str | None]:
-    path = library_path()
-    if not path.is_file():
-        return None, f"FFI extension not built ({path} does not exist): {_BUILD_HINT}"
+    path, reason = locate()
+    if reason is not None:
+        return None, reason
     try:
         library = ExecutorLib(ctypes.CDLL(str(path)), path)
     except (OSError, AttributeError) as error:  # AttributeError: an entry point is missing
