@@ -110,16 +110,104 @@ def test_default_directory_comes_from_the_environment(cache_dir, capsys, monkeyp
     assert code == 0 and data["directory"] == str(cache_dir) and len(data["entries"]) == 2
 
 
+ACTIONS = [["ls"], ["info", "ab"], ["verify"], ["verify", "--remove"], ["prune", "--max-bytes", "0"], ["clear"]]
+WRITING_ACTIONS = [["verify", "--remove"], ["prune", "--max-bytes", "0"], ["clear"]]
+
+
 @pytest.mark.parametrize("action", [["ls"], ["verify"], ["prune", "--max-bytes", "0"], ["clear"]])
 def test_missing_directory_is_reported_not_created(tmp_path, capsys, action):
     code, out = run(capsys, "cache", *action, "--cache-dir", str(tmp_path / "absent"))
-    assert code == 0 and out == f"no cache directory at {tmp_path / 'absent'}\n"
+    assert code == 0
+    assert out == f"no cache directory at {tmp_path / 'absent'}: it does not exist (nothing is cached there)\n"
     assert not (tmp_path / "absent").exists()
+
+
+def error_line(capsys, *argv):
+    """Run a cache command that must fail: exit 2, one line on stderr, nothing on stdout."""
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err, (argv, out, err)
+    return err.strip()
+
+
+@pytest.mark.parametrize("action", ACTIONS)
+def test_a_file_is_not_a_cache_directory(tmp_path, capsys, action):
+    path = tmp_path / "a_file"
+    path.write_bytes(b"not a directory")
+    assert error_line(capsys, "cache", *action, "--cache-dir", str(path)) == \
+        f"sdpagraph cache {action[0]}: {path} is not a directory"
+    code, data = run_json(capsys, "cache", *action, "--cache-dir", str(path))
+    assert code == data["exit_code"] == 2 and data["error"] == f"{path} is not a directory"
+    assert path.read_bytes() == b"not a directory"
+    assert error_line(capsys, "cache", *action, "--cache-dir", str(path / "below")).startswith(
+        f"sdpagraph cache {action[0]}: {path / 'below'} is not a directory")
+
+
+def refuse_access(monkeypatch, denied, mode):
+    """os.access says no for `mode` on the paths in `denied` (root passes any real permission check)."""
+    real_access = os.access
+
+    def access(path, wanted, **kwargs):
+        if os.fspath(path) in denied and wanted & mode:
+            return False
+        return real_access(path, wanted, **kwargs)
+
+    monkeypatch.setattr(os, "access", access)
+
+
+@pytest.mark.parametrize("action", WRITING_ACTIONS)
+def test_removing_from_a_directory_this_user_cannot_write_is_an_error(cache_dir, capsys, monkeypatch, action):
+    shards = sorted(str(path) for path in cache_dir.iterdir() if path.is_dir())
+    files_before = sorted(cache_dir.rglob("*"))
+    refuse_access(monkeypatch, {shards[-1]}, os.W_OK)
+    line = error_line(capsys, "cache", *action, "--cache-dir", str(cache_dir))
+    assert line == (f"sdpagraph cache {action[0]}: permission denied: cannot write to {shards[-1]} "
+                    "(its entries cannot be removed); nothing was removed")
+    assert "other processes" not in line
+    assert sorted(cache_dir.rglob("*")) == files_before
+    code, data = run_json(capsys, "cache", *action, "--cache-dir", str(cache_dir))
+    assert code == data["exit_code"] == 2 and data["error"].startswith("permission denied")
+    # Reading needs no write permission.
+    assert run(capsys, "cache", "ls", "--cache-dir", str(cache_dir))[0] == 0
+    assert run(capsys, "cache", "verify", "--cache-dir", str(cache_dir))[0] == 0
+
+
+@pytest.mark.parametrize("action", ACTIONS)
+def test_a_directory_this_user_cannot_read_is_an_error(cache_dir, capsys, monkeypatch, action):
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path) == str(cache_dir):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert error_line(capsys, "cache", *action, "--cache-dir", str(cache_dir)) == \
+        f"sdpagraph cache {action[0]}: permission denied: cannot read {cache_dir}"
+    monkeypatch.setattr(os, "scandir", real_scandir)
+    shard = sorted(str(path) for path in cache_dir.iterdir() if path.is_dir())[0]
+    refuse_access(monkeypatch, {shard}, os.R_OK)
+    assert error_line(capsys, "cache", *action, "--cache-dir", str(cache_dir)) == \
+        f"sdpagraph cache {action[0]}: permission denied: cannot read {shard}"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write any directory")
+def test_a_read_only_directory_for_real(cache_dir, capsys):
+    shards = [path for path in cache_dir.iterdir() if path.is_dir()]
+    for shard in shards:
+        shard.chmod(0o500)
+    try:
+        assert "permission denied" in error_line(capsys, "cache", "clear", "--cache-dir", str(cache_dir))
+        assert len(list(cache_dir.rglob("*.sdpg"))) == 2
+    finally:
+        for shard in shards:
+            shard.chmod(0o700)
 
 
 def test_usage_errors_return_2(capsys):
     assert cli.main(["cache", "prune", "--max-bytes", "lots"]) == 2
-    assert "--max-bytes must be a byte count" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "--max-bytes must be a byte count" in err
     assert cli.main(["cache"]) == 2
     assert cli.main([]) == 2
 

@@ -326,7 +326,65 @@ def test_cli_errors_exit_2_with_a_message(tmp_path, fake, capsys, monkeypatch):
     code, out, err = run_cli(capsys, "precompile", str(bad), "--cache-dir", str(tmp_path / "cache"))
     assert code == 2 and out == "" and "entry 0: field 'shapes': 'key' is missing" in err
     code, _, err = run_cli(capsys, "verify", "--specs", str(tmp_path / "absent.json"), "--cache-dir", str(tmp_path))
-    assert code == 2 and "absent.json" in err
+    assert code == 2 and err == f"sdpagraph verify: {tmp_path / 'absent.json'}: no such file\n"
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for command in (["precompile", str(bad)], ["verify", "--specs", str(bad)]):
+        code, out, err = run_cli(capsys, *command, "--cache-dir", str(a_file))
+        assert code == 2 and out == "" and "entry 0: field 'shapes'" in err, "the spec file is checked first"
+    good = tmp_path / "good.json"
+    save_specs(good, random_entries(13, 1))
+    for command in (["precompile", str(good)], ["verify", "--specs", str(good)]):
+        code, out, err = run_cli(capsys, *command, "--cache-dir", str(a_file))
+        assert (code, out) == (2, "") and err == f"sdpagraph {command[0]}: --cache-dir {a_file}: not a directory\n"
+    code, out, err = run_cli(capsys, "precompile", str(good), "--cache-dir", str(a_file / "sub"))
+    assert code == 2 and err == f"sdpagraph precompile: --cache-dir {a_file / 'sub'}: {a_file} is not a directory\n"
+
+
+@pytest.mark.parametrize("command", ["precompile", "verify"])
+def test_without_a_gpu_the_spec_file_is_still_checked_first(tmp_path, spec_file, capsys, command):
+    # The real builder on this machine (no GPU): the spec file's problems come first, each one line.
+    files = [str(spec_file)] if command == "precompile" else ["--specs", str(spec_file)]
+    bad_ir = tmp_path / "bad_ir.json"
+    with_mod = random_entries(14, 1, score_mod={"mod": "softcap", "args": [20.0]})
+    document = {"entries": json.loads(spec_file.read_text())["entries"] + [with_mod[0].to_dict()]}
+    entry = len(document["entries"]) - 1
+    document["entries"][entry]["score_mod"]["output"] = 1000
+    bad_ir.write_text(json.dumps(document))
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\x00\x9f" * 50)
+    cases = [(tmp_path / "missing.json", "no such file"), (tmp_path, "is a directory, not a spec file"),
+             (binary, "not a spec file: binary data"), (bad_ir, f"entry {entry}: field 'score_mod': the IR's "
+                                                                "'output' is 1000, which is not a node")]
+    for path, problem in cases:
+        argv = [command, str(path)] if command == "precompile" else [command, "--specs", str(path)]
+        code, out, err = run_cli(capsys, *argv, "--cache-dir", str(tmp_path / "cache"))
+        assert (code, out) == (2, "") and err.startswith(f"sdpagraph {command}: {path}: {problem}"), err
+        assert err.count("\n") == 1
+        code, out, err = run_cli(capsys, *argv, "--cache-dir", str(tmp_path / "cache"), "--json")
+        data = json.loads(out)
+        assert code == data["exit_code"] == 2 and data["error"].startswith(f"{path}: {problem}")
+    code, out, err = run_cli(capsys, command, *files, "--cache-dir", str(tmp_path / "cache"), "--json")
+    data = json.loads(out)
+    task = "precompile" if command == "precompile" else "verify a cache"
+    assert code == data["exit_code"] == 2 and data["entries"] == 4 and data["graphs"] >= 4
+    assert data["error"].startswith(f"{spec_file} is valid (4 entries, {data['graphs']} graphs); cannot {task} "
+                                    "on this machine: no GPU visible to JAX")
+    assert err == f"sdpagraph {command}: {data['error']}\n"
+    assert not (tmp_path / "cache").exists(), "nothing is created where nothing can be built"
+
+
+def test_cli_json_is_json_for_every_outcome(tmp_path, fake, spec_file, capsys, monkeypatch):
+    monkeypatch.setattr(module, "cudnn_builder", fake.builder)
+    cache_dir = str(tmp_path / "cache")
+    code, out, _ = run_cli(capsys, "verify", "--specs", str(spec_file), "--cache-dir", cache_dir, "--json")
+    data = json.loads(out)
+    assert code == data["exit_code"] == 1 and not data["ok"] and data["fix_command"] == \
+        f"sdpagraph precompile {spec_file} --cache-dir {cache_dir}"
+    code, out, _ = run_cli(capsys, "precompile", str(spec_file), "--cache-dir", cache_dir, "--json")
+    assert code == json.loads(out)["exit_code"] == 0
+    code, out, _ = run_cli(capsys, "verify", "--specs", str(spec_file), "--cache-dir", cache_dir, "--json")
+    assert code == json.loads(out)["exit_code"] == 0 and json.loads(out)["fix_command"] is None
 
 
 def test_verify_without_a_gpu_says_so(tmp_path, spec_file, capsys):

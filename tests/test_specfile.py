@@ -179,7 +179,7 @@ VALID = {"shapes": {"query": [2, 32, 4, 32], "key": [2, 32, 2, 32], "value": [2,
     ({"score_mod": "tests.test_specfile"}, "score_mod", "package.module:name"),
     ({"score_mod": "tests.test_specfile:VALID"}, "score_mod", "not a score_mod callable"),
     ({"score_mod": {"mod": "softcap", "args": [-1.0]}}, "score_mod", "cap must be > 0"),
-    ({"score_mod": "tests.test_specfile:shifted"}, "score_mod", "KeyError"),
+    ({"score_mod": "tests.test_specfile:shifted"}, "score_mod", "'shift'"),  # read a tensor not given
     ({"score_mod": []}, "score_mod", "non-empty list"),
     ({"score_mod_tensors": {"shift": 1.0}}, "score_mod_tensors", "needs a score_mod"),
     ({"score_mod": "tests.test_specfile:shifted", "score_mod_tensors": {"shift": "big"}}, "score_mod_tensors",
@@ -207,7 +207,7 @@ def test_invalid_recorded_entry_names_the_entry_and_field():
         ({"spec": [1, 2]}, "spec", "AttentionSpec object"),
         ({"directions": ["forward"]}, "directions", "must be"),
         ({"score_mod": {"nodes": [["zz", [], [], "float32"]], "output": 0}}, "score_mod", "unknown op"),
-        ({"score_mod": {"output": 0}}, "score_mod", "KeyError"),
+        ({"score_mod": {"output": 0}}, "score_mod", "'nodes' is missing"),
         ({"shapes": VALID["shapes"]}, None, "either 'spec'"),
     ]
     for change, field, message in cases:
@@ -217,14 +217,100 @@ def test_invalid_recorded_entry_names_the_entry_and_field():
         assert str(error.value).startswith(prefix) and message in str(error.value), (change, str(error.value))
 
 
+def recorded_softcap_causal():
+    entry = entry_of({**VALID, "score_mod": [{"mod": "softcap", "args": [30.0]}, {"mod": "causal"}]})
+    return entry.to_dict()
+
+
+def edit_node(ir, index, node):
+    nodes = [list(n) for n in ir["nodes"]]
+    nodes[index] = node
+    return {**ir, "nodes": nodes}
+
+
+def test_a_recorded_score_mod_ir_is_checked_node_by_node():
+    recorded = recorded_softcap_causal()
+    ir = recorded["score_mod"]
+    assert ir["nodes"][2] == ["div", [0, 1], [], "float32"] and ir["nodes"][3] == ["tanh", [2], [], "float32"]
+    count = len(ir["nodes"])
+    cases = [
+        (edit_node(ir, 2, ["div", [0, 99], [], "float32"]),
+         f"node 2 (div): argument 1 is node 99, which does not exist (the IR has nodes 0..{count - 1})"),
+        (edit_node(ir, 2, ["div", [0, -1], [], "float32"]), "argument 1 is node -1, which does not exist"),
+        (edit_node(ir, 2, ["div", [0, 3], [], "float32"]), "node 2 (div): argument 1 is node 3, which does not "
+                                                           "come before it"),
+        (edit_node(ir, 2, ["div", [0], [], "float32"]), "node 2 (div): takes 2 argument node(s), got 1"),
+        (edit_node(ir, 2, ["div", [0, "1"], [], "float32"]), "argument 1 must be a node index"),
+        (edit_node(ir, 2, ["div", [0, 1], [], "float64"]), "dtype must be one of"),
+        (edit_node(ir, 2, ["div", [0, 1]]), "node 2: a node is [op"),
+        (edit_node(ir, 2, ["div", [0, 1], [["axis", 2]], "float32"]), "a div node has none"),
+        (edit_node(ir, 1, ["scalar", [], [["slot", 5]], "float32"]), "node 1 (scalar): slot 5 is not one of"),
+        (edit_node(ir, 5, ["gen_index", [4], [["axis", 7]], "int32"]), "axis must be 0..3"),
+        ({**ir, "output": count}, f"the IR's 'output' is {count}, which is not a node"),
+        ({**ir, "grad_output": "x"}, "the IR's 'grad_output' is 'x', which is not a node"),
+        ({**ir, "scalar_names": [1]}, "'scalar_names' must be a list of names"),
+        ({**ir, "extra": 1}, "unknown IR field 'extra'"),
+        ({**ir, "nodes": []}, "non-empty list"),
+        ({**ir, "output": 0, "grad_output": None}, "not in the canonical form"),  # nodes nothing reaches
+        ([1, 2], "must be a score_mod IR object"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(SpecFileError) as error:
+            specfile.parse_specs({"entries": [recorded, {**recorded, "score_mod": bad}]})
+        text = str(error.value)
+        assert text.startswith("entry 1: field 'score_mod': ") and message in text, (bad, text)
+        assert (error.value.entry, error.value.field) == (1, "score_mod") and "\n" not in text
+    assert specfile.parse_specs({"entries": [recorded]})[0].score_mod.to_dict() == ir
+
+
+def test_a_score_mod_ir_reading_the_gradient_in_its_forward_part_is_rejected():
+    recorded = recorded_softcap_causal()
+    ir = recorded["score_mod"]
+    dscore = next(i for i, node in enumerate(ir["nodes"]) if node[0] == "dscore")
+    bad = {**ir, "output": dscore, "grad_output": None}
+    with pytest.raises(SpecFileError, match="reads 'dscore'"):
+        specfile.parse_specs({"entries": [{**recorded, "score_mod": bad}]})
+
+
 def test_invalid_files_name_the_file(tmp_path):
     path = tmp_path / "broken.json"
-    for text, message in [("{", "not JSON"), ("[]", "JSON object"),
+    for text, message in [("{", "not JSON"), ("[]", "JSON object"), ("", "empty"), ("  \n", "empty"),
                           ('{"format": "sdpagraph-specs", "version": 2, "entries": []}', "version 2")]:
         path.write_text(text)
         with pytest.raises(SpecFileError, match=message) as error:
             specfile.load_specs(path)
-        assert str(error.value).startswith(str(path))
+        assert str(error.value).startswith(str(path)) and error.value.path == str(path)
+
+
+def test_files_that_are_not_spec_files_give_one_line_naming_the_path(tmp_path, monkeypatch):
+    binary, latin1, directory = tmp_path / "graph.sdpg", tmp_path / "latin1.json", tmp_path / "specs"
+    binary.write_bytes(b"SDPG\x00\x01\x02\xff" * 8)
+    latin1.write_bytes('{"entries": [], "note": "caf\u00e9"}'.encode("latin-1"))
+    directory.mkdir()
+    cases = [(tmp_path / "missing.json", "no such file"), (directory, "is a directory, not a spec file"),
+             (binary, "not a spec file: binary data (a spec file is JSON text)"),
+             (latin1, "not a spec file: not UTF-8 text (byte 0xe9 at offset 28)")]
+    for path, message in cases:
+        with pytest.raises(SpecFileError) as error:
+            specfile.load_entries([str(path)])
+        assert str(error.value) == f"{path}: {message}"
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"entries": [VALID]}).encode())
+    assert len(specfile.load_specs(bom)) == 1
+
+    unreadable = tmp_path / "unreadable.json"
+    unreadable.write_text(json.dumps({"entries": [VALID]}))
+    real_open = open
+
+    def refuse(path, *args, **kwargs):  # as for a file without read permission (root reads any file)
+        if os.fspath(path) == str(unreadable):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", refuse)
+    with pytest.raises(SpecFileError, match="permission denied") as error:
+        specfile.load_specs(unreadable)
+    assert str(error.value).startswith(str(unreadable))
 
 
 def test_merge_de_duplicates_in_any_order(tmp_path):

@@ -3,12 +3,17 @@
 Each operation returns a Report: plain data for `--json` and the same facts as text.
 Maintenance goes through DiskStore, so it follows the same locking rules as running
 processes: an entry whose lock is held (being published or rebuilt) is never deleted.
+
+A directory that does not exist holds nothing (exit 0: nothing has been cached there).
+A path that is not a directory, or one this user may not read (or, to remove entries,
+write), is an error: a Report with `error` set and exit code 2, and nothing is changed.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import stat
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +24,7 @@ from sdpagraph.cache.graph_cache import DEFAULT_LOCK_TIMEOUT_S
 from sdpagraph.cache.keys import spec_of
 
 SPEC_COLUMN_WIDTH = 60
+EXIT_ERROR = 2
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
@@ -29,15 +35,16 @@ class Report:
     data: Any  # JSON-able except for bytes, which to_json() summarizes
     text: str
     exit_code: int = 0
+    error: str | None = None  # set when the command could not do its job: `text` is then this one line
 
     def to_json(self) -> str:
         return json.dumps(self.data, indent=2, sort_keys=True, default=_describe_unjsonable)
 
 
 def list_entries(directory: str) -> Report:
-    store = _open(directory, writable=False)
+    store, problem = _open(directory, writable=False, data={"directory": directory, "entries": []})
     if store is None:
-        return _no_directory(directory, {"directory": directory, "entries": []})
+        return problem
     rows = sorted((_summarize(store, stored) for stored in store.scan()),
                   key=lambda row: row["last_used"], reverse=True)
     if not rows:
@@ -57,12 +64,15 @@ def list_entries(directory: str) -> Report:
 
 def entry_info(directory: str, key_prefix: str) -> Report:
     """Everything stored for the entry whose digest starts with `key_prefix`."""
-    store = _open(directory, writable=False)
+    store, problem = _open(directory, writable=False, data={"directory": directory})
+    if problem is not None and problem.error is not None:
+        return problem
     matches = [stored for stored in store.scan() if stored.digest.startswith(key_prefix.lower())] if store else []
     if len(matches) != 1:
-        problem = "no entry" if not matches else f"{len(matches)} entries"
-        return Report({"error": f"{problem} matches {key_prefix!r}"}, f"{problem} matches {key_prefix!r}"
-                      f" in {directory}", exit_code=1)
+        problem_text = "no entry" if not matches else f"{len(matches)} entries"
+        where = directory if store else f"{directory} (no such directory)"
+        return Report({"error": f"{problem_text} matches {key_prefix!r}"}, f"{problem_text} matches {key_prefix!r}"
+                      f" in {where}", exit_code=1)
     stored = matches[0]
     found = store.read(stored.digest)
     data = {**_file_facts(stored), **_entry_facts(found)}
@@ -74,9 +84,9 @@ def entry_info(directory: str, key_prefix: str) -> Report:
 
 def verify_entries(directory: str, remove: bool) -> Report:
     """Check every entry (header, checksum, payload, key hash); optionally delete bad ones."""
-    store = _open(directory, writable=remove)
+    store, problem = _open(directory, writable=remove, data={"directory": directory, "checked": 0, "bad": []})
     if store is None:
-        return _no_directory(directory, {"directory": directory, "checked": 0, "bad": []})
+        return problem
     files = store.scan()
     bad = []
     for stored in files:
@@ -94,9 +104,9 @@ def verify_entries(directory: str, remove: bool) -> Report:
 
 def prune(directory: str, max_bytes: int) -> Report:
     """Evict least recently used entries until the directory holds at most `max_bytes`."""
-    store = _open(directory, writable=True)
+    store, problem = _open(directory, writable=True, data={"directory": directory, "removed": [], "bytes_after": 0})
     if store is None:
-        return _no_directory(directory, {"directory": directory, "removed": [], "bytes_after": 0})
+        return problem
     before = store.total_bytes()
     removed = store.evict(max_bytes)
     after = store.total_bytes()
@@ -105,15 +115,17 @@ def prune(directory: str, max_bytes: int) -> Report:
     text = (f"removed {_count_entries(len(removed))}: {format_bytes(before)} -> {format_bytes(after)} "
             f"(limit {format_bytes(max_bytes)}) in {store.directory}")
     if after > max_bytes:
+        # The directory is writable (checked above): what stays is locked by another process
+        # (being published or rebuilt) or was used since the scan.
         text += "\nstill over the limit: the remaining entries are in use by other processes"
     return Report(data, text)
 
 
 def clear(directory: str) -> Report:
     """Delete every entry not in use, its lock files and abandoned temp files."""
-    store = _open(directory, writable=True)
+    store, problem = _open(directory, writable=True, data={"directory": directory, "removed": 0, "in_use": 0})
     if store is None:
-        return _no_directory(directory, {"directory": directory, "removed": 0, "in_use": 0})
+        return problem
     files = store.scan()
     removed = sum(store.remove(stored) for stored in files)
     in_use = len(files) - removed
@@ -126,15 +138,56 @@ def clear(directory: str) -> Report:
 # -- helpers ---------------------------------------------------------------------------
 
 
-def _open(directory: str, writable: bool) -> DiskStore | None:
-    # Maintenance never creates a cache directory that is not there.
-    if not os.path.isdir(directory):
-        return None
-    return DiskStore(directory, writable=writable, lock_timeout_s=DEFAULT_LOCK_TIMEOUT_S)
+def _open(directory: str, writable: bool, data: dict[str, Any]) -> tuple[DiskStore, None] | tuple[None, Report]:
+    """The store at `directory`, or (None, the Report to give instead).
+
+    Maintenance never creates a cache directory that is not there (a Report with exit code
+    0: it holds nothing). A path that is not a directory, or that this user may not read
+    (or, with `writable`, write), is an error Report (exit code 2): DiskStore would see an
+    empty directory there, and a removal it cannot make as an entry in use.
+    """
+    problem = access_problem(directory, writable)
+    if problem is None:
+        return DiskStore(directory, writable=writable, lock_timeout_s=DEFAULT_LOCK_TIMEOUT_S), None
+    if problem == MISSING:
+        return None, Report(data, f"no cache directory at {directory}: it does not exist (nothing is cached there)")
+    return None, Report({**data, "error": problem, "exit_code": EXIT_ERROR}, problem, EXIT_ERROR, error=problem)
 
 
-def _no_directory(directory: str, data: dict[str, Any]) -> Report:
-    return Report(data, f"no cache directory at {directory}")
+MISSING = "missing"
+
+
+def access_problem(directory: str, writable: bool) -> str | None:
+    """None when `directory` is a cache directory this user may read (and, with `writable`,
+    remove entries from); MISSING when it does not exist; else the problem, in one line."""
+    try:
+        info = os.stat(directory)
+    except FileNotFoundError:
+        return MISSING
+    except NotADirectoryError:
+        return f"{directory} is not a directory (a part of the path is a file)"
+    except PermissionError:
+        return f"permission denied: cannot reach {directory}"
+    except OSError as error:
+        return f"cannot access {directory}: {error.strerror or error}"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{directory} is not a directory"
+    try:
+        with os.scandir(directory) as items:
+            shards = sorted(item.path for item in items if item.is_dir(follow_symlinks=False))
+    except PermissionError:
+        return f"permission denied: cannot read {directory}"
+    except OSError as error:
+        return f"cannot read {directory}: {error.strerror or error}"
+    for path in (directory, *shards):
+        if not os.access(path, os.R_OK | os.X_OK):
+            return f"permission denied: cannot read {path}"
+    if writable:
+        # Entries, their lock files and temp files live in the shard folders.
+        for path in shards:
+            if not os.access(path, os.W_OK | os.X_OK):
+                return f"permission denied: cannot write to {path} (its entries cannot be removed); nothing was removed"
+    return None
 
 
 def _summarize(store: DiskStore, stored: StoredFile) -> dict[str, Any]:

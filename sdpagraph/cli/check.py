@@ -12,28 +12,80 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+import re
+import sys
+from typing import Any, Callable, NoReturn
 
 from sdpagraph.cache import CacheMissError
 from sdpagraph.cache.admin import format_table
 from sdpagraph.deploy.specfile import SpecEntry, SpecFileError, load_entries, parse_entry
 
+EXIT_USAGE = 2
+# Arguments that argparse would take for options but are values: negative numbers, and
+# comma-separated integers that start with one (`--window -1,0`).
+_VALUE_LIKE = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\d+(,-?\d+)+$")
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of one `sdpagraph` command (or of a command's actions).
+
+    A usage error is one line on stderr naming the flag, plus a JSON object on stdout when
+    the command line has --json, and exit status 2 (no usage block: `--help` has it).
+    """
+
+    json_requested = False
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self.json_requested = "--json" in (sys.argv[1:] if args is None else list(args))
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:  # here, rather than in the top-level parser: one line, naming this command
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    def error(self, message: str) -> NoReturn:
+        fail(self.prog, f"{message} (see {self.prog} --help)", self.json_requested)
+        raise SystemExit(EXIT_USAGE)
+
+
+def add_command_parser(subparsers: argparse._SubParsersAction, name: str, **kwargs: Any) -> CommandParser:
+    """`subparsers.add_parser(name, **kwargs)`, as a CommandParser (so are its own subparsers)."""
+    parser = subparsers.add_parser(name, **kwargs)
+    parser.__class__ = CommandParser  # adds no state: only error reporting and parse_known_args change
+    # argparse keeps this pattern per parser (an instance attribute since Python 3.2); with it,
+    # `--window -1,0` reads -1,0 as the flag's value rather than as an unknown option.
+    parser._negative_number_matcher = _VALUE_LIKE
+    return parser
+
+
+def fail(prog: str, message: str, as_json: bool, exit_code: int = EXIT_USAGE, **facts: Any) -> int:
+    """Report an error the command cannot get past: one line on stderr; with --json, also
+    `{"error": ..., "exit_code": ...}` (and `facts`) on stdout. Returns `exit_code`."""
+    line = " ".join(str(message).split())
+    print(f"{prog}: {line}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"error": line, "exit_code": exit_code, **facts}, indent=2, sort_keys=True))
+    return exit_code
+
 
 def add_check_command(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "check", help="say per config whether cuDNN runs it here, and why not",
+    parser = add_command_parser(
+        subparsers, "check", help="say per config whether cuDNN runs it here, and why not",
         description="Answer, for each entry of the spec files (or the config given by flags), whether "
                     "cuDNN runs it on this machine, and the reason when it does not. Exit 0 when every "
-                    "answer was found (supported or not); 2 on a bad spec file or bad flags.")
+                    "answer was found (supported or not); 2 on a bad spec file or bad flags (one line on "
+                    "stderr naming the file or flag; with --json also {\"error\", \"exit_code\"} on stdout).")
     parser.add_argument("specs", nargs="*", metavar="SPECS.json", help="spec files, recorded or hand-written")
     flags = parser.add_argument_group("one config from flags (instead of spec files)")
-    flags.add_argument("--query", type=_shape, metavar="B,T,N,H", help="query shape")
-    flags.add_argument("--key", type=_shape, metavar="B,S,K,H", help="key shape (default: the query's)")
-    flags.add_argument("--value", type=_shape, metavar="B,S,K,HV", help="value shape (default: the key's)")
+    flags.add_argument("--query", type=_sizes("B,T,N,H"), metavar="B,T,N,H", help="query shape")
+    flags.add_argument("--key", type=_sizes("B,S,K,H"), metavar="B,S,K,H", help="key shape (default: the query's)")
+    flags.add_argument("--value", type=_sizes("B,S,K,HV"), metavar="B,S,K,HV",
+                       help="value shape (default: the key's)")
     flags.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
     flags.add_argument("--causal", action="store_true", help="is_causal=True")
     flags.add_argument("--bottom-right", action="store_true", help="causal_alignment='bottom_right'")
-    flags.add_argument("--window", type=_shape, metavar="LEFT,RIGHT", help="local_window_size")
+    flags.add_argument("--window", type=_window, metavar="LEFT,RIGHT",
+                       help="local_window_size: LEFT,RIGHT or one size for both; -1 leaves a side open "
+                            "(--window -1,0 and --window=-1,0 both work)")
     flags.add_argument("--chunk", type=int, metavar="N", help="chunk_size")
     flags.add_argument("--softcap", type=float, metavar="CAP", help="score_mod = mods.softcap(CAP)")
     flags.add_argument("--segments", type=int, metavar="M",
@@ -43,11 +95,39 @@ def add_check_command(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_handle_check)
 
 
-def _shape(text: str) -> list[int]:
+def _sizes(names: str) -> Callable[[str], list[int]]:
+    """An argparse type: exactly len(names) comma-separated positive integers."""
+    count = len(names.split(","))
+
+    def parse(text: str) -> list[int]:
+        try:
+            sizes = [int(part) for part in text.split(",")]
+        except ValueError:
+            sizes = []
+        if len(sizes) != count or min(sizes) < 1:
+            raise argparse.ArgumentTypeError(f"expected {count} comma-separated positive integers {names}, "
+                                             f"got {text!r}")
+        return sizes
+
+    return parse
+
+
+def _window(text: str) -> int | list[int]:
     try:
-        return [int(part) for part in text.split(",")]
+        sizes = [int(part) for part in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        sizes = []
+    if len(sizes) not in (1, 2):
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT or one size (integers, -1 for an open side), "
+                                         f"got {text!r}")
+    return sizes[0] if len(sizes) == 1 else sizes
+
+
+# The flag that sets each hand-written entry field, to name it in an error.
+FIELD_FLAGS = {"shapes": "--query/--key/--value", "dtype": "--dtype", "training": "--inference",
+               "is_causal": "--causal", "causal_alignment": "--bottom-right", "local_window_size": "--window",
+               "chunk_size": "--chunk", "score_mod": "--softcap", "segment_ids": "--segments",
+               "max_segments_per_seq": "--segments"}
 
 
 def entry_from_flags(args: argparse.Namespace) -> SpecEntry:
@@ -68,7 +148,14 @@ def entry_from_flags(args: argparse.Namespace) -> SpecEntry:
     if args.segments is not None:
         item["segment_ids"] = {"shape": args.query[:2]}
         item["max_segments_per_seq"] = args.segments
-    return parse_entry(0, item)
+    try:
+        return parse_entry(0, item)
+    except SpecFileError as error:  # "entry 0: field 'chunk_size': ..." -> "--chunk: ..."
+        if error.field is None:
+            raise
+        reason = str(error).split(": ", 2)[-1]
+        raise SpecFileError(f"{FIELD_FLAGS.get(error.field, error.field)}: {reason}", field=error.field) \
+            from error.__cause__
 
 
 def answer(entry: SpecEntry) -> dict[str, Any]:
@@ -89,13 +176,14 @@ def _handle_check(args: argparse.Namespace) -> int:
             if args.specs:
                 raise SpecFileError("give spec files or --query/--key flags, not both")
             entries = [entry_from_flags(args)]
+        elif args.key is not None or args.value is not None:
+            raise SpecFileError("--key and --value need --query B,T,N,H")
         elif args.specs:
             entries = load_entries(args.specs)
         else:
-            raise SpecFileError("give spec files, or a config with --query B,T,N,H (see --help)")
+            raise SpecFileError("give spec files, or a config with --query B,T,N,H (see sdpagraph check --help)")
     except (SpecFileError, ValueError, TypeError) as error:
-        print(f"sdpagraph check: {error}")
-        return 2
+        return fail("sdpagraph check", str(error), args.json)
     answers = [answer(entry) for entry in entries]
     if args.json:
         print(json.dumps(answers, indent=1))

@@ -149,15 +149,16 @@ def precompile(specs: Any, cache_dir: str | os.PathLike[str], *, jobs: int = 1, 
     `jobs`: build processes (cuDNN builds are CPU-bound). `progress`: a live status line on
     stderr (True), on the given stream, or none (False). `strict`: unsupported graphs make
     the report not ok. Graphs already in the directory are not built again.
-    Raises BuilderUnavailable where graphs cannot be built (no GPU, no cuDNN frontend).
+    Raises SpecFileError for an invalid spec file (checked first, on any machine), then
+    BuilderUnavailable where graphs cannot be built (no GPU, no cuDNN frontend).
 
     With jobs > 1, workers are spawned processes, which re-import the main module: a
     script calling this needs the `if __name__ == "__main__":` guard.
     """
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
-    builder = usable_builder(builder, "precompile")
     entries = tuple(load_entries(specs))
+    builder = usable_builder(builder, "precompile")
     directory = os.path.abspath(os.fspath(cache_dir))
     stream = sys.stderr if progress is True else (progress or None)
     meter = Progress(sum(len(entry.directions) for entry in entries), stream) if stream else None

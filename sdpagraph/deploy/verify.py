@@ -78,10 +78,11 @@ def verify(specs: Any, cache_dir: str | os.PathLike[str], *, builder: Builder | 
     under the key the runtime computes on this machine (its GPU, cuDNN and frontend).
 
     Reads only: nothing in the directory is created, changed or touched.
-    Raises BuilderUnavailable where keys cannot be computed (no GPU, no cuDNN frontend).
+    Raises SpecFileError for an invalid spec file (checked first, on any machine), then
+    BuilderUnavailable where keys cannot be computed (no GPU, no cuDNN frontend).
     """
-    builder = usable_builder(builder, "verify a cache")
     entries = tuple(load_entries(specs))
+    builder = usable_builder(builder, "verify a cache")
     directory = os.path.abspath(os.fspath(cache_dir))
     store = DiskStore(directory, writable=False, lock_timeout_s=DEFAULT_LOCK_TIMEOUT_S)
     checks, environment = [], None
@@ -95,7 +96,7 @@ def verify(specs: Any, cache_dir: str | os.PathLike[str], *, builder: Builder | 
             else:
                 checks.append(GraphCheck(index, direction, "invalid" if found.invalid else "missing", found.reason))
     return VerifyReport(directory, entries, tuple(checks), environment, _other_environments(store, environment),
-                        _precompile_command(specs, directory))
+                        precompile_command(specs, directory))
 
 
 def _other_environments(store: DiskStore, here: dict[str, Any] | None) -> tuple[tuple[str, int], ...]:
@@ -116,7 +117,8 @@ def describe_environment(versions: dict[str, Any] | None) -> str:
     return ", ".join(f"{name} {value}" for name, value in sorted(versions.items()))
 
 
-def _precompile_command(specs: Any, directory: str) -> str:
+def precompile_command(specs: Any, directory: str) -> str:
+    """The `sdpagraph precompile` command that fills `directory` with the graphs of `specs`'s files."""
     paths = [specs] if isinstance(specs, (str, os.PathLike)) else [
         item for item in specs if isinstance(item, (str, os.PathLike))]
     files = " ".join(shlex.quote(os.fspath(path)) for path in paths) or "SPECS.json"
