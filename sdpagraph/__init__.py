@@ -1,12 +1,38 @@
 """sdpagraph: flex attention for JAX on cuDNN, with compiled graphs cached and shipped.
 
-Public API: `attention`, `check_support`, `precompile`, `Support`, `mods`, the `sdpagraph` CLI.
+Public API: `attention`, `check_support`, `precompile`, `record`, `Support`, `mods`, the
+`sdpagraph` CLI. The names are loaded on first use, so `import sdpagraph` (and the command
+line's cache and version commands) does not import jax.
 """
-from sdpagraph import mods
-from sdpagraph.graphs.support import Support
-from sdpagraph.jax_api.attention import attention, check_support
-from sdpagraph.deploy import precompile, record
+from __future__ import annotations
 
+import importlib
+from typing import Any
 
 __all__ = ["attention", "check_support", "precompile", "record", "Support", "mods"]
 __version__ = "0.1.0"
+
+# name -> module that defines it. `attention` and `check_support` also load the deployment layer,
+# whose spec recording (SDPAGRAPH_RECORD, `record`) listens to every traced call.
+_PUBLIC = {
+    "attention": "sdpagraph.jax_api.attention",
+    "check_support": "sdpagraph.jax_api.attention",
+    "precompile": "sdpagraph.deploy",
+    "record": "sdpagraph.deploy",
+    "Support": "sdpagraph.graphs.support",
+    "mods": "sdpagraph.mods",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'sdpagraph' has no attribute {name!r}")
+    importlib.import_module("sdpagraph.deploy")  # registers the spec recorder with the runtime
+    module = importlib.import_module(_PUBLIC[name])
+    value = module if name == "mods" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -41,3 +41,25 @@ def test_strict_mode_miss_names_the_spec_and_the_fix(monkeypatch):
     answer = sdpagraph.check_support(q, k, v, is_causal=True)
     assert not answer.supported and answer.backend == "xla" and "sdpagraph precompile" in answer.reason
     assert sdpagraph.attention(q, k, v, is_causal=True, implementation="xla").shape == q.shape
+
+
+def test_import_is_light_and_recording_needs_only_the_public_attention(tmp_path):
+    """`import sdpagraph` loads no jax (the CLI's cache and --version start fast); reaching
+    `sdpagraph.attention` loads the spec recorder too, so SDPAGRAPH_RECORD sees every call."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = tmp_path / "recorded.json"
+    script = (
+        "import sys, sdpagraph\n"
+        "assert 'jax' not in sys.modules, 'import sdpagraph imported jax'\n"
+        "import jax.numpy as jnp, numpy as np\n"
+        "q = jnp.asarray(np.random.default_rng().standard_normal((1, 8, 2, 8)), jnp.float32)\n"
+        "sdpagraph.attention(q, q, q, is_causal=True)\n"
+    )
+    env = dict(os.environ, SDPAGRAPH_RECORD=str(path), PYTHONPATH=root)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(json.loads(path.read_text())["entries"]) == 1
