@@ -258,6 +258,10 @@ class RecordingGraph:
             raise ScoreModError(f"cannot set data type {dtype} on a {node.op} result of type {node.dtype}")
         retyped = Node(node.op, node.args, node.attrs, dtype)
         self._nodes[index] = retyped
+        # The node no longer computes its old type: a later identical op of the old type must get a
+        # node of its own, not this retyped one (mul(s, 2) retyped to int32 came back for a second mul(s, 2)).
+        if self._memo.get(node) == index:
+            del self._memo[node]
         self._memo.setdefault(retyped, index)
 
     def leaf(self, op: str, attrs: tuple = (), dtype: str = FLOAT, name: str | None = None) -> ModTensor:
