@@ -42,10 +42,16 @@ def add_trace_listener(listener: TraceListener) -> None:
 
 
 def _notify_listeners(call: PreparedCall, training: bool) -> None:
+    notify_trace_listeners(call.spec, call.score_mod, training)
+
+
+def notify_trace_listeners(spec: AttentionSpec, ir: "ScoreModIR | None", training: bool) -> None:
+    """Report one spec to the listeners: every traced call, and under SPMD each call's per-device
+    spec, which `jax_api.sharding` reports when XLA partitions the call (its graphs are keyed by it)."""
     with _listeners_lock:
         listeners = list(_trace_listeners)
     for listener in listeners:
-        listener(call.spec, call.score_mod, training)
+        listener(spec, ir, training)
 
 
 def _log_once(message: str) -> None:

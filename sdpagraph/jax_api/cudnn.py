@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdpagraph import ffi
-from sdpagraph.cache.graphs import cached_graph, check_graphs
+from sdpagraph.cache.graphs import CachedGraph, cached_graph, check_graphs
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.masks import SEGMENT_ARRAYS
-from sdpagraph.graphs.operands import ARRAY_PREFIX, LayoutPlan, plan_layout
+from sdpagraph.graphs.operands import ARRAY_PREFIX, LayoutPlan, graph_io, plan_layout
 from sdpagraph.graphs.support import Support, environment_reason
+from sdpagraph.jax_api import sharding
 from sdpagraph.jax_api.call import RuntimeInputs
 from sdpagraph.jax_api.segments import segment_metadata, segment_positions, segment_run_ids
 from sdpagraph.jax_api.xla import attended_rows
@@ -50,6 +51,9 @@ class _Static:
 
 # ----------------------------------------------------------------------------- one FFI call
 
+SEGMENT_OFFSETS = "segment_offsets_"  # + side: per-row token offsets of packed segments (B, M + 1)
+
+
 def _scalar_bits(compiled: CompiledGraph, scalars: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     """(uids, 4-byte host representation of each pass-by-value scalar, as int32 bit patterns)."""
     values = compiled.pass_by_value_values(scalars)
@@ -60,10 +64,28 @@ def _scalar_bits(compiled: CompiledGraph, scalars: Mapping[str, Any]) -> tuple[n
 
 def _run_graph(static: _Static, direction: str, operands: Mapping[str, Any],
                results: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
-    """Build or fetch the `direction` graph, register it with the executor, and call it."""
+    """Run the `direction` graph on `operands` (as `_operands` gives them: sliceable along batch and
+    heads): one op, once per device on its shard when the inputs are sharded (`sharding`)."""
+    operand_roles, result_roles = graph_io(static.graph_spec, static.ir, direction)
+    needed = {role: x for role, x in operands.items() if role in operand_roles or role.startswith(SEGMENT_OFFSETS)}
+    return sharding.call_per_shard(_execute, static, direction, needed, {r: results[r] for r in result_roles})
+
+
+def _execute(static: _Static, direction: str, operands: Mapping[str, Any],
+             results: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
+    """Build or fetch the `direction` graph of `static` (the whole call, or one device's shard of
+    it), register it with the executor, and call it on operands of those shapes."""
     graph = cached_graph(static.spec, static.ir, direction)
+    ffi.register_graph(graph.digest, graph.compiled.blob)
+    if static.graph_spec.segments:
+        operands = _ragged_operands(static.graph_spec, operands)
+    return _call_executor(static, graph, operands, results)
+
+
+def _call_executor(static: _Static, graph: CachedGraph, operands: Mapping[str, Any],
+                   results: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
+    """The FFI call (CPU tests put an XLA stand-in here)."""
     compiled, digest = graph.compiled, graph.digest
-    ffi.register_graph(digest, compiled.blob)
     scalar_uids, scalar_bits = _scalar_bits(compiled, dict(static.scalars))
     result_shapes = [results[role] for role in compiled.result_roles]
     result_shapes.append(jax.ShapeDtypeStruct((compiled.workspace_size,), jnp.uint8))
@@ -97,15 +119,28 @@ MASKED_BIAS = {"bfloat16": -1e30, "float16": float(np.finfo(np.float16).min)}
 
 
 def _packed_operands(spec: AttentionSpec, inputs: RuntimeInputs) -> dict[str, Any]:
-    """seq lens and ragged element offsets of the B*M packed sequences (THD), in O(T)."""
+    """Per row: the lengths (B, M) and token offsets (B, M + 1) of its packed segments, in O(T).
+
+    They slice along the batch; the graph's ragged offsets, absolute element offsets into the whole
+    packed buffer, are made from them on the shapes the graph runs on (`_ragged_operands`)."""
     operands = {}
-    sides = (("q", inputs.q_segment_ids, spec.q_len, (spec.num_heads * spec.head_dim,)),
-             ("kv", inputs.kv_segment_ids, spec.kv_len, (spec.num_kv_heads * spec.head_dim,)))
-    for side, ids, length, (row_elements,) in sides:
+    for side, ids in (("q", inputs.q_segment_ids), ("kv", inputs.kv_segment_ids)):
         meta = segment_metadata(ids, spec.max_segments)
-        starts = meta.offsets[:, :-1] + (jnp.arange(spec.batch, dtype=jnp.int32) * length)[:, None]
-        starts = jnp.concatenate([starts.reshape(-1), jnp.array([spec.batch * length], jnp.int32)])
-        operands[f"seq_len_{side}"] = meta.seq_lens.reshape(-1).astype(jnp.int32)
+        operands[f"seq_len_{side}"] = meta.seq_lens.astype(jnp.int32)
+        operands[SEGMENT_OFFSETS + side] = meta.offsets.astype(jnp.int32)
+    return operands
+
+
+def _ragged_operands(spec: AttentionSpec, operands: Mapping[str, Any]) -> dict[str, Any]:
+    """The packed graph's seq lens and ragged element offsets of its B*M sequences (THD), from the
+    per-row ones of `_packed_operands`, for the batch and heads of `spec` (one shard's, when split)."""
+    operands = dict(operands)
+    sides = (("q", spec.q_len, spec.num_heads * spec.head_dim), ("kv", spec.kv_len, spec.num_kv_heads * spec.head_dim))
+    for side, length, row_elements in sides:
+        offsets = operands.pop(SEGMENT_OFFSETS + side)
+        starts = offsets[:, :-1] + (jnp.arange(spec.batch, dtype=jnp.int32) * length)[:, None]
+        starts = jnp.concatenate([starts.reshape(-1), jnp.full((1,), spec.batch * length, jnp.int32)])
+        operands[f"seq_len_{side}"] = operands[f"seq_len_{side}"].reshape(-1)
         operands[f"ragged_offset_{side}"] = starts * row_elements
         if side == "q":
             operands["ragged_offset_stats"] = starts * spec.num_heads

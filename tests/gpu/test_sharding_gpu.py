@@ -1,0 +1,182 @@
+"""sdpagraph.attention under SPMD on two GPUs: batch- and head-sharded jitted calls run the cuDNN graph
+once per device on the local shapes, match the XLA backend on the same sharded inputs, keep the
+input's sharding, and compile to no all-gather / all-to-all.
+
+Skipped without two GPUs or without the built executor (and, as every GPU test, without torch or
+the cuDNN frontend: conftest.py). Run on a two-GPU machine:
+
+    python3 -m pytest -q tests/gpu/test_sharding_gpu.py
+"""
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import sdpagraph
+from sdpagraph import ffi, mods
+from sdpagraph.cache import CacheMissError, GraphCache, set_default_cache
+
+
+def skip_reason():
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if len(gpus) < 2:
+        return f"needs 2 GPUs, JAX sees {len(gpus)}"
+    return ffi.unavailable_reason()
+
+
+pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
+GATHERS = re.compile(r"\b(all-gather(?:-start)?|all-to-all(?:-start)?)\(")
+EXECUTE = re.compile(r'custom_call_target="sdpagraph_execute"')
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_cache(tmp_path_factory):
+    cache = GraphCache(str(tmp_path_factory.mktemp("graphs")))
+    set_default_cache(cache)
+    yield cache
+    set_default_cache(None)
+
+
+def mesh():
+    return Mesh(np.array(jax.devices()[:2]), ("x",))
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def place(x, m, spec):
+    return None if x is None else jax.device_put(jnp.asarray(x), NamedSharding(m, spec))
+
+
+def random_ids(rng, B, T, segments):
+    ids = np.zeros((B, T), np.int32)
+    for b in range(B):
+        cuts = np.sort(rng.choice(np.arange(8, T - 8), segments - 1, replace=False))
+        bounds = [0, *cuts, T - int(rng.integers(0, 8))]
+        for m in range(segments):
+            ids[b, bounds[m]:bounds[m + 1]] = m + 1
+    return ids
+
+
+B, T, H = 4, 512, 64
+CASES = {  # name: (N, K, where q/k/v are split, kwargs maker, bias shape)
+    "batch_causal": (8, 8, "batch", lambda rng: dict(is_causal=True), None),
+    "heads_causal": (8, 8, "heads", lambda rng: dict(is_causal=True), None),
+    "gqa_heads_softcap": (8, 2, "heads", lambda rng: dict(is_causal=True, score_mod=mods.softcap(20.0)), None),
+    "batch_padding_softcap": (8, 8, "batch", lambda rng: dict(
+        is_causal=True, score_mod=mods.softcap(20.0),
+        query_seq_lengths=rng.integers(T // 2, T + 1, B).astype(np.int32),
+        key_value_seq_lengths=rng.integers(T // 2, T + 1, B).astype(np.int32)), None),
+    "batch_packed": (8, 8, "batch", lambda rng: dict(is_causal=True, segment_ids=random_ids(rng, B, T, 3),
+                                                     max_segments_per_seq=3), None),
+    "heads_packed": (8, 4, "heads", lambda rng: dict(is_causal=True, segment_ids=random_ids(rng, B, T, 3),
+                                                     max_segments_per_seq=3), None),
+    "batch_bias_per_head": (8, 8, "batch", lambda rng: dict(), (1, 8, T, T)),
+}
+
+
+def sharded(m, where, q, k, v, bias, kwargs):
+    spec = P("x") if where == "batch" else P(None, None, "x")
+    kwargs = dict(kwargs)
+    for name in ("query_seq_lengths", "key_value_seq_lengths", "segment_ids"):
+        if name in kwargs:
+            kwargs[name] = place(kwargs[name], m, P("x") if where == "batch" else P())
+    bias_spec = None if bias is None else P(*("x" if where == "batch" and bias.shape[0] > 1 else
+                                              "x" if where == "heads" and i == 1 and bias.shape[1] > 1 else None
+                                              for i in range(2)))
+    return (place(q, m, spec), place(k, m, spec), place(v, m, spec), place(bias, m, bias_spec)), kwargs, spec
+
+
+def grad_step(impl, kwargs, with_bias):
+    def loss(q, k, v, bias, cotangent):
+        out = sdpagraph.attention(q, k, v, bias, implementation=impl, **kwargs)
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3) if with_bias else (0, 1, 2), has_aux=True))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_sharded_cudnn_matches_xla_on_local_shapes_without_gathers(name):
+    N, K, where, make_kwargs, bias_shape = CASES[name]
+    rng = np.random.default_rng()
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((B, T, K, H)), jnp.bfloat16) for _ in range(2))
+    bias = None if bias_shape is None else jnp.asarray(rng.standard_normal(bias_shape), jnp.bfloat16)
+    cotangent = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+    m = mesh()
+    (qs, ks, vs, bs), kwargs, spec = sharded(m, where, q, k, v, bias, make_kwargs(rng))
+    cot = place(cotangent, m, spec)
+    ours = grad_step("cudnn", kwargs, bias is not None).lower(qs, ks, vs, bs, cot).compile()
+    (_, out), grads = ours(qs, ks, vs, bs, cot)
+    (_, out_ref), grads_ref = grad_step("xla", kwargs, bias is not None)(qs, ks, vs, bs, cot)
+    assert rel_err(out, out_ref) < 2e-2
+    for grad, grad_ref in zip(grads, grads_ref):
+        assert rel_err(grad, grad_ref) < 2e-2
+    assert out.sharding.is_equivalent_to(qs.sharding, 4), out.sharding
+    text = ours.as_text()
+    assert GATHERS.findall(text) == [], [line for line in text.splitlines() if GATHERS.search(line)][:5]
+    # Each device runs the graph on its shard: the executor's q operand has the local shape.
+    local = (B // 2, T, N, H) if where == "batch" else (B, T, N // 2, H)
+    assert f"bf16[{','.join(map(str, local))}]" in text and len(EXECUTE.findall(text)) == 2
+
+
+def test_user_shard_map_runs_on_the_local_arrays():
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((B, T, 8, H)), jnp.bfloat16) for _ in range(3))
+    m = mesh()
+    spec = P("x", None, None)
+    inside = jax.shard_map(lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=True, implementation="cudnn"),
+                           mesh=m, in_specs=(spec,) * 3, out_specs=spec)
+    qs, ks, vs = (place(x, m, spec) for x in (q, k, v))
+
+    def step(f):
+        loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+    value, grads = step(inside)(qs, ks, vs)
+    value_ref, grads_ref = step(lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=True,
+                                                                    implementation="xla"))(q, k, v)
+    assert rel_err(value, value_ref) < 2e-2
+    assert all(rel_err(a, b) < 2e-2 for a, b in zip(grads, grads_ref))
+
+
+def test_sequence_sharded_inputs_are_gathered_with_a_warning(caplog):
+    caplog.set_level(logging.WARNING, logger="sdpagraph")
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 384, 4, H)), jnp.bfloat16) for _ in range(3))
+    m = mesh()
+    qs, ks, vs = (place(x, m, P(None, "x")) for x in (q, k, v))
+    out = jax.jit(lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=True, implementation="cudnn"))(qs, ks, vs)
+    assert rel_err(out, sdpagraph.attention(q, k, v, is_causal=True, implementation="xla")) < 2e-2
+    assert any("context_parallel_axis" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+def test_recorded_specs_precompile_a_cache_that_serves_the_sharded_run_in_strict_mode(tmp_path, private_cache):
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((B, 256, 4, H)), jnp.bfloat16) for _ in range(3))
+    m = mesh()
+    qs, ks, vs = (place(x, m, P("x")) for x in (q, k, v))
+
+    def step():  # a fresh jit each time: traced, partitioned and compiled again
+        return jax.jit(jax.grad(lambda q, k, v: jnp.sum(sdpagraph.attention(
+            q, k, v, is_causal=True, score_mod=mods.softcap(11.0)).astype(jnp.float32)), argnums=(0, 1, 2)))
+
+    specs = tmp_path / "specs.json"
+    with sdpagraph.record(str(specs)):
+        expected = step()(qs, ks, vs)
+    report = sdpagraph.precompile(str(specs), str(tmp_path / "shipped"), progress=False)
+    assert report.ok, report
+    set_default_cache(GraphCache(str(tmp_path / "shipped"), mode="strict"))
+    try:
+        got = step()(qs, ks, vs)
+    except CacheMissError as miss:  # pragma: no cover - the failure this test guards against
+        pytest.fail(f"the precompiled cache misses a graph of the sharded run: {miss}")
+    finally:
+        set_default_cache(private_cache)
+    assert all(rel_err(a, b) < 1e-6 for a, b in zip(got, expected))
