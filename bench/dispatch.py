@@ -1,0 +1,323 @@
+"""Which backend is fastest where: XLA, the small-sequence backend and cuDNN over small query and
+key lengths at a large batch, plus a few dense anchors; the data behind `jax_api.dispatch`.
+
+    python3 bench/dispatch.py --out DIR [--write-table PATH] [--quick] [--backends xla,small_seq,cudnn]
+                              [--time-budget SECONDS] [--peak-tbs TBS]
+
+It uses the installed sdpagraph (`pip install .`: cuDNN runs through its executor), or this
+checkout's when the installed one lacks the small-sequence backend.
+
+Sweep: N16 H128 bf16, T in {1, 2, 4, 8, 16}, S in {2, 4, ..., 256}, B = 30720 scaled down so that K
+and V together stay within 4.1 GB (B30720 up to S16), forward (jit of the call; cuDNN's inference
+graph) and forward+backward (jit of jax.grad of sum(out * dO) for a random dO, gradients of q, k and
+v), each backend called through `sdpagraph.attention(..., implementation=...)`. Anchors: GQA
+(N16/K4), decode (B64 T1 S8192 N32/K8), dense (B4 T4096 causal, B64 T128) and a tiny shape. A case a
+backend cannot run (cuDNN declines, no GPU, out of memory) is recorded with the error and the sweep
+goes on. Times: median over rounds of the mean of back-to-back calls (`time_ms`).
+
+Prints and writes DIR/dispatch.md (each backend's time, the small-sequence forward's achieved HBM
+bandwidth against the GPU's datasheet peak and a measured copy, small_seq/xla, the measured best and
+what the rule picks with the built-in table and with a table fitted to this run) and
+DIR/dispatch.json. `--write-table PATH` adds this GPU's measured points to a table file that
+`SDPAGRAPH_DISPATCH_TABLE=PATH` (or `dispatch.load_table`) reads; points of backends this run did
+not measure are kept from the built-in table. `--quick`: tiny shapes, to check the script end to end
+on any machine (a CPU included).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:  # the installed package (with its executor), when it has these modules
+    import sdpagraph.jax_api.dispatch  # noqa: F401
+    import sdpagraph.jax_api.small_seq  # noqa: F401
+except ImportError:  # not installed, or installed before them: this checkout's (cuDNN needs the executor)
+    for name in [m for m in sys.modules if m == "sdpagraph" or m.startswith("sdpagraph.")]:
+        del sys.modules[name]
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import sdpagraph
+from sdpagraph import spec as spec_module
+from sdpagraph.jax_api import dispatch
+from sdpagraph.jax_api.call import prepare_call
+from sdpagraph.jax_api.small_seq import small_seq_attention, small_seq_reason
+
+BACKENDS = ("xla", "small_seq", "cudnn")
+KV_BUDGET_BYTES = 4.1e9  # K and V together, per case
+FULL_B = 30720
+# Datasheet HBM bandwidth (TB/s) by chip: H100 SXM5 80GB HBM3, H200 141GB HBM3e.
+PEAK_TBS = {"H100": 3.35, "H200": 4.8}
+
+
+def sweep_cases(quick: bool) -> list[tuple[int, int, int, int, int, int, bool]]:
+    """(B, T, S, N, K, H, causal), the small-sequence regime first."""
+    if quick:
+        return [(8, t, s, 4, 2, 32, False) for t in (1, 2) for s in (2, 16, 64)] + [(2, 64, 64, 4, 4, 32, True)]
+    n, k, h = 16, 16, 128
+    cases = []
+    for t in (1, 2, 4, 8, 16):
+        for s in (2, 4, 8, 16, 32, 64, 128, 256):
+            b = min(FULL_B, int(KV_BUDGET_BYTES // (2 * s * k * h * 2)))
+            cases.append((b, t, s, n, k, h, False))
+    regime = [c for c in cases if in_regime(c)]
+    rest = [c for c in cases if not in_regime(c)]
+    anchors = [
+        (FULL_B, 1, 16, 16, 4, 128, False),  # GQA
+        (64, 1, 8192, 32, 8, 128, False),  # decode
+        (4, 4096, 4096, 16, 16, 128, True),  # dense training
+        (64, 128, 128, 16, 16, 128, False),
+        (8, 1, 16, 16, 16, 128, False),  # tiny: per-call costs
+    ]
+    return regime + rest + anchors
+
+
+def in_regime(case) -> bool:
+    return small_seq_reason(spec_of(case)) is None
+
+
+def time_ms(fn, *args, repeats=5, rounds=3):
+    """Median over rounds of the mean time of `repeats` back-to-back calls (dispatch included)."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / repeats * 1e3)
+    return statistics.median(samples)
+
+
+def attention_fn(backend: str, causal: bool, training: bool):
+    """q, k, v -> out through `sdpagraph.attention(implementation=backend)`; for small_seq before
+    `attention` takes that name, the backend itself on the same prepared call."""
+    if backend != "small_seq" or "small_seq" in spec_module.IMPLEMENTATIONS:
+        extra = {} if backend != "cudnn" else {"training": training}
+        return lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=causal, implementation=backend, **extra)
+
+    def direct(q, k, v):
+        call = prepare_call(q, k, v, is_causal=causal)
+        return small_seq_attention(call.spec, q, k, v, call.inputs, call.score_mod)[0]
+
+    return direct
+
+
+def measure(backend: str, case, pass_: str, arrays) -> float:
+    b, t, s, n, k, h, causal = case
+    q, kk, v, d_out = arrays
+    attn = attention_fn(backend, causal, training=pass_ == "fwd_bwd")
+    if pass_ == "fwd":
+        return time_ms(jax.jit(attn), q, kk, v)
+    loss = lambda q, k, v, d: jnp.sum(attn(q, k, v).astype(jnp.float32) * d.astype(jnp.float32))  # noqa: E731
+    return time_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, kk, v, d_out)
+
+
+def copy_tbs(quick: bool) -> float | None:
+    """Bytes read + written per second by a jitted elementwise op over 1 GiB of bf16 (a practical peak)."""
+    x = jnp.ones((2 ** (16 if quick else 29),), jnp.bfloat16)
+    try:
+        ms = time_ms(jax.jit(lambda x: x * 2), x, repeats=10)
+    finally:
+        del x
+    return 2 * 2 * 2 ** (16 if quick else 29) / ms / 1e9
+
+
+def peak_tbs(gpu: str | None, override: float | None) -> float | None:
+    if override:
+        return override
+    chip = dispatch._chip(gpu or "")
+    return PEAK_TBS.get(chip or "")
+
+
+def spec_of(case):
+    b, t, s, n, k, h, causal = case
+    return prepare_call(*(jax.ShapeDtypeStruct(x, jnp.bfloat16) for x in ((b, t, n, h), (b, s, k, h), (b, s, k, h))),
+                        is_causal=causal).spec
+
+
+def run(args) -> dict:
+    gpu = dispatch.current_gpu()
+    device = jax.devices()[0]
+    backends = [b for b in args.backends.split(",") if b]
+    result = {"device": device.device_kind, "gpu": gpu, "platform": device.platform, "jax": jax.__version__,
+              "date": datetime.date.today().isoformat(), "quick": args.quick, "rows": []}
+    try:
+        result["copy_tbs"] = copy_tbs(args.quick)
+    except Exception as error:  # noqa: BLE001
+        result["copy_tbs"] = None
+        print(f"copy timing failed: {error}", file=sys.stderr)
+    result["peak_tbs"] = peak_tbs(gpu, args.peak_tbs)
+    print(f"{device.device_kind} ({device.platform}), jax {jax.__version__}; copy {result['copy_tbs']} TB/s, "
+          f"datasheet peak {result['peak_tbs']} TB/s", flush=True)
+    started = time.perf_counter()
+    for case in sweep_cases(args.quick):
+        if time.perf_counter() - started > args.time_budget:
+            result["cut"] = f"stopped after {args.time_budget:.0f} s (--time-budget) before {spec_of(case).summary()}"
+            print(result["cut"], file=sys.stderr)
+            break
+        b, t, s, n, k, h, causal = case
+        spec = spec_of(case)
+        in_regime = small_seq_reason(spec) is None
+        rng = np.random.default_rng(0)
+        try:
+            arrays = [jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+                      for shape in ((b, t, n, h), (b, s, k, h), (b, s, k, h), (b, t, n, h))]
+        except Exception as error:  # noqa: BLE001
+            print(f"{spec.summary()}: could not make inputs: {error}", file=sys.stderr)
+            continue
+        for pass_ in dispatch.PASSES:
+            row = {"shape": dispatch.Shape.of(spec).to_dict(), "pass": pass_, "ms": {}, "errors": {}}
+            for backend in backends:
+                if backend == "small_seq" and not in_regime:
+                    row["errors"][backend] = small_seq_reason(spec)
+                    continue
+                try:
+                    row["ms"][backend] = measure(backend, case, pass_, arrays)
+                except Exception as error:  # noqa: BLE001 - record it and go on
+                    row["errors"][backend] = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+                    if args.verbose:
+                        traceback.print_exc()
+            io = dispatch.features(dispatch.Shape.of(spec), "xla", "fwd")[1] * 1e9
+            if pass_ == "fwd" and "small_seq" in row["ms"]:
+                row["small_seq_tbs"] = io / row["ms"]["small_seq"] / 1e9
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        del arrays
+    result["seconds"] = time.perf_counter() - started
+    return result
+
+
+def table_from_run(result: dict) -> dispatch.Table:
+    points = [dispatch.Point(dispatch.Shape.from_dict(r["shape"]), r["pass"], r["ms"], "bench/dispatch.py")
+              for r in result["rows"] if r["ms"]]
+    return dispatch.Table(result["gpu"] or result["device"], tuple(points), result["date"],
+                          f"bench/dispatch.py on {result['device']}, jax {result['jax']}, {result['date']}")
+
+
+def with_builtin(table: dispatch.Table, measured_backends: set[str]) -> dispatch.Table:
+    """This run's points plus the built-in table's points of backends this run did not measure."""
+    builtin = dispatch.match_table({dispatch.H100_TABLE.gpu: dispatch.H100_TABLE}, table.gpu)
+    kept = []
+    for p in (builtin.points if builtin is not None else ()):
+        times = {name: ms for name, ms in p.times.items() if name not in measured_backends}
+        if times:
+            kept.append(dispatch.Point(p.shape, p.pass_, times, p.source))
+    source = table.source + (f"; {', '.join(sorted({n for p in kept for n in p.times}))} from the built-in table"
+                             if kept else "")
+    return dispatch.Table(table.gpu, table.points + tuple(kept), table.date, source)
+
+
+def decide(result: dict, fitted: dispatch.Table) -> None:
+    """Add each row's measured best and the rule's picks (built-in table, this run's table)."""
+    builtin, note = dispatch._default_table(result["gpu"], "") if result["gpu"] else (dispatch.H100_TABLE, "")
+    for row in result["rows"]:
+        shape = dispatch.Shape.from_dict(row["shape"])
+        spec = spec_of((shape.batch, shape.q_len, shape.kv_len, shape.num_heads, shape.num_kv_heads,
+                        shape.head_dim, shape.causal))
+        candidates = {"xla": True, "small_seq": small_seq_reason(spec) is None, "cudnn": "cudnn" in row["ms"]}
+        ms = row["ms"]
+        if ms:
+            row["best"] = min(ms, key=ms.get)
+        model_only = dataclasses.replace(fitted, use_measured=False, _models={})
+        for label, table in (("rule_builtin", builtin), ("rule_this_run", fitted), ("model_this_run", model_only)):
+            choice = dispatch.choose(spec, candidates, table, training=row["pass"] == "fwd_bwd",
+                                     use_default_table=False)
+            row[label] = choice.backend
+            if ms and choice.backend in ms:
+                row[label + "_vs_best"] = ms[choice.backend] / ms[row["best"]]
+
+
+def fmt(x, digits=3):
+    return "" if x is None else f"{x:.{digits}g}"
+
+
+def markdown(result: dict) -> str:
+    peak, copy = result.get("peak_tbs"), result.get("copy_tbs")
+    lines = [
+        f"# Backend speed by shape: {result['device']} ({result['platform']}), jax {result['jax']}, {result['date']}",
+        "",
+        f"`python3 bench/dispatch.py{' --quick' if result['quick'] else ''}`; bf16; ms per call (median of "
+        "rounds of back-to-back calls); fwd+bwd = jax.grad of sum(out * dO) w.r.t. q, k, v. HBM: the small-"
+        f"sequence forward's Q+K+V+O bytes per second, against the datasheet peak ({fmt(peak)} TB/s) and a "
+        f"jitted copy ({fmt(copy)} TB/s read+write). Rule: what `dispatch.choose` picks with the built-in "
+        "table, with a table of this run's points (its measurements decide), and with the cost model fitted "
+        "to this run alone (no measured point used; x: the pick's time over the best measured).",
+        "",
+        "| shape | pass | xla | small_seq | cudnn | small_seq TB/s | % peak | % copy | small_seq/xla | best | rule (built-in) | rule (this run) | model alone (this run) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        shape = dispatch.Shape.from_dict(row["shape"])
+        ms, errors = row["ms"], row["errors"]
+
+        def cell(name):
+            if name in ms:
+                return fmt(ms[name])
+            return "n/a" if name == "small_seq" and "limit" in errors.get(name, "") else ("err" if name in errors else "")
+        tbs = row.get("small_seq_tbs")
+        ratio = ms["small_seq"] / ms["xla"] if "small_seq" in ms and "xla" in ms else None
+        rules = []
+        for label in ("rule_builtin", "rule_this_run", "model_this_run"):
+            vs = row.get(label + "_vs_best")
+            rules.append(f"{row.get(label, '')}" + (f" ({vs:.2f}x)" if vs is not None else ""))
+        lines.append(
+            f"| {shape.summary()} | {row['pass']} | {cell('xla')} | {cell('small_seq')} | {cell('cudnn')} | "
+            f"{fmt(tbs)} | {fmt(100 * tbs / peak if tbs and peak else None)} | "
+            f"{fmt(100 * tbs / copy if tbs and copy else None)} | {fmt(ratio)} | {row.get('best', '')} | "
+            f"{rules[0]} | {rules[1]} | {rules[2]} |")
+    errors: dict[str, int] = {}
+    for row in result["rows"]:
+        for name, msg in row["errors"].items():
+            if not (name == "small_seq" and "limit" in msg):
+                key = f"{name}: {msg.rsplit(': ', 1)[-1]}"  # the cause, without the shape
+                errors[key] = errors.get(key, 0) + 1
+    if errors:
+        lines += ["", "Errors (cause: cases):", ""] + [f"- {e}: {n}" for e, n in sorted(errors.items())[:40]]
+    lines += ["", f"Sweep time: {result.get('seconds', 0):.0f} s." + (f" {result['cut']}." if result.get("cut") else "")]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench-dispatch", help="folder for dispatch.md and dispatch.json")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: check the script end to end")
+    parser.add_argument("--write-table", metavar="PATH", help="add this GPU's points to a dispatch table file")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated, default all")
+    parser.add_argument("--peak-tbs", type=float, help="HBM peak to report against (default: datasheet by GPU)")
+    parser.add_argument("--verbose", action="store_true", help="print tracebacks of failed cases")
+    parser.add_argument("--time-budget", type=float, default=600.0,
+                        help="start no new case after this many seconds (default 600); the rest is reported as cut")
+    args = parser.parse_args(argv)
+
+    os.makedirs(args.out, exist_ok=True)
+    result = run(args)
+    measured = {name for row in result["rows"] for name in row["ms"]}
+    fitted = with_builtin(table_from_run(result), measured)
+    decide(result, fitted)
+    text = markdown(result)
+    print(text)
+    with open(os.path.join(args.out, "dispatch.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "dispatch.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    if args.write_table:
+        tables = dispatch.tables_from_json(args.write_table) if os.path.exists(args.write_table) else {}
+        tables[fitted.gpu] = fitted
+        dispatch.tables_to_json(tables, args.write_table)
+        print(f"wrote the {fitted.gpu} table ({len(fitted.points)} points) to {args.write_table}")
+
+
+if __name__ == "__main__":
+    main()
