@@ -3,6 +3,8 @@
     SDPAGRAPH_CACHE_DIR        directory (default: $XDG_CACHE_HOME/sdpagraph, else ~/.cache/sdpagraph)
     SDPAGRAPH_CACHE_MODE       readwrite (default) | readonly | off | strict
     SDPAGRAPH_CACHE_MAX_BYTES  disk budget, e.g. 2147483648 or 2G (default 2 GiB)
+    SDPAGRAPH_VERIFY           build (default): check each graph's numbers once, against the XLA
+                               backend, before it runs user data (docs/cache.md); off: never check
 """
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ from sdpagraph.cache.graph_cache import DEFAULT_DISK_MAX_BYTES, DEFAULT_MODE, Gr
 ENV_DIR = "SDPAGRAPH_CACHE_DIR"
 ENV_MODE = "SDPAGRAPH_CACHE_MODE"
 ENV_MAX_BYTES = "SDPAGRAPH_CACHE_MAX_BYTES"
+ENV_VERIFY = "SDPAGRAPH_VERIFY"
+VERIFY_MODES = ("build", "off")
+DEFAULT_VERIFY = "build"
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
@@ -46,6 +51,15 @@ def cache_from_env(environ: Mapping[str, str]) -> GraphCache:
     max_bytes = parse_size(environ[ENV_MAX_BYTES], source=ENV_MAX_BYTES) if environ.get(ENV_MAX_BYTES) \
         else DEFAULT_DISK_MAX_BYTES
     return GraphCache(default_cache_dir(environ), mode=mode, max_bytes=max_bytes)
+
+
+def verify_mode(environ: Mapping[str, str] = os.environ) -> str:
+    """SDPAGRAPH_VERIFY: "build" (check new graphs' numbers) or "off". Read on every support query,
+    so it can change while a process runs (answers given before stay remembered)."""
+    mode = (environ.get(ENV_VERIFY) or DEFAULT_VERIFY).strip().lower()
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"{ENV_VERIFY} must be one of {', '.join(VERIFY_MODES)}; got {environ.get(ENV_VERIFY)!r}")
+    return mode
 
 
 def default_cache_dir(environ: Mapping[str, str] = os.environ) -> str:

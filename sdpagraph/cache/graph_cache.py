@@ -106,6 +106,30 @@ class GraphCache:
             self._store(key, text, digest, blob, meta)
         self._evict(keep=digest)
 
+    def update_meta(self, key: Key, updates: dict[str, Any]) -> bool:
+        """Merge `updates` into the metadata of the entry under `key`, in memory and (readwrite
+        mode) on disk, atomically: a reader sees the old entry or the new one. The key, the blob,
+        the versions and every other meta field (`created`, `build_time_s`, ...) are kept.
+
+        Returns False when there is no such entry (nothing is built). In readonly and strict
+        mode, and when the directory cannot be written, only this process sees the update.
+        """
+        text, digest = key_text(key), key_digest(key)
+        with self._building.hold(digest), self._cross_process_lock(digest):
+            found = self._memory.get(digest)
+            on_disk = self._disk.read(digest, text) if self._disk is not None else NOT_FOUND
+            if isinstance(on_disk, Entry):  # the file holds what other processes published last
+                found = on_disk
+            if found is None:
+                return False
+            data = encode_entry(Entry(found.key, found.key_hash, found.blob, {**found.meta, **updates},
+                                      found.versions))
+            entry = decode_entry(data, digest, text)
+            if self._disk is not None and self._disk.writable and not self._disk.publish(digest, data):
+                self._count("write_errors")
+            self._memory.put(digest, entry)
+        return True
+
     def entry_path(self, key: Key) -> str | None:
         """The entry file the C++ executor should read, or None when the graph is not on disk
         (no disk layer, or its write failed): then pass the blob from memory instead."""

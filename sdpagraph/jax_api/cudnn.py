@@ -35,7 +35,8 @@ def support(spec: AttentionSpec, score_mod: ScoreModIR | None, *, training: bool
     reason = environment_reason() or ffi.unavailable_reason()
     if reason is not None:
         return Support(False, "xla", reason)
-    return check_graphs(spec, score_mod, training)
+    from sdpagraph.jax_api.numerics import check_numerics  # each graph computes the right values once first
+    return check_graphs(spec, score_mod, training, verify=check_numerics)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,117 @@
+"""The numerical check of cuDNN graphs (issue 15) on the GPU: correct graphs pass and record their
+errors; a tampered entry (another config's plan under this config's key) is caught, and the
+call runs on XLA. Skipped without a GPU (conftest.py).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sdpagraph
+from sdpagraph import ffi, mods
+from sdpagraph.cache import GraphCache, set_default_cache
+from sdpagraph.cache import graphs as cached_graphs
+from sdpagraph.jax_api import numerics
+from sdpagraph.jax_api.call import prepare_call
+
+
+@pytest.fixture
+def private_cache(tmp_path):
+    cache = GraphCache(str(tmp_path / "graphs"))
+    set_default_cache(cache)
+    yield cache
+    set_default_cache(None)
+
+
+@pytest.fixture(autouse=True)
+def needs_executor():
+    reason = ffi.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no executor: {reason}")
+
+
+def inputs(shape, kv_heads=None, dtype=jnp.bfloat16, seed=0):
+    b, t, n, h = shape
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, t, n, h)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((b, t, kv_heads or n, h)), dtype) for _ in range(2))
+    return q, k, v
+
+
+def records(cache, call, training=True):
+    return [record for _, record in cached_graphs.numerics_records(call.spec, call.score_mod, training, cache)]
+
+
+CONFIGS = {
+    "causal_softcap": ((2, 256, 8, 64), 8, dict(is_causal=True, score_mod=mods.softcap(30.0)), True),
+    "gqa_padding": ((3, 384, 8, 128), 2, dict(is_causal=True, query_seq_lengths=np.array([384, 100, 7], np.int32),
+                                              key_value_seq_lengths=np.array([384, 300, 1], np.int32)), True),
+    "bias_mask": ((2, 256, 4, 64), 4, dict(bias=np.zeros((1, 4, 256, 256), np.float32),
+                                           mask=np.ones((2, 1, 256, 256), bool)), True),
+    "segments_softcap": ((2, 512, 8, 64), 8, dict(is_causal=True, score_mod=mods.softcap(30.0),
+                                                  segment_ids=np.repeat([[1] * 200 + [2] * 300 + [0] * 12], 2, 0),
+                                                  max_segments_per_seq=3), True),
+    "bottom_right_window": ((2, 256, 8, 64), 8, dict(is_causal=True, causal_alignment="bottom_right",
+                                                     local_window_size=(64, 0)), True),
+    "sliced_large": ((4, 2048, 8, 128), 2, dict(is_causal=True, score_mod=mods.softcap(30.0)), True),
+    "inference": ((2, 256, 8, 64), 8, dict(is_causal=True, score_mod=mods.softcap(30.0)), False),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_correct_graph_passes_and_records_its_errors(name, private_cache, report):
+    shape, kv_heads, kwargs, training = CONFIGS[name]
+    q, k, v = inputs(shape, kv_heads)
+    support = sdpagraph.check_support(q, k, v, training=training, **kwargs)
+    if not support.supported and "computed wrong values" not in support.reason:
+        pytest.skip(f"cuDNN does not run {name} here: {support.reason}")
+    assert support.supported, support.reason
+    call = prepare_call(q, k, v, **{key: value for key, value in kwargs.items()})
+    found = records(private_cache, call, training)
+    assert all(record is not None and record == found[0] for record in found)
+    record = found[0]
+    report(f"numerics {name:<20} {record['slice']:<45} {record['seconds']:.2f} s  "
+           + " ".join(f"{key} {value:.1e}" for key, value in record["errors"].items()))
+    assert record["passed"] is True
+    for output, error in record["errors"].items():
+        assert error <= record["tolerances"][output], (output, error)
+    if name == "sliced_large":
+        assert record["slice"] != "whole"
+    # Recorded on disk: a new process does not check again.
+    fresh = GraphCache(private_cache.directory)
+    assert records(fresh, call, training) == found
+
+
+def test_a_tampered_entry_is_caught_and_the_call_runs_on_xla(private_cache, caplog, report):
+    """The plan built for scale s stored under the key of the same config with scale 2s: the
+    check must catch it, check_support must say why, and attention must give XLA's values."""
+    q, k, v = inputs((2, 320, 4, 64), seed=1)
+    kwargs = dict(is_causal=True, score_mod=mods.softcap(25.0))
+    scale = 0.0917
+    assert sdpagraph.check_support(q, k, v, scale=scale, **kwargs).supported
+    right = prepare_call(q, k, v, scale=scale, **kwargs)
+    tampered = prepare_call(q, k, v, scale=2 * scale, **kwargs)
+    for direction in ("forward", "backward"):
+        blob, meta = private_cache.get(cached_graphs.graph_key(right.spec, right.score_mod, direction))
+        meta = {name: value for name, value in meta.items() if name != cached_graphs.NUMERICS_FIELD}
+        private_cache.put(cached_graphs.graph_key(tampered.spec, tampered.score_mod, direction), blob, meta)
+
+    support = sdpagraph.check_support(q, k, v, scale=2 * scale, **kwargs)
+    report(f"numerics tampered entry: {support.reason}")
+    assert not support.supported and "computed wrong values on this GPU" in support.reason
+    assert "o error" in support.reason
+    found = records(private_cache, tampered)
+    assert all(record["passed"] is False for record in found)
+    assert found[0]["errors"]["o"] > numerics.FORWARD_TOLERANCE
+
+    def loss(impl, q):
+        out = sdpagraph.attention(q, k, v, scale=2 * scale, implementation=impl, **kwargs)
+        return jnp.sum(out.astype(jnp.float32) ** 2), out
+
+    step = lambda impl: jax.jit(jax.value_and_grad(functools.partial(loss, impl), has_aux=True))  # noqa: E731
+    (_, out), dq = step(None)(q)
+    (_, expected), expected_dq = step("xla")(q)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
+    np.testing.assert_array_equal(np.asarray(dq, np.float32), np.asarray(expected_dq, np.float32))
