@@ -56,13 +56,15 @@ def test_cpu_demo_says_what_runs_where_checks_for_real_and_labels_timings(cache_
     drop_in = line_starting(lines, "drop-in, causal:")
     assert drop_in.startswith("drop-in, causal: sdpagraph (XLA backend) vs jax.nn.dot_product_attention "
                               "(implementation='xla'): ")
+    plain = line_starting(lines, "causal: sdpagraph (XLA backend) vs")
+    assert plain.startswith("causal: sdpagraph (XLA backend) vs float64 NumPy reference: ")
     flex = line_starting(lines, "softcap(30) + causal: sdpagraph (XLA backend) vs")
     assert flex.startswith("softcap(30) + causal: sdpagraph (XLA backend) vs float64 NumPy reference: ")
-    for line in (drop_in, flex):
+    for line in (drop_in, plain, flex):
         errors = errors_of(line)
         assert len(errors) == 4 and max(errors) < 1e-4, line  # out, dq, dk, dv
 
-    timing = line_starting(lines, "causal: sdpagraph")
+    [timing] = [line.strip() for line in lines if line.strip().startswith("causal: sdpagraph") and line.endswith(" ms")]
     assert re.fullmatch(r"causal: sdpagraph \(XLA backend\) [\d.]+ ms \| "
                         r"jax\.nn\.dot_product_attention \(implementation='xla'\) [\d.]+ ms", timing), timing
     [flex_timing] = [line.strip() for line in lines if line.strip().startswith("softcap(30) + causal: sdpagraph")
@@ -90,12 +92,17 @@ def test_the_sequence_length_flag_is_honoured_above_the_cpu_default(cache_env, c
 @cpu_only
 def test_a_wrong_result_fails_the_demo(cache_env, capsys, monkeypatch):
     # The NumPy reference is a real check: a reference for another softcap value disagrees.
-    real = demo._numpy_softcap_causal
-    monkeypatch.setattr(demo, "_numpy_softcap_causal", lambda q, k, v, cap: real(q, k, v, cap / 3))
+    real = demo._numpy_causal_attention
+    monkeypatch.setattr(demo, "_numpy_causal_attention", lambda q, k, v, cap: real(q, k, v, cap and cap / 3))
     code, lines, _ = run_demo(capsys, "--seq", "32", *SMALL)
     assert code == 1
-    assert lines[-1].startswith("demo FAILED: error ") and "softcap(30) + causal" in lines[-1]
-    assert "drop-in" not in lines[-1]
+    assert lines[-1].startswith("demo FAILED: error ")
+    assert lines[-1].endswith("in: softcap(30) + causal: sdpagraph (XLA backend) vs float64 NumPy reference")
+    # ... and so is the plain causal one: a reference for other keys disagrees.
+    monkeypatch.setattr(demo, "_numpy_causal_attention",
+                        lambda q, k, v, cap: real(q, k * 1.1 if cap is None else k, v, cap))
+    code, lines, _ = run_demo(capsys, "--seq", "32", *SMALL)
+    assert code == 1 and lines[-1].endswith("in: causal: sdpagraph (XLA backend) vs float64 NumPy reference")
 
 
 def test_default_length_depends_on_the_device_and_a_large_cpu_run_is_announced(cache_env, capsys, monkeypatch):

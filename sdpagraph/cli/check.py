@@ -14,11 +14,14 @@ import argparse
 import json
 import re
 import sys
-from typing import Any, Callable, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
-from sdpagraph.cache import CacheMissError
 from sdpagraph.cache.admin import format_table
-from sdpagraph.deploy.specfile import SpecEntry, SpecFileError, load_entries, parse_entry
+
+if TYPE_CHECKING:
+    from sdpagraph.deploy.specfile import SpecEntry
+# The spec-file reader (and jax) are imported where a command needs them: building the
+# parser, and commands such as `cache`, stay free of jax.
 
 EXIT_USAGE = 2
 # Arguments that argparse would take for options but are values: negative numbers, and
@@ -132,6 +135,8 @@ FIELD_FLAGS = {"shapes": "--query/--key/--value", "dtype": "--dtype", "training"
 
 def entry_from_flags(args: argparse.Namespace) -> SpecEntry:
     """The hand-written spec-file entry the flags describe, parsed like one from a file."""
+    from sdpagraph.deploy.specfile import SpecFileError, parse_entry
+
     key = args.key or args.query
     item: dict[str, Any] = {
         "shapes": {"query": args.query, "key": key, "value": args.value or key},
@@ -160,6 +165,7 @@ def entry_from_flags(args: argparse.Namespace) -> SpecEntry:
 
 def answer(entry: SpecEntry) -> dict[str, Any]:
     """The support answer for one entry, as plain data."""
+    from sdpagraph.cache import CacheMissError
     from sdpagraph.jax_api import cudnn as cudnn_backend  # imports jax; keep the CLI's start fast
 
     try:
@@ -171,6 +177,8 @@ def answer(entry: SpecEntry) -> dict[str, Any]:
 
 
 def _handle_check(args: argparse.Namespace) -> int:
+    from sdpagraph.deploy.specfile import SpecFileError, load_entries
+
     try:
         if args.query is not None:
             if args.specs:

@@ -6,10 +6,11 @@ In order, it shows:
    softcap+causal score_mod (cuDNN where it supports them, else sdpagraph's XLA backend,
    with the reason);
 2. the drop-in check: `sdpagraph.attention(q, k, v, is_causal=True)` against
-   `jax.nn.dot_product_attention`, output and gradients;
-3. the score_mod check: softcap+causal against an independent float64 NumPy reference
-   (forward and a hand-written backward), and, where cuDNN runs it, against sdpagraph's
-   XLA backend;
+   `jax.nn.dot_product_attention`, output and gradients (on a GPU both may run the same
+   cuDNN kernel, so the same call is also checked against the reference below);
+3. accuracy: plain causal and softcap+causal against an independent float64 NumPy
+   reference (forward and a hand-written backward), and, where cuDNN runs the score_mod,
+   against sdpagraph's XLA backend;
 4. forward+backward timings, each labelled with the implementation that ran;
 5. the graph cache: its directory and mode, and what this run built or loaded.
 
@@ -129,14 +130,17 @@ def run_demo(batch: int = 2, seq: int | None = None, heads: int = 8, head_dim: i
     timings: list[tuple[str, list[tuple[str, Callable]]]] = []
     print(f"\nchecks: relative L2 error of out, dq, dk, dv (tolerance {tolerance:g} in {dtype_name}):")
 
+    inputs64 = [np.asarray(x, np.float64) for x in (q, k, v)]
     name, fn = ours("causal", causal)
     jax_name, jax_fn = _jax_reference(q, k, v, on_gpu)
     checks.append((f"drop-in, causal: {name} vs {jax_name}", _compare(fn(q, k, v), jax_fn(q, k, v))))
+    checks.append((f"causal: {name} vs float64 NumPy reference",
+                   _compare(fn(q, k, v), _numpy_causal_attention(*inputs64, cap=None))))
     timings.append(("causal", [(name, fn), (jax_name, jax_fn)]))
 
     flex_name, flex_fn = ours(flex_label, flex)
-    reference = _numpy_softcap_causal(*(np.asarray(x, np.float64) for x in (q, k, v)), SOFTCAP)
-    checks.append((f"{flex_label}: {flex_name} vs float64 NumPy reference", _compare(flex_fn(q, k, v), reference)))
+    checks.append((f"{flex_label}: {flex_name} vs float64 NumPy reference",
+                   _compare(flex_fn(q, k, v), _numpy_causal_attention(*inputs64, cap=SOFTCAP))))
     flex_timings = [(flex_name, flex_fn)]
     if supports[flex_label].supported:  # cuDNN ran it: also against the XLA backend on the same device
         xla_name, xla_fn = ours(flex_label, flex, implementation="xla")
@@ -208,10 +212,10 @@ def _compare(got: Any, want: Any) -> list[float]:
     return errors
 
 
-def _numpy_softcap_causal(q: Any, k: Any, v: Any, cap: float) -> tuple[Any, tuple[Any, Any, Any]]:
+def _numpy_causal_attention(q: Any, k: Any, v: Any, cap: float | None) -> tuple[Any, tuple[Any, Any, Any]]:
     """float64 reference, written from the definitions: out = softmax(mask(cap * tanh(s / cap))) v
-    with s = q k^T / sqrt(H) and a top-left causal mask; gradients of sum(out**2), derived by hand.
-    One (batch, head) at a time, so memory stays O(T*S)."""
+    (without `cap`: softmax(mask(s)) v) with s = q k^T / sqrt(H) and a top-left causal mask;
+    gradients of sum(out**2), derived by hand. One (batch, head) at a time: memory stays O(T*S)."""
     import numpy as np
 
     batch, q_len, heads, head_dim = q.shape
@@ -221,14 +225,17 @@ def _numpy_softcap_causal(q: Any, k: Any, v: Any, cap: float) -> tuple[Any, tupl
     for b in range(batch):
         for n in range(heads):
             qh, kh, vh = q[b, :, n], k[b, :, n], v[b, :, n]
-            t = np.tanh(scale * qh @ kh.T / cap)
-            logits = np.where(allowed, cap * t, -np.inf)
+            scores = scale * qh @ kh.T
+            t = np.tanh(scores / cap) if cap is not None else None
+            logits = np.where(allowed, scores if t is None else cap * t, -np.inf)
             p = np.exp(logits - logits.max(axis=-1, keepdims=True))
             p /= p.sum(axis=-1, keepdims=True)
             o = p @ vh
             do = 2.0 * o  # d sum(out**2) / d out
             dp = do @ vh.T
-            ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True)) * (1.0 - t**2)  # softmax, then softcap
+            ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))  # through the softmax
+            if t is not None:
+                ds *= 1.0 - t**2  # and the softcap
             out[b, :, n], dv[b, :, n] = o, p.T @ do
             dq[b, :, n], dk[b, :, n] = scale * ds @ kh, scale * ds.T @ qh
     return out, (dq, dk, dv)

@@ -8,12 +8,15 @@ import signal
 import sys
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from sdpagraph.cli.check import add_command_parser, fail
-from sdpagraph.deploy.precompile import BuilderUnavailable, PrecompileReport, precompile, without_gpu_preallocation
-from sdpagraph.deploy.verify import VerifyReport, precompile_command, verify
-from sdpagraph.deploy.specfile import SpecEntry, SpecFileError, load_entries
+
+if TYPE_CHECKING:
+    from sdpagraph.deploy.precompile import PrecompileReport
+    from sdpagraph.deploy.specfile import SpecEntry
+    from sdpagraph.deploy.verify import VerifyReport
+# sdpagraph.deploy (and jax) are imported by the handlers: building the parser stays light.
 
 EXIT_CANNOT_RUN = 2
 EXIT_INTERRUPTED = 130
@@ -51,6 +54,8 @@ def add_verify_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _handle_precompile(args: argparse.Namespace) -> int:
+    from sdpagraph.deploy.precompile import precompile
+
     try:
         with _terminate_as_interrupt():
             return _run(args, "precompile", lambda entries: precompile(entries, args.cache_dir, jobs=args.jobs,
@@ -64,6 +69,8 @@ def _handle_precompile(args: argparse.Namespace) -> int:
 
 
 def _handle_verify(args: argparse.Namespace) -> int:
+    from sdpagraph.deploy.verify import precompile_command, verify
+
     def run(entries: list[SpecEntry]) -> VerifyReport:
         report = verify(entries, args.cache_dir)
         # verify() got entries, not paths: the command that fixes the directory names the files.
@@ -75,6 +82,9 @@ def _handle_verify(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, command: str,
          run: Callable[[list[SpecEntry]], PrecompileReport | VerifyReport]) -> int:
     """Check the spec files and the directory, then run; errors are one line (and JSON with --json)."""
+    from sdpagraph.deploy.precompile import BuilderUnavailable, without_gpu_preallocation
+    from sdpagraph.deploy.specfile import SpecFileError, load_entries
+
     prog = f"sdpagraph {command}"
     without_gpu_preallocation()
     try:
