@@ -7,6 +7,13 @@ Scalar values (a softcap, a prefix length) are bound at execution time: changing
 them reuses the compiled cuDNN graph. Array values (ALiBi slopes, a relative-bias
 table) become graph operands; they are constants for differentiation.
 
+Values may be traced (`mods.softcap(cap)` inside `jax.jit` with `cap` an argument):
+a traced scalar becomes a `(1, 1, 1, 1)` device operand, so its value never enters a
+graph key. Traced values are constants for differentiation too, and their values
+cannot be checked (`cap > 0`) when the mod is made. Sizes that shape the mask
+(`sliding_window`, `chunked`, `relative_position_bias`'s `max_distance`) must be
+Python ints.
+
     >>> mod = mods.compose(mods.softcap(30.0), mods.alibi(slopes), mods.causal())
 
 Masking mods replace disallowed scores with `MASKED_SCORE`, a large finite
@@ -14,9 +21,12 @@ negative number: such a key gets zero weight.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sdpagraph.graphs.ir import FLOAT, INT, BOOL
@@ -43,6 +53,22 @@ class ScoreMod:
         return f"<ScoreMod {self.name}>"
 
 
+def _is_traced(value: Any) -> bool:
+    """Whether `value` is (or holds) a jax tracer: its values are unknown while jit traces."""
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(value))
+
+
+def _static_size(value: Any, what: str) -> int:
+    """A size that shapes the mask: a Python int, never a traced value."""
+    if _is_traced(value):
+        raise TypeError(f"{what} must be a Python int, got a traced value: it shapes the mask, which is "
+                        "part of the graph; pass it as a static argument of jax.jit (static_argnums)")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be a Python int, got {type(value).__name__}") from None
+
+
 def _typed(tensor: Any, dtype: str) -> Any:
     """Explicit types on every intermediate: cuDNN declines backward graphs without them."""
     return tensor.set_data_type({FLOAT: "FLOAT", INT: "INT32", BOOL: "BOOLEAN"}[dtype])
@@ -61,20 +87,29 @@ def mask_where(graph: Any, score: Any, keep: Any) -> Any:
 
 
 def softcap(cap: float) -> ScoreMod:
-    """`cap * tanh(score / cap)` (Gemma-2 logit soft-capping)."""
-    if not cap > 0:
+    """`cap * tanh(score / cap)` (Gemma-2 logit soft-capping).
+
+    `cap` is a number (bound at execution) or a traced jax scalar (a device operand; not
+    checked for > 0)."""
+    traced = _is_traced(cap)
+    if traced:
+        if jnp.ndim(cap) != 0:
+            raise ValueError(f"softcap cap must be a scalar, got shape {jnp.shape(cap)}")
+    elif not cap > 0:
         raise ValueError(f"softcap cap must be > 0, got {cap}")
 
     def fn(graph, score, tensors):
         pre = _typed(graph.div(a=score, b=tensors["cap"]), FLOAT)
         return _typed(graph.mul(a=_typed(graph.tanh(input=pre), FLOAT), b=tensors["cap"]), FLOAT)
 
+    if traced:
+        return ScoreMod(fn, {"cap": jnp.asarray(cap, jnp.float32)}, name="softcap(traced)")
     return ScoreMod(fn, {"cap": float(cap)}, name=f"softcap({cap})")
 
 
 def alibi(slopes: Any) -> ScoreMod:
-    """ALiBi: `score + slope[h] * (key_pos - query_pos)`; slopes of shape (N,)."""
-    slopes = np.asarray(slopes, dtype=np.float32)
+    """ALiBi: `score + slope[h] * (key_pos - query_pos)`; slopes of shape (N,) (may be traced)."""
+    slopes = (jnp if _is_traced(slopes) else np).asarray(slopes, dtype=np.float32)
     if slopes.ndim != 1:
         raise ValueError(f"alibi slopes must have shape (N,), got {slopes.shape}")
 
@@ -96,7 +131,8 @@ def relative_position_bias(table: Any, max_distance: int) -> ScoreMod:
     `key_pos - query_pos >= d`, that is `min(max(distance - d + 1, 0), 1)` times the step.
     Distances beyond ±D keep the end columns. It costs 5 ops per column: keep D modest.
     """
-    table = np.asarray(table, dtype=np.float32)
+    max_distance = _static_size(max_distance, "relative_position_bias max_distance")
+    table = (jnp if _is_traced(table) else np).asarray(table, dtype=np.float32)  # a table may be traced
     if max_distance < 0 or table.ndim != 2 or table.shape[1] != 2 * max_distance + 1:
         raise ValueError(f"table must have shape (N, 2*max_distance+1)=(N, {2 * max_distance + 1}), got {table.shape}")
     per_head = lambda column: column.reshape(1, -1, 1, 1)  # noqa: E731
@@ -129,6 +165,8 @@ def causal() -> ScoreMod:
 
 def sliding_window(left: int, right: int = 0) -> ScoreMod:
     """Keys with `q - left <= k <= q + right` (-1 leaves a side open)."""
+    left = _static_size(left, "sliding_window left")
+    right = _static_size(right, "sliding_window right")
     for side, value in (("left", left), ("right", right)):
         if value < UNBOUNDED:
             raise ValueError(f"sliding_window {side} must be >= 0 (or -1 for unbounded), got {value}")
@@ -142,6 +180,7 @@ def sliding_window(left: int, right: int = 0) -> ScoreMod:
 
 def chunked(size: int) -> ScoreMod:
     """Llama-4 chunked attention: keys in the same block of `size` positions as the query."""
+    size = _static_size(size, "chunked size")
     if size <= 0:
         raise ValueError(f"chunked size must be > 0, got {size}")
 
@@ -157,9 +196,11 @@ def prefix_lm(prefix_len: Any) -> ScoreMod:
     `prefix_len` is an int or a (B,) array of per-row lengths. Written as one integer
     comparison, `key_pos <= max(query_pos, prefix_len - 1)`, with the length as an int32
     operand (cuDNN 9.19 runs no engine for comparisons against pass-by-value scalars).
+    A traced length (or array of them) works too; its values are not checked.
     """
-    lengths = np.asarray(prefix_len, dtype=np.int32)
-    if lengths.ndim > 1 or np.any(lengths < 0):
+    traced = _is_traced(prefix_len)
+    lengths = (jnp if traced else np).asarray(prefix_len, dtype=np.int32)
+    if lengths.ndim > 1 or (not traced and np.any(lengths < 0)):
         raise ValueError(f"prefix_lm prefix_len must be an int >= 0 or a (B,) array of them, got {prefix_len!r}")
 
     def fn(graph, score, tensors):
@@ -167,7 +208,8 @@ def prefix_lm(prefix_len: Any) -> ScoreMod:
         last_visible = _typed(graph.max(input0=q, input1=tensors["last_prefix"]), INT)
         return mask_where(graph, score, _typed(graph.cmp_ge(input=last_visible, comparison=k), BOOL))
 
-    return ScoreMod(fn, {"last_prefix": (lengths - 1).reshape(-1, 1, 1, 1)}, name=f"prefix_lm({prefix_len})")
+    name = "prefix_lm(traced)" if traced else f"prefix_lm({prefix_len})"
+    return ScoreMod(fn, {"last_prefix": (lengths - 1).reshape(-1, 1, 1, 1)}, name=name)
 
 
 def compose(*mods: Callable) -> ScoreMod:

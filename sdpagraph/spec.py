@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import operator
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,13 @@ class AttentionSpec:
     @property
     def has_padding(self) -> bool:
         return self.has_q_lengths or self.has_kv_lengths
+
+    @property
+    def empty_axes(self) -> tuple[str, ...]:
+        """The axes of size 0 among B, T, S, N: such a call has nothing to compute (jax gives an
+        empty result, or zeros when S is 0)."""
+        sizes = (("B", self.batch), ("T", self.q_len), ("S", self.kv_len), ("N", self.num_heads))
+        return tuple(axis for axis, size in sizes if size == 0)
 
     @property
     def has_position_mask(self) -> bool:
@@ -176,12 +184,17 @@ def normalize_window(local_window_size: Any) -> tuple[int, int]:
 
 
 def _broadcast_4d(shape: tuple[int, ...], target: tuple[int, int, int, int], argname: str) -> tuple[int, int, int, int]:
-    if len(shape) != 4:
-        raise ValueError(f"{argname} must be 4-D and broadcastable to (B, N, T, S)={target}, got shape {shape}")
-    for size, want in zip(shape, target):
+    """`shape` as jax.nn.dot_product_attention reads a bias or mask: left-padded with 1s to 4-D
+    (`(S,)`, `(T, S)`, `(N, T, S)` all work, for 3-D unbatched queries too), then each axis 1 or full."""
+    if len(shape) > 4:
+        raise ValueError(f"{argname} has rank {len(shape)}, shape {shape}; it must have at most 4 dims and "
+                         f"broadcast to (B, N, T, S)={target}")
+    shape4 = (1,) * (4 - len(shape)) + tuple(shape)
+    for size, want, axis in zip(shape4, target, "BNTS"):
         if size not in (1, want):
-            raise ValueError(f"{argname} shape {shape} is not broadcastable to (B, N, T, S)={target}")
-    return shape  # type: ignore[return-value]
+            raise ValueError(f"{argname} shape {shape} is not broadcastable to (B, N, T, S)={target}: axis {axis} "
+                             f"has size {size}, which must be 1 or {want} (lower ranks are left-padded with 1s, as jax does)")
+    return shape4  # type: ignore[return-value]
 
 
 def _concrete_values(x: Any) -> np.ndarray | None:
@@ -202,11 +215,45 @@ def _check_lengths(x: Any, batch: int, limit: int, argname: str) -> None:
     if not np.issubdtype(np.dtype(_dtype_name(x, argname)), np.integer):
         raise TypeError(f"{argname} must be an integer array, got dtype {_dtype_name(x, argname)}")
     values = _concrete_values(x)
-    if values is not None and (values.min() < 0 or values.max() > limit):
+    if values is not None and values.size and (values.min() < 0 or values.max() > limit):
         raise ValueError(f"{argname} must lie in [0, {limit}], got values in [{values.min()}, {values.max()}]")
 
 
-def _segment_mode(segment_ids: Any, batch: int, q_len: int, kv_len: int) -> str | None:
+def segment_counts(ids: np.ndarray) -> np.ndarray:
+    """(B,) segments per row of concrete ids: maximal runs of one nonzero id (`jax_api.segments`)."""
+    ids = np.asarray(ids)
+    previous = np.concatenate([np.zeros_like(ids[:, :1]), ids[:, :-1]], axis=1)
+    return np.sum((ids != 0) & (ids != previous), axis=1)
+
+
+CHECK_SEGMENTS_ENV = "SDPAGRAPH_CHECK_SEGMENTS"
+
+
+def segment_checks_enabled() -> bool:
+    """Whether rows with more segments than max_segments_per_seq raise (concrete ids, when the call
+    is made) or are checked when the call runs (traced ids, `jax_api.segments.check_segment_bound`).
+    On unless SDPAGRAPH_CHECK_SEGMENTS is 0, false, off or no (read when a call is made or traced);
+    switched off, those segments are dropped and their query rows give 0."""
+    return os.environ.get(CHECK_SEGMENTS_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def segment_overflow_message(argname: str, row: int, count: int, bound: int) -> str:
+    """The one error text for a row with more segments than `max_segments_per_seq`."""
+    return (f"{argname}: row {row} has {count} segments, more than max_segments_per_seq={bound}; "
+            f"segments past the bound would be dropped: pass max_segments_per_seq >= {count}")
+
+
+def _check_segment_count(argname: str, values: np.ndarray | None, bound: int | None) -> None:
+    if values is None or bound is None or not values.size or not segment_checks_enabled():
+        return
+    counts = segment_counts(values)
+    over = np.flatnonzero(counts > bound)
+    if over.size:
+        row = int(over[0])
+        raise ValueError(segment_overflow_message(argname, row, int(counts[row]), bound))
+
+
+def _segment_mode(segment_ids: Any, batch: int, q_len: int, kv_len: int, bound: int | None = None) -> str | None:
     if segment_ids is None:
         return None
     if isinstance(segment_ids, (tuple, list)):
@@ -230,6 +277,10 @@ def _segment_mode(segment_ids: Any, batch: int, q_len: int, kv_len: int) -> str 
         values = _concrete_values(ids)
         if values is not None and values.size and values.min() < 0:
             raise ValueError(f"{argname} must be >= 0 (0 marks padding), got {values.min()}")
+        if argname != "segment_ids[1]":
+            # Query rows past the bound would give zeros. Key segments past it need no check: the
+            # k-th key segment pairs with the k-th query segment, which is then past it too.
+            _check_segment_count(argname, values, bound)
     return mode
 
 
@@ -288,6 +339,8 @@ def normalize_arguments(
     if dtype not in DTYPES:
         raise TypeError(f"query dtype must be one of {DTYPES}, got {dtype}")
 
+    if head_dim == 0:
+        raise ValueError(f"the head dim H of query and key is 0 (query shape {shapes['query']}); it must be >= 1")
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     elif not isinstance(scale, (int, float, np.floating, np.integer)) or isinstance(scale, bool):
@@ -297,11 +350,11 @@ def normalize_arguments(
     full = (batch, num_heads, q_len, kv_len)
     bias_shape = mask_shape = None
     if bias is not None:
-        bias_shape = _broadcast_4d((1,) + _shape(bias, "bias") if unbatched else _shape(bias, "bias"), full, "bias")
+        bias_shape = _broadcast_4d(_shape(bias, "bias"), full, "bias")
         if _dtype_name(bias, "bias") not in DTYPES:
             raise TypeError(f"bias dtype must be floating, got {_dtype_name(bias, 'bias')}")
     if mask is not None:
-        mask_shape = _broadcast_4d((1,) + _shape(mask, "mask") if unbatched else _shape(mask, "mask"), full, "mask")
+        mask_shape = _broadcast_4d(_shape(mask, "mask"), full, "mask")
         if _dtype_name(mask, "mask") != "bool":
             raise TypeError(f"mask must be a boolean array (True = attend); pass additive masks as bias, got {_dtype_name(mask, 'mask')}")
 
@@ -314,15 +367,17 @@ def normalize_arguments(
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size}")
 
-    segments = _segment_mode(segment_ids, batch, q_len, kv_len)
+    bound = None  # the user's max_segments_per_seq; the default, T, is always enough
+    if segment_ids is not None and max_segments_per_seq is not None:
+        bound = _static_int(max_segments_per_seq, "max_segments_per_seq")
+        if bound <= 0:
+            raise ValueError(f"max_segments_per_seq must be a positive int, got {bound}")
+    segments = _segment_mode(segment_ids, batch, q_len, kv_len, bound)
     max_segments = 0
     if segments is not None:
-        if max_segments_per_seq is None:
-            max_segments = q_len  # always enough; pass a bound to keep THD metadata small
-        else:
-            max_segments = _static_int(max_segments_per_seq, "max_segments_per_seq")
-            if max_segments <= 0:
-                raise ValueError(f"max_segments_per_seq must be a positive int, got {max_segments}")
+        # Without a bound: T, always enough for the query ids (a key segment past the T-th has no
+        # query segment to attend to it). Pass a bound to keep THD metadata small.
+        max_segments = q_len if bound is None else bound
         if query_seq_lengths is not None or key_value_seq_lengths is not None:
             raise ValueError("pass either segment_ids or query_seq_lengths/key_value_seq_lengths, not both: padding is segment id 0")
     elif max_segments_per_seq is not None:

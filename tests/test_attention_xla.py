@@ -161,7 +161,8 @@ def test_packed_self_attention(rng, dtype, extra):
     check_against_reference(rng, dtype, ref_mask=mask, segment_ids=jnp.asarray(ids), **extra)
 
 
-def test_packed_cross_attention_bottom_right_and_overflow(rng):
+def test_packed_cross_attention_bottom_right_and_overflow(rng, monkeypatch):
+    monkeypatch.setenv("SDPAGRAPH_CHECK_SEGMENTS", "0")  # the query's third segment is dropped, not an error
     q_ids = np.array([[1, 1, 1, 2, 2, 3, 3, 3, 0, 0, 0, 0]] * 2, np.int32)
     kv_ids = np.array([[1, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 0, 0, 0, 0, 0]] * 2, np.int32)
     mask = ref.allowed(2, 12, 16, is_causal=True, alignment="bottom_right", q_ids=q_ids, kv_ids=kv_ids, max_segments=2)

@@ -93,6 +93,8 @@ def test_dense_twin_matches_the_packed_call_on_xla(name, monkeypatch):
         kwargs["mask"] = jnp.asarray(rng.random((2, 1, 48, 48)) < 0.7)
     if name == "bias":
         kwargs["bias"] = jnp.asarray(rng.standard_normal((1, 4, 48, 48)), jnp.float32)
+    if name == "dropped_segments":
+        monkeypatch.setenv("SDPAGRAPH_CHECK_SEGMENTS", "0")  # dropping them is what this case tests
     (q, k, v), call = call_for(rng, **kwargs)
     dense = graph_spec(call.spec, call.score_mod)
     assert dense.segment_mask and dense.segments is None and dense.causal_alignment == "top_left"
@@ -118,7 +120,8 @@ def folded(**kwargs):
     return folds_segments(call.spec, call.score_mod)
 
 
-def test_which_packed_calls_fold():
+def test_which_packed_calls_fold(monkeypatch):
+    monkeypatch.setenv("SDPAGRAPH_CHECK_SEGMENTS", "0")  # max_segments=2 below drops segments
     assert folded(score_mod=mods.softcap(5.0))
     assert folded(is_causal=True, score_mod=mods.softcap(5.0), local_window_size=(4, 0))
     assert not folded(is_causal=True)  # the packed layout takes it: O(T) metadata, no bias

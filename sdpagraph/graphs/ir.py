@@ -56,6 +56,30 @@ class ScoreModError(TypeError):
     """A score_mod callback did something the recorder cannot represent."""
 
 
+# jax.numpy / NumPy / jax.nn names -> the pygraph op a graph score_mod calls instead.
+_ARRAY_API_OPS = {
+    "absolute": "abs", "negative": "neg", "maximum": "max", "minimum": "min", "where": "binary_select",
+    "subtract": "sub", "multiply": "mul", "divide": "div", "true_divide": "div", "power": "pow",
+    "fmod": "mod", "remainder": "mod", "equal": "cmp_eq", "not_equal": "cmp_neq", "greater": "cmp_gt",
+    "greater_equal": "cmp_ge", "less": "cmp_lt", "less_equal": "cmp_le", "arange": "gen_index",
+}
+
+
+def array_api_error(function: str | None, detail: str) -> ScoreModError:
+    """The error for a score_mod that called jax.numpy (or NumPy, jax.nn) on a graph tensor: a graph
+    score_mod records cuDNN pointwise ops, so it must call the graph's op of that name."""
+    op = _ARRAY_API_OPS.get(function or "", function)
+    if op in OP_PARAMS:
+        args = ", ".join(f"{p}=..." for p in OP_PARAMS[op]) + (", axis=2|3" if op == "gen_index" else "")
+        advice = f"call graph.{op}({args}) instead"
+    else:
+        advice = (f"call the graph's ops instead (graph.tanh(input=score) for jnp.tanh(score); "
+                  f"ops: {', '.join(sorted(OP_PARAMS))}) or Python operators")
+    called = "a jax.numpy/NumPy function" if function is None else f"{function}()"
+    return ScoreModError(f"score_mod called {called} on a graph tensor; a graph score_mod records cuDNN ops, "
+                         f"not jax.numpy: {advice} [{detail}]")
+
+
 def parse_data_type(value: Any) -> str:
     """cuDNN data-type enums or strings -> FLOAT / INT / BOOL."""
     text = str(getattr(value, "name", value)).lower().rsplit(".", 1)[-1]

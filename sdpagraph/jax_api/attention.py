@@ -121,8 +121,10 @@ def attention(
       query: `(B, T, N, H)` (or `(T, N, H)`), float32 / bfloat16 / float16.
       key: `(B, S, K, H)`; N must be a multiple of K (GQA / MQA).
       value: `(B, S, K, H_v)`.
-      bias: additive bias broadcastable to `(B, N, T, S)`; differentiable.
-      mask: boolean, broadcastable to `(B, N, T, S)`; True means attend.
+      bias: additive bias broadcastable to `(B, N, T, S)`; differentiable. As in jax, a
+        lower rank is left-padded with 1s: `(S,)`, `(T, S)`, `(N, T, S)` (also with 3-D
+        unbatched inputs), a scalar; every other axis must be 1 or full.
+      mask: boolean, broadcastable to `(B, N, T, S)` the same way; True means attend.
       scale: logit scale, default `1 / sqrt(H)`.
       is_causal: causal mask, aligned by `causal_alignment`.
       query_seq_lengths / key_value_seq_lengths: `(B,)` int32 valid lengths (padding).
@@ -139,8 +141,13 @@ def attention(
         a contiguous run of one id; the k-th query segment attends to the k-th key
         segment only. Causal, windows, chunks and score_mod positions count from each
         segment's start.
-      max_segments_per_seq: static bound on segments per row (default: T). Segments
-        past it are treated as padding.
+      max_segments_per_seq: static bound on segments per row (default: T, always
+        enough). A row of query ids with more segments raises `ValueError` (with the row,
+        its count and the bound) when the ids are concrete. Under `jit` the ids are
+        checked when the call runs (O(B*T) and one host callback; the error arrives as
+        a `jax.errors.JaxRuntimeError` with that message). `SDPAGRAPH_CHECK_SEGMENTS=0`
+        switches both checks off; segments past the bound are then dropped (their
+        query rows give 0).
       chunk_size: Llama-4 chunked attention: only keys in the same chunk of
         `chunk_size` positions (per segment when packed); combines with `is_causal`.
       score_mod: `score_mod(graph, score, tensors) -> tensor`, an elementwise change of
@@ -151,6 +158,10 @@ def attention(
         NumPy scalars are bound at execution (a new value does not rebuild a cuDNN
         graph); arrays broadcastable to `(B, N, T, S)` become operands and are
         constants for differentiation (use `bias` for a differentiable additive term).
+        jax scalars (traced under `jit`, e.g. `mods.softcap(cap)` with `cap` an
+        argument) are `(1, 1, 1, 1)` array operands: no new graph per value, and
+        constants for differentiation too. A mod reading a name it was not given
+        raises a `KeyError` that is also a `ValueError`, naming the missing tensor.
       score_mod_bprop: `score_mod_bprop(graph, dscore, tensors) -> tensor`, the gradient
         through the mod. Derived automatically when omitted.
       training: False selects cuDNN's inference graph (no softmax stats) when no
@@ -158,6 +169,9 @@ def attention(
 
     Returns:
       `(B, T, N, H_v)` in the input dtype (and the logsumexp if `return_residual`).
+      With an empty axis (B, T, S or N of 0) it returns what jax does: an empty
+      array, or zeros (logsumexp -inf) when S is 0, from the XLA backend whatever
+      `implementation` says.
     """
     call = prepare_call(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
@@ -167,6 +181,8 @@ def attention(
         max_segments_per_seq=max_segments_per_seq, chunk_size=chunk_size, score_mod=score_mod,
         score_mod_tensors=score_mod_tensors, score_mod_bprop=score_mod_bprop,
     )
+    if call.spec.empty_axes:  # nothing to compute (no graph to build): jax's empty or zero result
+        implementation = "xla"
     if implementation != "xla":
         _notify_listeners(call, training)
     q, k, v = (as_4d(x, call.unbatched) for x in (query, key, value))
@@ -197,6 +213,9 @@ def check_support(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
     call = prepare_call(query, key, value, bias, mask, **kwargs)
     if implementation == "xla":
         return Support(False, "xla", "implementation='xla' was requested")
+    if call.spec.empty_axes:
+        return Support(False, "xla", f"axis {', '.join(call.spec.empty_axes)} has size 0: nothing to compute; "
+                                     "attention returns jax's empty (or zero) result from the XLA backend")
     support = _cudnn_support(call, training, raise_on_miss=False)
     if not support.supported and implementation != "cudnn":
         return Support(False, "xla", support.reason)

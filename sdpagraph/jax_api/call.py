@@ -5,8 +5,12 @@ spec-file reader (`deploy.specfile`), so the two can never disagree about what a
 """
 from __future__ import annotations
 
+import linecache
 import numbers
+import os
+import re
 import threading
+import traceback
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -15,9 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdpagraph.graphs.ir import FLOAT, INT, ScoreModIR
+from sdpagraph.graphs.ir import FLOAT, INT, ScoreModError, ScoreModIR, array_api_error
 from sdpagraph.graphs.trace import TensorInfo, trace_score_mod
 from sdpagraph.cache.memory import BoundedMemo
+from sdpagraph.jax_api.segments import check_segment_bound, segment_checks_enabled
 from sdpagraph.spec import AttentionSpec, normalize_arguments
 
 
@@ -46,8 +51,19 @@ class PreparedCall:
     unbatched: bool
 
 
+class MissingTensorError(KeyError, ValueError):
+    """A score_mod read a tensor name that neither score_mod_tensors nor the mod carries."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return str(self.args[0])
+
+
 def _mod_tensor_info(name: str, value: Any, full: tuple[int, int, int, int]) -> tuple[TensorInfo, Any]:
-    """Classify one score_mod_tensors entry: Python/NumPy scalar -> bound scalar, else an operand."""
+    """Classify one score_mod_tensors entry: Python/NumPy scalar -> bound scalar, else an operand.
+
+    A jax scalar (a traced one under `jit`, or a concrete 0-d array) is a (1, 1, 1, 1) array
+    operand: its value never enters a graph key, and cuDNN reads it from device memory.
+    Operands are stored as float32 or int32, the types the graph declares for them."""
     if isinstance(value, (numbers.Number, np.generic)) or (isinstance(value, np.ndarray) and value.ndim == 0):
         scalar = value.item() if hasattr(value, "item") else value
         if isinstance(scalar, (bool, complex)):
@@ -65,9 +81,13 @@ def _mod_tensor_info(name: str, value: Any, full: tuple[int, int, int, int]) -> 
     kind = np.dtype(value.dtype)
     if kind == np.bool_:
         raise TypeError(f"score_mod_tensors[{name!r}] is boolean; pass boolean masks as mask= or as 0/1 int32")
+    if not (np.issubdtype(kind, np.integer) or np.issubdtype(kind, np.floating) or kind.name == "bfloat16"):
+        raise TypeError(f"score_mod_tensors[{name!r}] must hold real numbers, got dtype {kind.name}")
     dtype = INT if np.issubdtype(kind, np.integer) else FLOAT
-    reshape = np.reshape if isinstance(value, np.ndarray) else jnp.reshape  # NumPy stays on the host
-    return TensorInfo("array", dtype, shape4), reshape(value, shape4)
+    storage = np.int32 if dtype == INT else np.float32
+    if isinstance(value, np.ndarray):  # NumPy stays on the host
+        return TensorInfo("array", dtype, shape4), np.reshape(value, shape4).astype(storage, copy=False)
+    return TensorInfo("array", dtype, shape4), jnp.reshape(value, shape4).astype(storage)
 
 
 def _record_mod(score_mod, score_mod_tensors, score_mod_bprop, spec: AttentionSpec):
@@ -77,8 +97,13 @@ def _record_mod(score_mod, score_mod_tensors, score_mod_bprop, spec: AttentionSp
         return None, {}, {}
     if not callable(score_mod):
         raise TypeError(f"score_mod must be callable (graph, score, tensors) -> tensor, got {type(score_mod).__name__}")
+    if score_mod_tensors is not None and not isinstance(score_mod_tensors, Mapping):
+        raise TypeError("score_mod_tensors must be a mapping of names to values, e.g. {'cap': 30.0}, "
+                        f"got {type(score_mod_tensors).__name__}")
     values = dict(getattr(score_mod, "tensors", {}))
     for name, value in (score_mod_tensors or {}).items():
+        if not isinstance(name, str):
+            raise TypeError(f"score_mod_tensors keys must be str names, got {name!r}")
         if name in values:
             raise ValueError(f"score_mod_tensors[{name!r}] clashes with a tensor the score_mod carries")
         values[name] = value
@@ -98,6 +123,7 @@ def _record_mod(score_mod, score_mod_tensors, score_mod_bprop, spec: AttentionSp
 # Weak in the function (a dropped mod takes its traces with it), bounded per function, locked.
 _traces: "weakref.WeakKeyDictionary[Callable, BoundedMemo]" = weakref.WeakKeyDictionary()
 _traces_lock = threading.Lock()
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # sdpagraph/
 TRACES_PER_FUNCTION = 64
 
 
@@ -107,12 +133,62 @@ def _traced(score_mod: Callable, infos: dict[str, TensorInfo], bprop: Callable |
         with _traces_lock:
             per_function = _traces.setdefault(score_mod, BoundedMemo(TRACES_PER_FUNCTION))
     except TypeError:  # not weak-referenceable: trace every time
+        return _trace(score_mod, infos, bprop)
+    return per_function.get_or_compute(signature, lambda: _trace(score_mod, infos, bprop))
+
+
+_ARRAY_CALL = re.compile(r"\b(?:jnp|np|numpy|jax\.numpy|jax\.nn|nn|lax|jax\.lax)\.(\w+)\s*\(")
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, np))
+
+
+def _array_function_called(err: BaseException) -> str | None:
+    """The jax.numpy/NumPy function a score_mod's failing line calls (its innermost own frame)."""
+    line = None
+    for frame, lineno in traceback.walk_tb(err.__traceback__):
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_LIBRARY_DIRS) and not filename.startswith(_PACKAGE_DIR):
+            line = linecache.getline(filename, lineno)
+    match = _ARRAY_CALL.search(line or "")
+    return match.group(1) if match else None
+
+
+def _trace(score_mod: Callable, infos: dict[str, TensorInfo], bprop: Callable | None) -> ScoreModIR:
+    """`trace_score_mod`, with clear errors when the mod reads a tensor name it was not given or
+    hands a graph tensor to jax.numpy / NumPy."""
+    try:
         return trace_score_mod(score_mod, infos, bprop)
-    return per_function.get_or_compute(signature, lambda: trace_score_mod(score_mod, infos, bprop))
+    except ScoreModError:
+        raise
+    except (TypeError, ValueError) as err:
+        if "ModTensor" not in str(err):
+            raise
+        raise array_api_error(_array_function_called(err), f"{type(err).__name__}: {err}") from err
+    except KeyError as err:
+        name = err.args[0] if len(err.args) == 1 else None
+        if not isinstance(name, str) or name in infos:
+            raise
+        given = ", ".join(repr(n) for n in sorted(infos)) or "none"
+        raise MissingTensorError(
+            f"score_mod read tensors[{name!r}] (KeyError), a tensor it was not given (tensors given: {given}); "
+            f"pass score_mod_tensors={{{name!r}: value}}") from err
 
 
 def as_4d(x: Any, unbatched: bool) -> Any:
     return None if x is None else (jnp.asarray(x)[None] if unbatched else jnp.asarray(x))
+
+
+def _array_like(x: Any) -> Any:
+    """A bias or mask given as a Python number or (nested) list, as jax accepts: a jax array."""
+    return x if x is None or hasattr(x, "shape") else jnp.asarray(x)
+
+
+def _check_segments_at_run_time(q_ids: Any, max_segments_per_seq: Any, spec: AttentionSpec) -> None:
+    """Traced query ids cannot be counted when the call is made (`normalize_arguments` counts
+    concrete ones): check the bound when the call runs (`segments.check_segment_bound`)."""
+    if (q_ids is None or max_segments_per_seq is None or not isinstance(q_ids, jax.core.Tracer)
+            or not segment_checks_enabled()):
+        return
+    check_segment_bound(q_ids, spec.max_segments, "segment_ids" if spec.segments == "self" else "segment_ids[0]")
 
 
 def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
@@ -120,7 +196,12 @@ def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_caus
                  implementation=None, causal_alignment="top_left", segment_ids=None,
                  max_segments_per_seq=None, chunk_size=None, score_mod=None, score_mod_tensors=None,
                  score_mod_bprop=None) -> PreparedCall:
-    """Validate everything and record the score_mod; arrays may be ShapeDtypeStructs."""
+    """Validate everything and record the score_mod; arrays may be ShapeDtypeStructs.
+
+    The bias and mask come back 4-D (`spec.bias_shape` / `spec.mask_shape`: lower ranks
+    left-padded with 1s, as jax.nn.dot_product_attention reads them), so no backend sees
+    another rank."""
+    bias, mask = _array_like(bias), _array_like(mask)
     call = normalize_arguments(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -131,10 +212,11 @@ def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_caus
     q_ids = kv_ids = None
     if segment_ids is not None:
         q_ids, kv_ids = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
+    _check_segments_at_run_time(q_ids, max_segments_per_seq, call.spec)
     is_array = not isinstance(query, jax.ShapeDtypeStruct)
-    wrap = (lambda x: as_4d(x, call.unbatched)) if is_array else (lambda x: x)
+    wrap = (lambda x, shape: None if x is None else jnp.reshape(jnp.asarray(x), shape)) if is_array else (lambda x, _: x)
     inputs = RuntimeInputs(
-        bias=wrap(bias), mask=wrap(mask),
+        bias=wrap(bias, call.spec.bias_shape), mask=wrap(mask, call.spec.mask_shape),
         q_lengths=query_seq_lengths, kv_lengths=key_value_seq_lengths,
         q_segment_ids=q_ids, kv_segment_ids=kv_ids,
         mod_scalars=scalars, mod_arrays=arrays,

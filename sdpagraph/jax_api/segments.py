@@ -47,6 +47,11 @@ the true, unclipped count so callers can validate without ``checkify``::
     meta = segment_metadata(ids, max_segments)
     overflow = jnp.any(meta.num_segments > max_segments)
 
+``sdpagraph.attention`` does not let that happen silently: concrete ids with
+too many segments raise a ``ValueError`` when the call is made, and traced
+ids (under ``jit``) get ``check_segment_bound``, a run-time check.  Both are
+on unless ``SDPAGRAPH_CHECK_SEGMENTS=0``.
+
 Memory
 ------
 Everything is built from elementwise ops, cumulative sums/maxima along T
@@ -56,14 +61,21 @@ and per-row binary searches for ``M`` values: no ``(T, T)``, ``(T, M)`` or
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from sdpagraph.spec import CHECK_SEGMENTS_ENV, segment_checks_enabled, segment_overflow_message
 
 __all__ = [
+    "CHECK_SEGMENTS_ENV",
     "SegmentMetadata",
+    "check_segment_bound",
+    "segment_checks_enabled",
     "segment_metadata",
     "segment_positions",
     "segment_run_ids",
@@ -203,3 +215,33 @@ def segment_metadata(segment_ids: jax.Array, max_segments: int) -> SegmentMetada
     end = jnp.max(jnp.where(used, seg_end, 0), axis=1, keepdims=True)
     offsets = jnp.concatenate([jnp.where(used, seg_start, end), end], axis=1)
     return SegmentMetadata(seq_lens, offsets, num_segments)
+
+
+# ----------------------------------------------------------------------------- run-time bound check
+
+def _raise_if_over(argname: str, bound: int, row: jax.Array, count: jax.Array) -> None:
+    row, count = np.asarray(row), np.asarray(count)  # (), or a leading batch axis under vmap
+    over = np.flatnonzero(np.ravel(row) >= 0)
+    if over.size:
+        first = over[0]
+        raise ValueError(segment_overflow_message(argname, int(np.ravel(row)[first]), int(np.ravel(count)[first]), bound))
+
+
+def check_segment_bound(segment_ids: jax.Array, max_segments: int, argname: str = "segment_ids") -> None:
+    """Raise `ValueError` at run time when a row of (traced) `segment_ids` has more than
+    `max_segments` segments, which the THD layout would drop.
+
+    Costs O(B * T) on the device and one host callback (`jax.debug.callback`) with two int32 per
+    run. Under `jit` the error surfaces as a `jax.errors.JaxRuntimeError` holding this message,
+    when the result is computed. A host callback ends a CUDA-graph (command buffer) segment of
+    XLA's; `SDPAGRAPH_CHECK_SEGMENTS=0` turns the check off (`segment_checks_enabled`).
+    """
+    _check_segment_ids(segment_ids)
+    bound = _static_count(max_segments)
+    if 0 in segment_ids.shape:
+        return
+    counts = jnp.sum(_run_edges(segment_ids)[0], axis=1, dtype=jnp.int32)
+    first = jnp.argmax(counts > bound).astype(jnp.int32)  # the first row over the bound, if any
+    count = counts[first]
+    row = jnp.where(count > bound, first, -1)
+    jax.debug.callback(functools.partial(_raise_if_over, argname, bound), row, count)

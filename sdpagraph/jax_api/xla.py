@@ -116,7 +116,7 @@ def _dot_precision(dtype: Any) -> Any:
 def _masked_softmax(logits: Any, allowed: Any) -> tuple[Any, Any]:
     """fp32 softmax over keys; rows with no allowed key give zeros (no NaN, no NaN grads)."""
     masked = jnp.where(allowed, logits, -jnp.inf)
-    row_max = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True))
+    row_max = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True, initial=-jnp.inf))  # S = 0: -inf
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     weights = jnp.where(allowed, jnp.exp(masked - row_max), 0.0)
     total = jnp.sum(weights, axis=-1, keepdims=True)
