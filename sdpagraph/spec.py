@@ -23,7 +23,7 @@ import numpy as np
 
 DTYPES = ("float32", "bfloat16", "float16")
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
-IMPLEMENTATIONS = (None, "xla", "cudnn")
+IMPLEMENTATIONS = (None, "xla", "cudnn", "small_seq")
 UNBOUNDED = -1  # a window side that does not limit attention
 # The graphs one spec compiles to: forward (output + softmax stats), backward, and inference
 # (output only, for calls that are not differentiated).

@@ -19,7 +19,9 @@ from sdpagraph.cache.memory import BoundedMemo
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.support import Support
 from sdpagraph.jax_api import cudnn as cudnn_backend
+from sdpagraph.jax_api import dispatch
 from sdpagraph.jax_api.call import PreparedCall, as_4d, prepare_call
+from sdpagraph.jax_api.small_seq import small_seq_attention, small_seq_reason
 from sdpagraph.jax_api.xla import xla_attention
 from sdpagraph.spec import AttentionSpec
 
@@ -74,16 +76,44 @@ def _cudnn_support(call: PreparedCall, training: bool, *, raise_on_miss: bool) -
         return Support(False, "xla", _strict_miss_message(call, miss))
 
 
-def _choose_backend(call: PreparedCall, implementation: str | None, training: bool) -> str:
+def _decide(call: PreparedCall, implementation: str | None, training: bool, *, raise_on_miss: bool) -> Support:
+    """Which backend runs the call, and why: `Support(cuDNN runs it, backend, reason)`.
+
+    `implementation=None` asks `dispatch.choose` for the fastest backend that can run the call
+    (cuDNN is asked, and its graphs built, only when it would win); a forced backend that cannot
+    run the call answers with its reason (cuDNN) or raises ValueError (small_seq).
+    """
     if implementation == "xla":
-        return "xla"
-    support = _cudnn_support(call, training, raise_on_miss=True)
-    if support.supported:
-        return "cudnn"
+        return Support(False, "xla", "implementation='xla' was requested")
+    cudnn_answers: list[Support] = []
+
+    def cudnn() -> Support:
+        cudnn_answers.append(_cudnn_support(call, training, raise_on_miss=raise_on_miss))
+        return cudnn_answers[-1]
+
     if implementation == "cudnn":
-        raise ValueError(f"implementation='cudnn' cannot run {call.spec.summary()}: {support.reason}")
-    _log_once(f"sdpagraph: using the XLA backend for {call.spec.summary()}: {support.reason}")
-    return "xla"
+        return cudnn()
+    small_seq_why = small_seq_reason(call.spec)
+    candidates = {"cudnn": cudnn, "xla": True,
+                  "small_seq": Support(small_seq_why is None, "small_seq", small_seq_why or "")}
+    choice = dispatch.choose(call.spec, candidates, implementation=implementation, training=training,
+                             has_score_mod=call.score_mod is not None)
+    cudnn_answer = cudnn_answers[-1] if cudnn_answers else None
+    if choice.backend == "cudnn":
+        return cudnn_answer
+    if choice.backend == "xla" and cudnn_answer is not None and not cudnn_answer.supported:
+        return Support(False, "xla", cudnn_answer.reason)  # cuDNN cannot: its reason is the answer
+    supported = cudnn_answer is not None and cudnn_answer.supported
+    return Support(supported, choice.backend, choice.reason)
+
+
+def _choose_backend(call: PreparedCall, implementation: str | None, training: bool) -> str:
+    decision = _decide(call, implementation, training, raise_on_miss=True)
+    if implementation == "cudnn" and not decision.supported:
+        raise ValueError(f"implementation='cudnn' cannot run {call.spec.summary()}: {decision.reason}")
+    if decision.backend != "cudnn" and implementation is None:
+        _log_once(f"sdpagraph: using the {decision.backend} backend for {call.spec.summary()}: {decision.reason}")
+    return decision.backend
 
 
 def attention(
@@ -131,8 +161,11 @@ def attention(
         Padded query rows give zero output.
       local_window_size: `w` or `(left, right)`: query i sees keys in
         `[i - left, i + right]` around the aligned diagonal; -1 leaves a side open.
-      implementation: None (cuDNN when it supports the call, else XLA, with the reason
-        logged once at INFO), "xla", or "cudnn" (raises with the reason if unsupported).
+      implementation: None (the fastest backend that can run the call, by measured speed:
+        cuDNN for most calls; XLA or "small_seq" where cuDNN is measured slower, e.g. query
+        length 1-4 with 32 keys or fewer over a huge batch; the reason is logged once at
+        INFO), "xla", "cudnn" (raises with the reason if unsupported), or "small_seq" (the
+        small-sequence backend: T <= 4, S <= 32; raises outside that regime).
       return_residual: also return the logsumexp, shape `(B, T, N)`, as jax does.
       causal_alignment: "top_left" (jax's default) or "bottom_right": the diagonal ends
         at the last query/key pair, for T != S.
@@ -189,6 +222,8 @@ def attention(
     backend = _choose_backend(call, implementation, training)
     if backend == "xla":
         out, lse = xla_attention(call.spec, q, k, v, call.inputs, call.score_mod)
+    elif backend == "small_seq":
+        out, lse = small_seq_attention(call.spec, q, k, v, call.inputs, call.score_mod)
     else:  # the inference graph has no softmax stats: a residual needs the training graph
         out, lse = cudnn_backend.attention(call.spec, q, k, v, call.inputs, call.score_mod,
                                            training=training or return_residual)
@@ -203,7 +238,9 @@ def check_support(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
                   training: bool = True, **kwargs: Any) -> Support:
     """Will `attention(query, key, value, bias, mask, **kwargs)` run on cuDNN here, and if not, why?
 
-    Takes the same arguments as `attention` (arrays or `jax.ShapeDtypeStruct`s) and
+    `supported` says whether cuDNN runs the call; `backend` is the backend `attention` will use
+    (the fastest that can run it, see `implementation`), and `reason` says why, with the predicted
+    times when the choice was made by speed. Takes the same arguments as `attention` (arrays or `jax.ShapeDtypeStruct`s) and
     normalizes them with the same code. Invalid arguments raise the same errors
     `attention` raises. `training=True` checks the backward graph too. A supported
     answer leaves the graphs in the cache, so the later call builds nothing.
@@ -216,7 +253,7 @@ def check_support(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
     if call.spec.empty_axes:
         return Support(False, "xla", f"axis {', '.join(call.spec.empty_axes)} has size 0: nothing to compute; "
                                      "attention returns jax's empty (or zero) result from the XLA backend")
-    support = _cudnn_support(call, training, raise_on_miss=False)
-    if not support.supported and implementation != "cudnn":
-        return Support(False, "xla", support.reason)
-    return support
+    try:
+        return _decide(call, implementation, training, raise_on_miss=False)
+    except ValueError as error:  # a forced backend that cannot run the call
+        return Support(False, str(implementation), str(error))

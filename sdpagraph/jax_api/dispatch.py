@@ -29,7 +29,9 @@ The rule (`choose`):
    0 (XLA turns a one-row dot into a multiply-and-sum fusion that streams K and V, and the others into
    batched matrix products of tiny matrices: on an H100 B30720 T4 S16 ran 4x slower than T1).
    The coefficients are non-negative least squares in relative error (`fit_model`).
-4. A candidate with no measurement and no model (the table has no data for that backend and pass)
+   A model ranks only inside the region its fit was measured in (MODEL_MAX_Q_LEN, MODEL_MAX_KV_LEN);
+   elsewhere only measurements rank, so an extrapolation never displaces cuDNN.
+4. A candidate with no measurement and no (trusted) model (the table has no data for that backend and pass)
    gets no prediction and ranks after every predicted one; among those, FALLBACK_ORDER decides
    (cuDNN when it can run the call, else XLA: the behaviour before this rule). Ties too.
 5. A candidate may be given lazily (a callable returning its answer): it is asked only when it is
@@ -62,6 +64,12 @@ FALLBACK_ORDER = ("cudnn", "xla", "small_seq")
 FORMAT = 1
 ENV_TABLE = "SDPAGRAPH_DISPATCH_TABLE"
 MEASURED_BATCH_RANGE = 4.0
+# Where the cost models are trusted to rank backends: the region their fits were measured in (the
+# small-sequence sweep). Elsewhere a model-only prediction does not rank: measured points do, then
+# FALLBACK_ORDER (cuDNN when it runs the call). Widen once bench/dispatch.py's crossover sweep
+# (T <= 16, S <= 256) has been run on the GPU and fitted.
+MODEL_MAX_Q_LEN = 4
+MODEL_MAX_KV_LEN = 32
 CUDNN_TILE = 128
 FEATURES = ("c0", "io_bytes", "scores", "flops", "ctas", "tiles", "gemm_rows")
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -355,6 +363,10 @@ def _why_not(answer: Any) -> str:
     return getattr(answer, "reason", None) or "not supported"
 
 
+def _model_trusted(spec: AttentionSpec) -> bool:
+    return spec.q_len <= MODEL_MAX_Q_LEN and spec.kv_len <= MODEL_MAX_KV_LEN
+
+
 def _rank(name: str) -> int:
     return FALLBACK_ORDER.index(name) if name in FALLBACK_ORDER else len(FALLBACK_ORDER)
 
@@ -406,6 +418,8 @@ def choose(spec: AttentionSpec, candidates: Mapping[str, Any], table: Table | No
         if not answers.may_run(name):
             continue
         predicted = None if table is None else table.predict(shape, name, pass_)
+        if predicted is not None and predicted[1] == "model" and not _model_trusted(spec):
+            predicted = None  # outside the region the models were fitted in: do not rank by them
         numbers[name] = None if predicted is None else predicted[0]
         if predicted is not None:
             sources[name] = predicted[1]
