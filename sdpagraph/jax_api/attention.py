@@ -81,10 +81,13 @@ def _decide(call: PreparedCall, implementation: str | None, training: bool, *, r
 
     `implementation=None` asks `dispatch.choose` for the fastest backend that can run the call
     (cuDNN is asked, and its graphs built, only when it would win); a forced backend that cannot
-    run the call answers with its reason (cuDNN) or raises ValueError (small_seq).
+    run the call answers with its reason (`_choose_backend` raises it as a ValueError).
     """
     if implementation == "xla":
         return Support(False, "xla", "implementation='xla' was requested")
+    python_mods = call.inputs.python_mods
+    if python_mods is not None:
+        return Support(False, "xla", python_mods.reason)
     cudnn_answers: list[Support] = []
 
     def cudnn() -> Support:
@@ -94,6 +97,8 @@ def _decide(call: PreparedCall, implementation: str | None, training: bool, *, r
     if implementation == "cudnn":
         return cudnn()
     small_seq_why = small_seq_reason(call.spec)
+    if implementation == "small_seq":
+        return Support(False, "small_seq", small_seq_why or "implementation='small_seq' was requested")
     candidates = {"cudnn": cudnn, "xla": True,
                   "small_seq": Support(small_seq_why is None, "small_seq", small_seq_why or "")}
     choice = dispatch.choose(call.spec, candidates, implementation=implementation, training=training,
@@ -111,6 +116,8 @@ def _choose_backend(call: PreparedCall, implementation: str | None, training: bo
     decision = _decide(call, implementation, training, raise_on_miss=True)
     if implementation == "cudnn" and not decision.supported:
         raise ValueError(f"implementation='cudnn' cannot run {call.spec.summary()}: {decision.reason}")
+    if implementation == "small_seq" and small_seq_reason(call.spec) is not None:
+        raise ValueError(f"implementation='small_seq' cannot run {call.spec.summary()}: {decision.reason}")
     if decision.backend != "cudnn" and implementation is None:
         _log_once(f"sdpagraph: using the {decision.backend} backend for {call.spec.summary()}: {decision.reason}")
     return decision.backend
@@ -137,6 +144,7 @@ def attention(
     score_mod: Callable | None = None,
     score_mod_tensors: Mapping[str, Any] | None = None,
     score_mod_bprop: Callable | None = None,
+    mask_mod: Callable | None = None,
     training: bool = True,
 ) -> Any:
     r"""Scaled dot-product attention with flex-attention extensions; a drop-in for
@@ -183,10 +191,18 @@ def attention(
         query rows give 0).
       chunk_size: Llama-4 chunked attention: only keys in the same chunk of
         `chunk_size` positions (per segment when packed); combines with `is_causal`.
-      score_mod: `score_mod(graph, score, tensors) -> tensor`, an elementwise change of
-        the scaled scores `score[b, h, q, kv]`, written with cudnn-frontend pygraph
-        pointwise ops (`graph.tanh(input=...)`, `graph.gen_index(input=score, axis=2)`,
-        ...) or Python operators; see `sdpagraph.mods` for ready-made ones.
+      score_mod: an elementwise change of the scaled scores `score[b, h, q, kv]`, in one
+        of two forms. jax.numpy, as in PyTorch FlexAttention:
+        `score_mod(score, b, h, q_idx, kv_idx) -> score`, e.g.
+        `lambda s, b, h, q, kv: 30 * jnp.tanh(s / 30)`; it is traced once and converted
+        into a cuDNN graph (arrays it closes over and indexes by `b`, `h`, `q_idx` or
+        `kv_idx`, like `slopes[h]`, become graph operands). What the conversion cannot
+        express (a gather at a computed index, control flow, random numbers) runs on
+        XLA, and `check_support` names it. Or the graph form
+        `score_mod(graph, score, tensors) -> tensor`, written with cudnn-frontend
+        pygraph pointwise ops (`graph.tanh(input=...)`, `graph.gen_index(input=score,
+        axis=2)`, ...) or Python operators; see `sdpagraph.mods` for ready-made ones.
+        Any other number of parameters is a TypeError.
       score_mod_tensors: names -> values the mod receives as graph tensors. Python or
         NumPy scalars are bound at execution (a new value does not rebuild a cuDNN
         graph); arrays broadcastable to `(B, N, T, S)` become operands and are
@@ -197,6 +213,11 @@ def attention(
         raises a `KeyError` that is also a `ValueError`, naming the missing tensor.
       score_mod_bprop: `score_mod_bprop(graph, dscore, tensors) -> tensor`, the gradient
         through the mod. Derived automatically when omitted.
+      mask_mod: `mask_mod(b, h, q_idx, kv_idx) -> bool` in jax.numpy, True = attend, as in
+        FlexAttention; applied after the score_mod and combined with every other mask.
+        Native patterns (`q_idx >= kv_idx`, windows) become the masks cuDNN skips tiles
+        for. A row it leaves with nothing to attend gives 0 on XLA (on cuDNN such rows
+        are not yet checked on a GPU).
       training: False selects cuDNN's inference graph (no softmax stats) when no
         gradient is needed.
 
@@ -212,11 +233,11 @@ def attention(
         local_window_size=local_window_size, implementation=implementation,
         causal_alignment=causal_alignment, segment_ids=segment_ids,
         max_segments_per_seq=max_segments_per_seq, chunk_size=chunk_size, score_mod=score_mod,
-        score_mod_tensors=score_mod_tensors, score_mod_bprop=score_mod_bprop,
+        score_mod_tensors=score_mod_tensors, score_mod_bprop=score_mod_bprop, mask_mod=mask_mod,
     )
     if call.spec.empty_axes:  # nothing to compute (no graph to build): jax's empty or zero result
         implementation = "xla"
-    if implementation != "xla":
+    if implementation != "xla" and call.inputs.python_mods is None:  # only calls a graph can serve
         _notify_listeners(call, training)
     q, k, v = (as_4d(x, call.unbatched) for x in (query, key, value))
     backend = _choose_backend(call, implementation, training)
@@ -253,7 +274,4 @@ def check_support(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
     if call.spec.empty_axes:
         return Support(False, "xla", f"axis {', '.join(call.spec.empty_axes)} has size 0: nothing to compute; "
                                      "attention returns jax's empty (or zero) result from the XLA backend")
-    try:
-        return _decide(call, implementation, training, raise_on_miss=False)
-    except ValueError as error:  # a forced backend that cannot run the call
-        return Support(False, str(implementation), str(error))
+    return _decide(call, implementation, training, raise_on_miss=False)

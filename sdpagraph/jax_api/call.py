@@ -22,6 +22,8 @@ import numpy as np
 from sdpagraph.graphs.ir import FLOAT, INT, ScoreModError, ScoreModIR, array_api_error
 from sdpagraph.graphs.trace import TensorInfo, trace_score_mod
 from sdpagraph.cache.memory import BoundedMemo
+from sdpagraph.jax_api import flex_mods
+from sdpagraph.jax_api.flex_mods import PythonMods
 from sdpagraph.jax_api.segments import check_segment_bound, segment_checks_enabled
 from sdpagraph.spec import AttentionSpec, normalize_arguments
 
@@ -38,7 +40,7 @@ class RuntimeInputs:
     kv_segment_ids: Any = None
     mod_scalars: Mapping[str, Any] | None = None
     mod_arrays: Mapping[str, Any] | None = None
-
+    python_mods: PythonMods | None = None  # jax.numpy mods the IR cannot express (XLA runs them)
 
 
 @dataclass(frozen=True)
@@ -90,31 +92,42 @@ def _mod_tensor_info(name: str, value: Any, full: tuple[int, int, int, int]) -> 
     return TensorInfo("array", dtype, shape4), jnp.reshape(value, shape4).astype(storage)
 
 
-def _record_mod(score_mod, score_mod_tensors, score_mod_bprop, spec: AttentionSpec):
-    if score_mod is None:
+def _record_mod(score_mod, mask_mod, score_mod_tensors, score_mod_bprop, spec: AttentionSpec):
+    """(IR or None, bound scalars, operand arrays, mods left to Python or None)."""
+    if score_mod is None and mask_mod is None:
         if score_mod_tensors or score_mod_bprop is not None:
             raise ValueError("score_mod_tensors / score_mod_bprop need a score_mod")
-        return None, {}, {}
-    if not callable(score_mod):
-        raise TypeError(f"score_mod must be callable (graph, score, tensors) -> tensor, got {type(score_mod).__name__}")
+        return None, {}, {}, None
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be callable: {flex_mods.FORMS_TEXT}; got {type(score_mod).__name__}")
     if score_mod_tensors is not None and not isinstance(score_mod_tensors, Mapping):
         raise TypeError("score_mod_tensors must be a mapping of names to values, e.g. {'cap': 30.0}, "
                         f"got {type(score_mod_tensors).__name__}")
-    values = dict(getattr(score_mod, "tensors", {}))
-    for name, value in (score_mod_tensors or {}).items():
+    full = (spec.batch, spec.num_heads, spec.q_len, spec.kv_len)
+    flex = None
+    if mask_mod is not None or flex_mods.score_mod_form(score_mod) == flex_mods.JNP_FORM:
+        if mask_mod is not None and score_mod_bprop is not None:
+            raise ValueError("score_mod_bprop cannot be combined with mask_mod: leave it out and the gradient "
+                             "of both is derived")
+        flex = flex_mods.resolve(score_mod, mask_mod, full)
+    carried = getattr(score_mod, "tensors", {}) if score_mod is not None else {}
+    values = dict(carried)
+    for name, value in {**(score_mod_tensors or {}), **(flex.arrays if flex else {})}.items():
         if not isinstance(name, str):
             raise TypeError(f"score_mod_tensors keys must be str names, got {name!r}")
         if name in values:
             raise ValueError(f"score_mod_tensors[{name!r}] clashes with a tensor the score_mod carries")
         values[name] = value
     bprop = score_mod_bprop if score_mod_bprop is not None else getattr(score_mod, "bprop", None)
-    full = (spec.batch, spec.num_heads, spec.q_len, spec.kv_len)
     infos, scalars, arrays = {}, {}, {}
     for name, value in values.items():
         info, bound = _mod_tensor_info(name, value, full)
         infos[name] = info
         (scalars if info.kind == "scalar" else arrays)[name] = bound
-    return _traced(score_mod, infos, bprop), scalars, arrays
+    if flex is None:
+        return _traced(score_mod, infos, bprop), scalars, arrays, None
+    ir = None if flex.callback is None else _trace(flex.callback, infos, bprop)
+    return ir, scalars, arrays, flex.python
 
 
 # Recorded IRs per score_mod function object and tensor signature (scalar values are not part of
@@ -195,7 +208,7 @@ def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_caus
                  query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                  implementation=None, causal_alignment="top_left", segment_ids=None,
                  max_segments_per_seq=None, chunk_size=None, score_mod=None, score_mod_tensors=None,
-                 score_mod_bprop=None) -> PreparedCall:
+                 score_mod_bprop=None, mask_mod=None) -> PreparedCall:
     """Validate everything and record the score_mod; arrays may be ShapeDtypeStructs.
 
     The bias and mask come back 4-D (`spec.bias_shape` / `spec.mask_shape`: lower ranks
@@ -208,7 +221,8 @@ def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_caus
         local_window_size=local_window_size, causal_alignment=causal_alignment, segment_ids=segment_ids,
         max_segments_per_seq=max_segments_per_seq, chunk_size=chunk_size, implementation=implementation,
     )
-    ir, scalars, arrays = _record_mod(score_mod, score_mod_tensors, score_mod_bprop, call.spec)
+    ir, scalars, arrays, python_mods = _record_mod(score_mod, mask_mod, score_mod_tensors, score_mod_bprop,
+                                                   call.spec)
     q_ids = kv_ids = None
     if segment_ids is not None:
         q_ids, kv_ids = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
@@ -219,6 +233,6 @@ def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_caus
         bias=wrap(bias, call.spec.bias_shape), mask=wrap(mask, call.spec.mask_shape),
         q_lengths=query_seq_lengths, kv_lengths=key_value_seq_lengths,
         q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-        mod_scalars=scalars, mod_arrays=arrays,
+        mod_scalars=scalars, mod_arrays=arrays, python_mods=python_mods,
     )
     return PreparedCall(call.spec, ir, inputs, call.unbatched)

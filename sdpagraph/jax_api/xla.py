@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.ir_eval import evaluate
+from sdpagraph.graphs.jnp_mods import apply_jnp_mask_mod, apply_jnp_score_mod
 from sdpagraph.jax_api.call import RuntimeInputs
 from sdpagraph.jax_api.segments import segment_metadata, segment_positions, segment_run_ids
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
@@ -143,20 +144,26 @@ def xla_attention(
     logits = logits.reshape(b, n, t, s) * jnp.float32(spec.scale)
 
     layout = _layout(spec, inputs)
+    index = (
+        jnp.arange(b, dtype=jnp.int32)[:, None, None, None],
+        jnp.arange(n, dtype=jnp.int32)[None, :, None, None],
+        layout.q_pos[:, None, :, None],
+        layout.kv_pos[:, None, None, :],
+    )
     if score_mod is not None:
-        index = (
-            jnp.arange(b, dtype=jnp.int32)[:, None, None, None],
-            jnp.arange(n, dtype=jnp.int32)[None, :, None, None],
-            layout.q_pos[:, None, :, None],
-            layout.kv_pos[:, None, None, :],
-        )
         arrays = {name: jax.lax.stop_gradient(v) for name, v in (inputs.mod_arrays or {}).items()}
         logits, _ = evaluate(score_mod, logits, scalars=inputs.mod_scalars or {}, arrays=arrays, index=index)
         logits = logits.astype(jnp.float32)
+    python = inputs.python_mods  # jax.numpy mods the IR cannot express, run as Python here
+    if python is not None and python.score_mod is not None:
+        logits = apply_jnp_score_mod(python.score_mod, logits, index).astype(jnp.float32)
     if inputs.bias is not None:
         logits = logits + inputs.bias.astype(jnp.float32)
 
-    probs, lse = _masked_softmax(logits, allowed_mask(spec, inputs, layout))
+    allowed = allowed_mask(spec, inputs, layout)
+    if python is not None and python.mask_mod is not None:
+        allowed = allowed & apply_jnp_mask_mod(python.mask_mod, index, logits.shape)
+    probs, lse = _masked_softmax(logits, allowed)
     probs = probs.astype(value.dtype).reshape(b, k, g, t, s)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, value, precision=precision,
                      preferred_element_type=jnp.float32)
