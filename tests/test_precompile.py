@@ -480,3 +480,45 @@ def is_running(pid):
     except ProcessLookupError:
         return False
     return True
+
+
+def numerics_wrong_for_long_keys(entry, cache, index=0):
+    """A stand-in numerical check: graphs of key length 24 compute wrong values."""
+    from sdpagraph.deploy.numerics import EntryCheck
+
+    if entry.spec.kv_len == 24:
+        return EntryCheck(index, "failed", {"o": 0.4}, {"o": 0.01}, detail="o error 0.4 > 0.01")
+    return EntryCheck(index, "passed", {"o": 0.002}, {"o": 0.01})
+
+
+def test_precompile_checks_numerics_and_a_wrong_graph_is_unsupported(tmp_path, fake, monkeypatch):
+    import dataclasses
+
+    entries = [parse_entry(0, {"shapes": {"query": [1, 16, 2, 8], "key": [1, kv, 2, 8], "value": [1, kv, 2, 8]},
+                               "dtype": "bfloat16"}) for kv in (16, 24)]
+    builder = dataclasses.replace(fake.builder(), check_numerics=numerics_wrong_for_long_keys)
+    report = precompile(entries, tmp_path / "cache", progress=False, builder=builder)
+    assert report.counts() == {"built": 2, "cached": 0, "unsupported": 2, "failed": 0}
+    wrong = [g for g in report.graphs if report.entries[g.entry].spec.kv_len == 24]
+    assert len(wrong) == 2 and all(g.status == "unsupported" for g in wrong)
+    assert "computed wrong values on this GPU (o error 0.4 > 0.01)" in wrong[0].detail
+    monkeypatch.setenv("SDPAGRAPH_VERIFY", "off")
+    again = precompile(entries, tmp_path / "other", progress=False, builder=builder)
+    assert again.counts()["built"] == 4
+
+
+def test_cli_verify_numerics_reads_the_spec_file_first_and_says_why_it_cannot_check(tmp_path, capsys):
+    from sdpagraph.cli import main
+    from sdpagraph.graphs.support import environment_reason
+
+    specs = tmp_path / "specs.json"
+    specs.write_text(json.dumps({"format": "sdpagraph-specs", "version": 1, "entries": [
+        {"shapes": {"query": [1, 16, 2, 8], "key": [1, 16, 2, 8], "value": [1, 16, 2, 8]}, "dtype": "bfloat16"}]}))
+    assert main(["verify", "--numerics", "--specs", str(tmp_path / "missing.json"), "--cache-dir", str(tmp_path)]) == 2
+    assert "missing.json: no such file" in capsys.readouterr().err
+    if environment_reason() is None:
+        pytest.skip("this machine has a GPU: the check runs")
+    assert main(["verify", "--numerics", "--specs", str(specs), "--cache-dir", str(tmp_path)]) == 2
+    assert "cannot check graphs numerically on this machine" in capsys.readouterr().out
+    assert main(["verify", "--numerics", "--specs", str(specs), "--cache-dir", str(tmp_path), "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["exit_code"] == 2

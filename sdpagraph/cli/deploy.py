@@ -49,6 +49,9 @@ def add_verify_command(subparsers: argparse._SubParsersAction) -> None:
                     "cache directory, or if this machine cannot tell (no GPU or no cuDNN frontend). " + JSON_NOTE)
     parser.add_argument("--specs", nargs="+", required=True, metavar="SPECS.json", help="spec files")
     parser.add_argument("--cache-dir", required=True, help="the cache directory to check")
+    parser.add_argument("--numerics", action="store_true",
+                        help="instead: run every entry's graphs on random inputs against the XLA backend, record "
+                             "the errors in the entries, and exit 1 on any failure (needs this GPU type)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(handler=_handle_verify)
 
@@ -71,6 +74,11 @@ def _handle_precompile(args: argparse.Namespace) -> int:
 def _handle_verify(args: argparse.Namespace) -> int:
     from sdpagraph.deploy.verify import precompile_command, verify
 
+    if args.numerics:
+        from sdpagraph.deploy.numerics import verify_numerics
+
+        return _run(args, "verify --numerics", lambda entries: verify_numerics(entries, args.cache_dir))
+
     def run(entries: list[SpecEntry]) -> VerifyReport:
         report = verify(entries, args.cache_dir)
         # verify() got entries, not paths: the command that fixes the directory names the files.
@@ -80,7 +88,7 @@ def _handle_verify(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, command: str,
-         run: Callable[[list[SpecEntry]], PrecompileReport | VerifyReport]) -> int:
+         run: Callable[[list[SpecEntry]], Any]) -> int:
     """Check the spec files and the directory, then run; errors are one line (and JSON with --json)."""
     from sdpagraph.deploy.precompile import BuilderUnavailable, without_gpu_preallocation
     from sdpagraph.deploy.specfile import SpecFileError, load_entries

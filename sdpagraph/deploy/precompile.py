@@ -24,6 +24,8 @@ from typing import Any, Callable, Iterable, TextIO
 from sdpagraph.cache import GraphCache
 from sdpagraph.cache.admin import format_age, format_table
 from sdpagraph.cache.graphs import cached_graph, check_graphs, graph_key
+from sdpagraph.cache.defaults import verify_mode
+from sdpagraph.deploy.numerics import check_entry
 from sdpagraph.deploy.specfile import SpecEntry, load_entries
 from sdpagraph.graphs.builder import GraphBuildError
 from sdpagraph.graphs.mod_lowering import Unsupported
@@ -55,12 +57,16 @@ class Builder:
     check_graphs: Callable[..., Any]  # (spec, ir, training, cache) -> Support
     declines: tuple[type[BaseException], ...]  # what `build` raises for a config it does not support
     unavailable: Callable[[], str | None]  # why this process cannot build at all, or None
+    # (entry, cache) -> deploy.numerics.EntryCheck: the numerical check of an entry's built graphs,
+    # recorded in their cache entries; None skips it
+    check_numerics: Callable[..., Any] | None = None
 
 
 def cudnn_builder() -> Builder:
     """The real builder (the runtime's `cache.graphs`), for the GPU and cuDNN of this process."""
     return Builder(build=cached_graph, graph_key=graph_key, check_graphs=check_graphs,
-                   declines=(Unsupported, GraphBuildError), unavailable=environment_reason)
+                   declines=(Unsupported, GraphBuildError), unavailable=environment_reason,
+                   check_numerics=check_entry)
 
 
 def usable_builder(builder: Builder | None, task: str) -> Builder:
@@ -232,6 +238,24 @@ def _precompile_entry(task: tuple[int, SpecEntry, str, Builder]) -> list[GraphRe
             results.append(GraphResult(index, direction, "unsupported", results[-1].detail))
         else:
             results.append(_precompile_graph(index, entry, direction, cache, builder))
+    if builder.check_numerics is not None and verify_mode() != "off" and \
+            all(result.status in ("built", "cached") for result in results):
+        results = _checked_numerics(index, entry, cache, builder, results)
+    return results
+
+
+def _checked_numerics(index: int, entry: SpecEntry, cache: GraphCache, builder: Builder,
+                      results: list[GraphResult]) -> list[GraphResult]:
+    """Run the entry's graphs once against the XLA backend (recorded in their cache entries, so
+    a strict server accepts them); graphs that compute wrong values are unsupported here."""
+    check = builder.check_numerics(entry, cache, index=index)
+    if check.status == "failed":
+        return [GraphResult(index, r.direction, "unsupported",
+                            f"cuDNN's graph computed wrong values on this GPU ({check.detail}); the call runs on XLA",
+                            r.seconds) for r in results]
+    if check.status != "passed":
+        return [GraphResult(index, r.direction, "failed", f"numerical check: {check.status}: {check.detail}",
+                            r.seconds) for r in results]
     return results
 
 
