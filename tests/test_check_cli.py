@@ -13,7 +13,7 @@ def verdicts(monkeypatch):
     """cuDNN 'supports' head dims that are multiples of 8, as if on a GPU; the real query's inputs are kept."""
     asked = []
 
-    def support(spec, ir, training):
+    def support(spec, ir, training, verify=None):
         asked.append((spec, ir, training))
         if spec.head_dim % 8:
             return Support(False, "xla", f"head dim {spec.head_dim} is not a multiple of 8")

@@ -31,7 +31,7 @@ def test_record_captures_each_distinct_traced_spec(tmp_path):
 
 
 def test_strict_mode_miss_names_the_spec_and_the_fix(monkeypatch):
-    def missing(spec, ir, training):
+    def missing(spec, ir, training, verify=None):
         raise CacheMissError("no cached graph for spec ... in cache directory /srv/graphs.")
 
     monkeypatch.setattr(attention_module.cudnn_backend, "support", missing)

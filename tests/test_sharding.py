@@ -141,7 +141,7 @@ def cudnn_on_cpu(monkeypatch, tmp_path):
         key = graph_key(spec, ir, direction, env)
         return CachedGraph(key, compiled, cache.entry_path(key))
 
-    monkeypatch.setattr(cudnn_backend, "support", lambda spec, ir, training: Support(True, "cudnn", "stand-in"))
+    monkeypatch.setattr(cudnn_backend, "support", lambda spec, ir, training, verify=None: Support(True, "cudnn", "stand-in"))
     monkeypatch.setattr(cudnn_backend, "cached_graph", fake_cached_graph)
     monkeypatch.setattr(cudnn_backend.ffi, "register_graph", lambda digest, blob: None)
     monkeypatch.setattr(cudnn_backend, "_call_executor", fake_executor)

@@ -1,6 +1,6 @@
 """Recording the specs a process traces into a spec file (`record`, SDPAGRAPH_RECORD).
 
-`record_call` listens to the runtime (`jax_api.attention.add_trace_listener`): it is
+`record_call` listens to the runtime (`jax_api.listeners.add_trace_listener`): it is
 called once per traced attention call and returns at once when nothing is recording. Entries are merged into the file under a lock and written
 atomically, so processes recording into one file merge instead of clobbering.
 """
@@ -13,7 +13,7 @@ from typing import Iterator
 
 from sdpagraph.deploy.specfile import SpecEntry, add_to_spec_file, directions_for
 from sdpagraph.graphs.ir import ScoreModIR
-from sdpagraph.jax_api.attention import add_trace_listener
+from sdpagraph.jax_api.listeners import add_trace_listener
 from sdpagraph.spec import AttentionSpec
 
 ENV_RECORD = "SDPAGRAPH_RECORD"

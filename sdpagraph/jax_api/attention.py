@@ -4,12 +4,11 @@ Both normalize arguments with `jax_api.call.prepare_call` (the same code), so th
 query and the runtime can never disagree about what a call means.
 
 Layers above (deployment's spec recording) watch the calls the runtime traces through
-`add_trace_listener`, so this module never imports them.
+`jax_api.listeners.add_trace_listener`, so this module never imports them.
 """
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any, Callable, Mapping
 
 import jax.numpy as jnp
@@ -21,6 +20,8 @@ from sdpagraph.graphs.support import Support
 from sdpagraph.jax_api import cudnn as cudnn_backend
 from sdpagraph.jax_api import dispatch
 from sdpagraph.jax_api.call import PreparedCall, as_4d, prepare_call
+from sdpagraph.jax_api.listeners import notify_trace_listeners
+from sdpagraph.jax_api import numerics
 from sdpagraph.jax_api.small_seq import small_seq_attention, small_seq_reason
 from sdpagraph.jax_api.xla import xla_attention
 from sdpagraph.spec import AttentionSpec
@@ -30,30 +31,8 @@ logger = logging.getLogger("sdpagraph")
 # tracing many shapes must not grow this forever; a reason dropped from it may log again).
 _logged_reasons = BoundedMemo(1024)
 
-TraceListener = Callable[[AttentionSpec, "ScoreModIR | None", bool], None]
-_trace_listeners: list[TraceListener] = []
-_listeners_lock = threading.Lock()
-
-
-def add_trace_listener(listener: TraceListener) -> None:
-    """Call `listener(spec, score_mod_ir, training)` for every attention call traced for a graph
-    (not for `implementation="xla"`). Listeners must return fast when they have nothing to do."""
-    with _listeners_lock:
-        if listener not in _trace_listeners:
-            _trace_listeners.append(listener)
-
-
 def _notify_listeners(call: PreparedCall, training: bool) -> None:
     notify_trace_listeners(call.spec, call.score_mod, training)
-
-
-def notify_trace_listeners(spec: AttentionSpec, ir: "ScoreModIR | None", training: bool) -> None:
-    """Report one spec to the listeners: every traced call, and under SPMD each call's per-device
-    spec, which `jax_api.sharding` reports when XLA partitions the call (its graphs are keyed by it)."""
-    with _listeners_lock:
-        listeners = list(_trace_listeners)
-    for listener in listeners:
-        listener(spec, ir, training)
 
 
 def _log_once(message: str) -> None:
@@ -69,7 +48,8 @@ def _strict_miss_message(call: PreparedCall, miss: CacheMissError) -> str:
 
 def _cudnn_support(call: PreparedCall, training: bool, *, raise_on_miss: bool) -> Support:
     try:
-        return cudnn_backend.support(call.spec, call.score_mod, training=training)
+        # Each config's graphs compute the right values once (checked against XLA) before they are used.
+        return cudnn_backend.support(call.spec, call.score_mod, training=training, verify=numerics.check_numerics)
     except CacheMissError as miss:
         if raise_on_miss:
             raise CacheMissError(_strict_miss_message(call, miss)) from None

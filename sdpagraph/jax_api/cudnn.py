@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,13 +30,14 @@ from sdpagraph.jax_api.xla import attended_rows
 from sdpagraph.spec import AttentionSpec
 
 
-def support(spec: AttentionSpec, score_mod: ScoreModIR | None, *, training: bool) -> Support:
-    """Whether the cuDNN graphs this call needs build here (forward, and backward when training)."""
+def support(spec: AttentionSpec, score_mod: ScoreModIR | None, *, training: bool,
+            verify: Callable[..., Any] | None = None) -> Support:
+    """Whether the cuDNN graphs this call needs build here (forward, and backward when training),
+    and, with `verify` (`jax_api.numerics.check_numerics`), compute the right values."""
     reason = environment_reason() or ffi.unavailable_reason()
     if reason is not None:
         return Support(False, "xla", reason)
-    from sdpagraph.jax_api.numerics import check_numerics  # each graph computes the right values once first
-    return check_graphs(spec, score_mod, training, verify=check_numerics)
+    return check_graphs(spec, score_mod, training, verify=verify)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sdpagraph.cache import CacheMissError
 from sdpagraph.cache.memory import BoundedMemo
 from sdpagraph.graphs.ir import Node, ScoreModIR
+from sdpagraph.jax_api.listeners import notify_trace_listeners
 from sdpagraph.spec import AttentionSpec
 
 logger = logging.getLogger("sdpagraph")
@@ -293,9 +294,6 @@ def _replicated(arg_shapes: tuple[Any, ...], result_shape: tuple[Any, ...]) -> t
 
 
 def _notify_listeners(static: Any, direction: str) -> None:
-    # The trace listeners live above this module (jax_api.attention); imported here, at compile time.
-    from sdpagraph.jax_api.attention import notify_trace_listeners
-
     notify_trace_listeners(static.spec, static.ir, direction != "inference")
 
 
