@@ -113,7 +113,9 @@ GRID = ([(name, (8, 8), "bfloat16") for name in CASES]
 
 
 @pytest.mark.parametrize("name,heads,dtype", GRID, ids=[f"{n}-{h[0]}/{h[1]}-{d}" for n, h, d in GRID])
-def test_cudnn_matches_xla_forward_and_grads(name, heads, dtype, report):
+def test_cudnn_matches_xla_forward_and_grads(name, heads, dtype, report, monkeypatch):
+    if name.endswith("_dropped"):  # segments past max_segments_per_seq on purpose: switch the overflow check off
+        monkeypatch.setenv("SDPAGRAPH_CHECK_SEGMENTS", "0")
     rng = np.random.default_rng()
     B, T, S, H = 3, 384, 512 if name == "bottom_right" else 384, 128
     N, K = heads
