@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import sdpagraph
 from sdpagraph import mods
 
 from cuda_timing import cuda_event_ms  # bench/ is on sys.path when a script here runs
+from jax_timing import time_ms
 
 PLAIN_CASES = [  # (name, B, T, N, K, H, causal)
     ("B4 T4096 N16 H128 causal", 4, 4096, 16, 16, 128, True),
@@ -45,18 +45,6 @@ def flops(B, T, N, H, causal, backward, docs=1):
     return forward * (3.5 if backward else 1.0)  # backward does 2.5x the forward's matmul work
 
 
-def time_ms(fn, *args, repeats=30, rounds=5):
-    """Median over rounds of the mean time of `repeats` back-to-back calls (dispatch included)."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / repeats * 1e3)
-    return statistics.median(samples)
 
 
 def inputs(B, T, N, K, H, seed=0):

@@ -30,12 +30,12 @@ import dataclasses
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
 
 import jax
+import jax_timing  # bench/ is on sys.path when a script here runs
 import jax.numpy as jnp
 import numpy as np
 
@@ -87,17 +87,7 @@ def in_regime(case) -> bool:
 
 
 def time_ms(fn, *args, repeats=5, rounds=3):
-    """Median over rounds of the mean time of `repeats` back-to-back calls (dispatch included)."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / repeats * 1e3)
-    return statistics.median(samples)
+    return jax_timing.time_ms(fn, *args, repeats=repeats, rounds=rounds)
 
 
 def attention_fn(backend: str, causal: bool, training: bool):

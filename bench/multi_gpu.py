@@ -15,12 +15,11 @@ import json
 import os
 import platform
 import re
-import statistics
 import sys
-import time
 from datetime import date
 
 import jax
+import jax_timing  # bench/ is on sys.path when a script here runs
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -50,16 +49,7 @@ def inputs(batch, heads, placement):
 
 
 def time_ms(fn, args, repeats, rounds):
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / repeats * 1e3)
-    return statistics.median(samples)
+    return jax_timing.time_ms(fn, *args, repeats=repeats, rounds=rounds)
 
 
 def measure(impl, batch, heads, placement, repeats, rounds, partition=True):

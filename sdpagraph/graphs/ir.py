@@ -348,7 +348,7 @@ class ScoreModIR:
         return [(i, n) for i, n in enumerate(self.nodes) if n.op == op]
 
     def forward_nodes(self) -> set[int]:
-        return _reachable(self.nodes, (self.output,))
+        return reachable(self.nodes, (self.output,))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (msgpack/JSON-able) so spec files can carry a mod without user code."""
@@ -375,7 +375,7 @@ class ScoreModIR:
                    tuple(data.get("array_names", ())), bool(data.get("grad_derived", False)))
 
 
-def _reachable(nodes: tuple[Node, ...] | list[Node], roots: tuple[int | None, ...]) -> set[int]:
+def reachable(nodes: tuple[Node, ...] | list[Node], roots: tuple[int | None, ...]) -> set[int]:
     seen: set[int] = set()
     stack = [r for r in roots if r is not None]
     while stack:
@@ -388,7 +388,7 @@ def _reachable(nodes: tuple[Node, ...] | list[Node], roots: tuple[int | None, ..
 
 def _canonicalize(nodes, output, grad_output, leaf_names, scalar_names=(), array_names=()) -> ScoreModIR:
     """Drop dead nodes, renumber in order, number scalar/array slots by first use."""
-    live = sorted(_reachable(nodes, (output, grad_output)))
+    live = sorted(reachable(nodes, (output, grad_output)))
     remap: dict[int, int] = {}
     canon: list[Node] = []
     names: dict[str, list[str]] = {"scalar": [], "array": []}

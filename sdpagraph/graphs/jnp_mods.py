@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdpagraph.graphs.ir import (
-    BOOL, CMP_OPS, FLOAT, INT, OP_PARAMS, ModTensor, Node, RecordingGraph, ScoreModIR, result_type,
+    BOOL, CMP_OPS, FLOAT, INT, OP_PARAMS, ModTensor, Node, RecordingGraph, ScoreModIR, reachable, result_type,
 )
 from sdpagraph.graphs.ir_eval import evaluate
 from sdpagraph.graphs.mod_lowering import Unsupported
@@ -1023,22 +1023,12 @@ def _convert(fn: Callable, what: str, shape: Sequence[int] | None, prefix: str, 
         return _replay(nodes, root, graph, score, {i: tensors[name] for i, name in names.items() if name in tensors})
 
     callback.__name__ = f"jnp_{what}"
-    used = {dag.names[i] for i in _reachable_from(nodes, root) if i in dag.names}
+    used = {dag.names[i] for i in reachable(nodes, (root,)) if i in dag.names}
     infos = {name: info for name, info in conv.infos.items() if name in used}
     arrays = {name: conv.arrays[name] for name in infos}
     ir = trace_score_mod(callback, infos)
     return JnpMod(ir, arrays, infos, callback, what)
 
-
-def _reachable_from(nodes: Sequence[Node], root: int) -> set[int]:
-    seen: set[int] = set()
-    stack = [root]
-    while stack:
-        i = stack.pop()
-        if i not in seen:
-            seen.add(i)
-            stack.extend(nodes[i].args)
-    return seen
 
 
 def _check_result(avals: Sequence[Any], what: str) -> None:
