@@ -14,6 +14,7 @@ last key; windows and chunks are measured from that shifted diagonal.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -126,6 +127,33 @@ def _masked_softmax(logits: Any, allowed: Any) -> tuple[Any, Any]:
     return probs, lse[..., 0]
 
 
+def _apply_score_mod(ir: ScoreModIR, score: Any, scalars: dict, arrays: dict, index: tuple) -> Any:
+    """The mod's forward; its gradient is the IR's bprop (`grad_output`), so a user's
+    `score_mod_bprop` is honoured here as on cuDNN (a derived bprop equals autodiff: use that)."""
+    if ir.grad_output is None or ir.grad_derived:
+        return evaluate(ir, score, scalars=scalars, arrays=arrays, index=index)[0]
+    return _mod_with_bprop(ir, score, scalars, arrays, index)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _mod_with_bprop(ir: ScoreModIR, score: Any, scalars: dict, arrays: dict, index: tuple) -> Any:
+    return evaluate(ir, score, scalars=scalars, arrays=arrays, index=index)[0]
+
+
+def _mod_with_bprop_fwd(ir, score, scalars, arrays, index):
+    return _mod_with_bprop(ir, score, scalars, arrays, index), (score, scalars, arrays, index)
+
+
+def _mod_with_bprop_bwd(ir, residuals, dscore):
+    score, scalars, arrays, index = residuals
+    _, grad = evaluate(ir, score, scalars=scalars, arrays=arrays, index=index, dscore=dscore)
+    # Scalars, aux arrays and positions are constants for differentiation, as on cuDNN.
+    return (jnp.broadcast_to(grad, score.shape).astype(score.dtype), None, None, None)
+
+
+_mod_with_bprop.defvjp(_mod_with_bprop_fwd, _mod_with_bprop_bwd)
+
+
 def xla_attention(
     spec: AttentionSpec,
     query: Any,
@@ -152,7 +180,7 @@ def xla_attention(
     )
     if score_mod is not None:
         arrays = {name: jax.lax.stop_gradient(v) for name, v in (inputs.mod_arrays or {}).items()}
-        logits, _ = evaluate(score_mod, logits, scalars=inputs.mod_scalars or {}, arrays=arrays, index=index)
+        logits = _apply_score_mod(score_mod, logits, dict(inputs.mod_scalars or {}), arrays, index)
         logits = logits.astype(jnp.float32)
     python = inputs.python_mods  # jax.numpy mods the IR cannot express, run as Python here
     if python is not None and python.score_mod is not None:
