@@ -77,7 +77,8 @@ def array_api_error(function: str | None, detail: str) -> ScoreModError:
                   f"ops: {', '.join(sorted(OP_PARAMS))}) or Python operators")
     called = "a jax.numpy/NumPy function" if function is None else f"{function}()"
     return ScoreModError(f"score_mod called {called} on a graph tensor; a graph score_mod records cuDNN ops, "
-                         f"not jax.numpy: {advice} [{detail}]")
+                         f"not jax.numpy: {advice}, or write it in jax.numpy as "
+                         f"score_mod(score, b, h, q_idx, kv_idx) [{detail}]")
 
 
 def parse_data_type(value: Any) -> str:
