@@ -28,6 +28,13 @@ UNBOUNDED = -1  # a window side that does not limit attention
 # The graphs one spec compiles to: forward (output + softmax stats), backward, and inference
 # (output only, for calls that are not differentiated).
 DIRECTIONS = ("forward", "backward", "inference")
+TRAINING_DIRECTIONS = ("forward", "backward")  # what a differentiated call runs
+INFERENCE_DIRECTIONS = ("inference",)
+
+
+def directions_for(training: bool) -> tuple[str, ...]:
+    """The graphs a call needs: forward and backward when training, else the inference graph."""
+    return TRAINING_DIRECTIONS if training else INFERENCE_DIRECTIONS
 
 
 _FIELDS_ADDED_LATER = {"segment_mask": False}  # name -> default (see AttentionSpec.to_dict)

@@ -37,7 +37,7 @@ from sdpagraph.graphs.builder import BuildEnvironment
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.support import Support, answer_from_builds
-from sdpagraph.spec import AttentionSpec
+from sdpagraph.spec import AttentionSpec, directions_for
 
 # Support answers remembered per cache (a long-running process asking about many shapes keeps the
 # most recent ones).
@@ -152,17 +152,13 @@ def check_graphs(spec: AttentionSpec, ir: ScoreModIR | None, training: bool,
 
 # ----------------------------------------------------------------------------- numerics records
 
-def graph_directions(training: bool) -> tuple[str, ...]:
-    return ("forward", "backward") if training else ("inference",)
-
-
 def numerics_records(spec: AttentionSpec, ir: ScoreModIR | None, training: bool,
                      cache: GraphCache) -> list[tuple[CacheKey, dict[str, Any] | None]]:
     """(key, numerics record or None) of each graph the call needs, from `cache` (never builds;
     a graph not in the cache has no record)."""
     env = builder.build_environment()
     records = []
-    for direction in graph_directions(training):
+    for direction in directions_for(training):
         key = graph_key(spec, ir, direction, env)
         found = cache.get(key)
         record = None if found is None else found[1].get(NUMERICS_FIELD)
@@ -219,7 +215,7 @@ def _checked_answer(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, 
                     verify: Verify, built: Support) -> Support:
     """`built` (a supported answer) once the graphs' numerics record says they are right: from the
     entries' records, else from running `verify` now and recording its result."""
-    directions = graph_directions(training)
+    directions = directions_for(training)
     keys = [key for key, _ in numerics_records(spec, ir, training, cache)]
     with _checking.hold(keys[0].digest()):
         records = numerics_records(spec, ir, training, cache)  # another thread may have checked meanwhile

@@ -11,10 +11,10 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-from sdpagraph.deploy.specfile import SpecEntry, add_to_spec_file, directions_for
+from sdpagraph.deploy.specfile import SpecEntry, add_to_spec_file
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.jax_api.listeners import add_trace_listener
-from sdpagraph.spec import AttentionSpec
+from sdpagraph.spec import AttentionSpec, directions_for
 
 ENV_RECORD = "SDPAGRAPH_RECORD"
 

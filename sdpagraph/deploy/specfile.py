@@ -54,13 +54,11 @@ from sdpagraph import mods
 from sdpagraph.cache.disk import write_atomically
 from sdpagraph.graphs.ir import BOOL, FLOAT, INT, LEAF_OPS, OP_PARAMS, ScoreModIR, _canonicalize
 from sdpagraph.jax_api.call import prepare_call
-from sdpagraph.spec import DTYPES, AttentionSpec
+from sdpagraph.spec import DTYPES, INFERENCE_DIRECTIONS, TRAINING_DIRECTIONS, AttentionSpec, directions_for
 
 FORMAT = "sdpagraph-specs"
 VERSION = 1
 
-TRAINING_DIRECTIONS = ("forward", "backward")
-INFERENCE_DIRECTIONS = ("inference",)
 
 RECORDED_FIELDS = ("spec", "score_mod", "directions", "summary")
 # In this order, each field's arguments join the call: an error belongs to the first field
@@ -105,10 +103,6 @@ class SpecEntry:
             "directions": list(self.directions),
             "summary": self.describe(),
         }
-
-
-def directions_for(training: bool) -> tuple[str, ...]:
-    return TRAINING_DIRECTIONS if training else INFERENCE_DIRECTIONS
 
 
 # -- reading -------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from sdpagraph.graphs.builder import GraphBuildError
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.mod_lowering import Unsupported
 from sdpagraph.graphs.operands import folds_segments
-from sdpagraph.spec import AttentionSpec
+from sdpagraph.spec import AttentionSpec, directions_for
 
 BACKENDS = ("cudnn", "xla", "small_seq")
 
@@ -59,7 +59,7 @@ def answer_from_builds(spec: AttentionSpec, ir: ScoreModIR | None, training: boo
     reason = environment_reason()
     if reason is not None:
         return Support(False, "xla", reason), True
-    directions = ("forward", "backward") if training else ("inference",)
+    directions = directions_for(training)
     try:
         for direction in directions:
             build(direction)

@@ -31,6 +31,7 @@ logger = logging.getLogger("sdpagraph")
 # tracing many shapes must not grow this forever; a reason dropped from it may log again).
 _logged_reasons = BoundedMemo(1024)
 
+
 def _notify_listeners(call: PreparedCall, training: bool) -> None:
     notify_trace_listeners(call.spec, call.score_mod, training)
 
@@ -81,8 +82,7 @@ def _decide(call: PreparedCall, implementation: str | None, training: bool, *, r
         return Support(False, "small_seq", small_seq_why or "implementation='small_seq' was requested")
     candidates = {"cudnn": cudnn, "xla": True,
                   "small_seq": Support(small_seq_why is None, "small_seq", small_seq_why or "")}
-    choice = dispatch.choose(call.spec, candidates, implementation=implementation, training=training,
-                             has_score_mod=call.score_mod is not None)
+    choice = dispatch.choose(call.spec, candidates, training=training, has_score_mod=call.score_mod is not None)
     cudnn_answer = cudnn_answers[-1] if cudnn_answers else None
     if choice.backend == "cudnn":
         return cudnn_answer
