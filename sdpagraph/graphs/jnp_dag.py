@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from sdpagraph.graphs.ir import FLOAT, INT, OP_PARAMS, ModTensor, Node, result_type
+from sdpagraph.graphs.ir import FLOAT, INT, OP_PARAMS, ModTensor, Node, reachable, result_type
 
 
 # ----------------------------------------------------------------------------- the DAG
@@ -25,6 +25,7 @@ class Dag:
         self.axes: list[frozenset] = []
         self.score_dep: list[bool] = []
         self.names: dict[int, str] = {}  # array leaf -> name
+        self.literals: list[int] = []  # float literals read by float arithmetic, one node per use
         self._memo: dict[Any, int] = {}
         self._lin: dict[int, tuple[dict, int]] = {}
         self.score = self._add(Node("score"), frozenset(), True)
@@ -56,6 +57,14 @@ class Dag:
         # keyed by repr: -0.0 and 0.0 (equal as numbers) stay two literals
         return self._add(Node("const", (), (("value", value),), dtype), frozenset(), False,
                          key=("const", dtype, repr(value)))
+
+    def literal(self, value: float) -> int:
+        """A float literal that float arithmetic reads: a node of its own for each use, which
+        `graphs.jnp_literals` may turn into a bound scalar."""
+        index = self._add(Node("const", (), (("value", float(value)),), FLOAT), frozenset(), False,
+                          key=("literal", len(self.literals)))
+        self.literals.append(index)
+        return index
 
     def array(self, name: str, shape: tuple[int, ...], dtype: str, axes: frozenset) -> int:
         index = self._add(Node("array", (), (("shape", shape),), dtype), axes, False, key=("array", name))
@@ -166,16 +175,11 @@ def formula_nodes(f: tuple) -> list[int]:
 def replay(nodes: Sequence[Node], root: int, graph: Any, score: Any, leaves: Mapping[int, Any]) -> Any:
     """Record the DAG's nodes that `root` reaches on a pygraph-like `graph`, in a canonical order:
     positions first (by axis), then depth first with each select chain's conditions before its
-    values (innermost first), literals passed as Python numbers when an op reads them. Returns
-    the tensor of `root`."""
+    values (innermost first). `leaves` maps node -> tensor for the array leaves and the literals
+    bound as scalars (`graphs.jnp_literals`); other literals are passed as Python numbers where
+    an op reads them. Returns the tensor of `root`."""
     values: dict[int, Any] = {0: score}
-    live: set[int] = set()
-    stack = [root]
-    while stack:
-        i = stack.pop()
-        if i not in live:
-            live.add(i)
-            stack.extend(nodes[i].args)
+    live = reachable(nodes, (root,))
     for i in sorted((i for i in live if nodes[i].op == "gen_index"), key=lambda i: nodes[i].attr("axis")):
         values[i] = graph.gen_index(input=score, axis=nodes[i].attr("axis"))
 
@@ -195,10 +199,10 @@ def replay(nodes: Sequence[Node], root: int, graph: Any, score: Any, leaves: Map
         if i in values:
             continue
         node = nodes[i]
-        if node.op == "const":
-            values[i] = node.attr("value")
-        elif node.op == "array":
+        if node.op == "array" or i in leaves:  # arrays, and the literals bound as scalars
             values[i] = leaves[i]
+        elif node.op == "const":
+            values[i] = node.attr("value")
         elif expanded:
             operands = [values[a] for a in node.args]
             tensor = getattr(graph, node.op)(**dict(zip(OP_PARAMS[node.op], operands)))

@@ -39,6 +39,11 @@ How jnp maps onto the IR:
   q_idx and kv_idx (`table[h, q_idx - kv_idx]`) would be a dense (T, S) table and is refused.
   The same goes for any other equation the IR has no op for, when it does not read the score
   (`q_idx >> 4`): it is evaluated over its grid and becomes an aux array.
+- Float literals that float arithmetic reads on the way to the score (`cap` in `cap * jnp.tanh(s /
+  cap)`, an ALiBi slope scale, a bias constant) become pass-by-value scalars named
+  `captured_literal0, ...`, whose values the converter returns next to the captured arrays: a new
+  value reuses the graph. Integers, booleans and whatever decides a mask stay literals; the rule
+  is `graphs.jnp_literals`'.
 
 Anything else raises `JnpModUnsupported` (a `graphs.mod_lowering.Unsupported`) naming the
 primitive: an index computed from the score, control flow or random numbers on the score,
@@ -48,8 +53,8 @@ the mod on XLA by calling the Python function itself (`apply_jnp_score_mod` /
 `apply_jnp_mask_mod`).
 
 The IR depends only on what the function computes: no object ids or tracer names enter it, so
-the same function gives the same IR and digest in every process; captured values enter only the
-returned arrays, never the IR (their shapes and dtypes do).
+the same function gives the same IR and digest in every process; captured values and lifted literals
+enter only the returned tensors, never the IR (captured arrays' shapes and dtypes do).
 """
 from __future__ import annotations
 
@@ -65,6 +70,7 @@ import numpy as np
 from sdpagraph.graphs.ir import BOOL, FLOAT, INT, RecordingGraph, ScoreModIR, reachable, result_type
 from sdpagraph.graphs.ir_eval import evaluate
 from sdpagraph.graphs.jnp_dag import MIRROR, Dag, and_, combine, formula_nodes, not_, or_, replay, xor_
+from sdpagraph.graphs.jnp_literals import lifted_literals, literal_name
 from sdpagraph.graphs.mod_lowering import Unsupported
 from sdpagraph.graphs.trace import TensorInfo, trace_score_mod
 
@@ -95,18 +101,24 @@ class JnpMod:
     """A converted jnp mod.
 
     `ir`: the ScoreModIR (forward and derived bprop). `arrays`: name -> 4-D array
-    (B|1, N|1, T|1, S|1) of each captured-array lookup, to pass as score_mod_tensors (they may be
-    tracers when the mod closes over traced values). `infos`: name -> TensorInfo of those arrays
-    (what `trace_score_mod` takes). `callback`: an equivalent pygraph-style
+    (B|1, N|1, T|1, S|1) of each captured-array lookup (they may be tracers when the mod closes
+    over traced values). `scalars`: name -> value of each float literal bound as a scalar
+    (`graphs.jnp_literals`). `tensors` holds both: pass them as score_mod_tensors. `infos`: name ->
+    TensorInfo of each (what `trace_score_mod` takes). `callback`: an equivalent pygraph-style
     `score_mod(graph, score, tensors)` that records exactly this IR, for code paths that take
     callbacks (`mods.compose`, `attention(score_mod=...)`). `kind`: "score_mod" or "mask_mod".
     """
 
     ir: ScoreModIR
     arrays: Mapping[str, Any]
+    scalars: Mapping[str, float]
     infos: Mapping[str, TensorInfo]
     callback: Callable[[Any, Any, Mapping[str, Any]], Any]
     kind: str
+
+    @property
+    def tensors(self) -> dict[str, Any]:
+        return {**self.arrays, **self.scalars}
 
 
 # ----------------------------------------------------------------------------- public API
@@ -138,16 +150,18 @@ def convert_jnp_mask_mod(fn: Callable, shape: Sequence[int] | None = None, *, ma
 
 def trace_jnp_score_mod(fn: Callable, shape: Sequence[int] | None = None, **kwargs: Any
                         ) -> tuple[ScoreModIR, dict[str, Any]]:
-    """(IR, captured arrays) of a jnp score_mod; see `convert_jnp_score_mod`."""
+    """(IR, score_mod_tensors: captured arrays and lifted literals) of a jnp score_mod; see
+    `convert_jnp_score_mod`."""
     mod = convert_jnp_score_mod(fn, shape, **kwargs)
-    return mod.ir, dict(mod.arrays)
+    return mod.ir, mod.tensors
 
 
 def trace_jnp_mask_mod(fn: Callable, shape: Sequence[int] | None = None, **kwargs: Any
                        ) -> tuple[ScoreModIR, dict[str, Any]]:
-    """(IR, captured arrays) of a jnp mask_mod; see `convert_jnp_mask_mod`."""
+    """(IR, score_mod_tensors: captured arrays and lifted literals) of a jnp mask_mod; see
+    `convert_jnp_mask_mod`."""
     mod = convert_jnp_mask_mod(fn, shape, **kwargs)
-    return mod.ir, dict(mod.arrays)
+    return mod.ir, mod.tensors
 
 
 def apply_jnp_score_mod(fn: Callable, score: Any, index: Sequence[Any]) -> Any:
@@ -336,7 +350,11 @@ class _Converter:
         return x.int_source if x.int_source is not None else x.node
 
     def arith(self, op: str, xs: Sequence[Any], kinds: Sequence[str], out_kind: str) -> _Sym:
-        nodes = [self.num(x, k) for x, k in zip(xs, kinds)]
+        """`op` over numbers; a concrete float operand of float arithmetic is a literal of its own,
+        which `graphs.jnp_literals` may bind as a scalar."""
+        nodes = [self.dag.literal(np.asarray(x).reshape(()).item())
+                 if k == out_kind == FLOAT and not _symbolic(x) and not isinstance(x, jax.core.Tracer)
+                 else self.num(x, k) for x, k in zip(xs, kinds)]
         for i, x in enumerate(xs):
             if isinstance(x, _Sym) and x.int_source is not None:
                 trial = nodes[:i] + [x.int_source] + nodes[i + 1:]
@@ -817,7 +835,9 @@ def _convert(fn: Callable, what: str, shape: Sequence[int] | None, prefix: str, 
     else:
         root = conv.select(conv.pred(out), dag.score, dag.const(masked, FLOAT))
     nodes = tuple(dag.nodes)
-    names = dict(dag.names)
+    lifted = lifted_literals(nodes, root, dag.literals)
+    scalars = {literal_name(prefix, n): nodes[i].attr("value") for n, i in enumerate(lifted)}
+    names = {**dag.names, **dict(zip(lifted, scalars))}
 
     def callback(graph: Any, score: Any, tensors: Mapping[str, Any]) -> Any:
         return replay(nodes, root, graph, score, {i: tensors[name] for i, name in names.items() if name in tensors})
@@ -826,9 +846,9 @@ def _convert(fn: Callable, what: str, shape: Sequence[int] | None, prefix: str, 
     used = {dag.names[i] for i in reachable(nodes, (root,)) if i in dag.names}
     infos = {name: info for name, info in conv.infos.items() if name in used}
     arrays = {name: conv.arrays[name] for name in infos}
+    infos.update((name, TensorInfo("scalar", FLOAT)) for name in scalars)
     ir = trace_score_mod(callback, infos)
-    return JnpMod(ir, arrays, infos, callback, what)
-
+    return JnpMod(ir, arrays, scalars, infos, callback, what)
 
 
 def _check_result(avals: Sequence[Any], what: str) -> None:
