@@ -34,29 +34,24 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from sdpagraph.graphs.ir import CMP_OPS, FLOAT, Node, reachable
-
-LITERAL_INFIX = "_literal"  # a lifted literal's name: the mod's name prefix, this, its number
-_DECIDING_OPS = frozenset(CMP_OPS) | {"logical_and", "logical_or", "logical_not"}
-_MASK_ARG = 2  # binary_select's condition
+from sdpagraph.graphs.ir import FLOAT, Node, reachable
 
 
 def lifted_literals(nodes: Sequence[Node], root: int, candidates: Sequence[int]) -> list[int]:
     """The candidates (per-use float literal nodes that float arithmetic reads) that the rule lifts,
     in node order. `nodes` are topologically ordered; only what `root` reaches counts."""
     live = reachable(nodes, (root,))
-    deciding: set[int] = set()  # nodes whose value decides structure somewhere downstream
+    # Nodes whose value reaches a boolean (a comparison, a select's condition, a logical op) or an
+    # int (a cast, int arithmetic): they decide structure. gen_index reads the score's shape only.
+    deciding: set[int] = set()
     for index in sorted(live, reverse=True):
         node = nodes[index]
-        if node.op == "gen_index":  # reads the score's shape, not its value
-            continue
-        decides = index in deciding or node.op in _DECIDING_OPS or node.dtype != FLOAT
-        for position, arg in enumerate(node.args):
-            if decides or (node.op == "binary_select" and position == _MASK_ARG):
-                deciding.add(arg)
+        if node.op != "gen_index" and (index in deciding or node.dtype != FLOAT):
+            deciding.update(node.args)
     return sorted(i for i in set(candidates) & live
                   if i not in deciding and math.isfinite(nodes[i].attr("value")))
 
 
 def literal_name(prefix: str, number: int) -> str:
-    return f"{prefix}{LITERAL_INFIX}{number}"
+    """The name of the mod's `number`th lifted literal ("captured_literal0", ...)."""
+    return f"{prefix}_literal{number}"
