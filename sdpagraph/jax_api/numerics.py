@@ -204,25 +204,30 @@ def _compile(lowered: Any) -> Any:
 
 @dataclass(frozen=True)
 class Slice:
-    """Which batch rows, query heads, key/value heads and query rows the reference computes."""
+    """Which batch rows, query heads and key/value heads the reference computes, and for each
+    (batch row, head) pair which query rows: `queries[i][j]` for rows[i], heads[j]."""
 
     rows: tuple[int, ...]
     heads: tuple[int, ...]
     kv_heads: tuple[int, ...]
-    queries: tuple[int, ...]
+    queries: tuple[tuple[tuple[int, ...], ...], ...]
 
-    def indices(self) -> dict[str, tuple[int, ...]]:
-        return {"rows": self.rows, "heads": self.heads, "kv_heads": self.kv_heads, "queries": self.queries}
+    def indices(self) -> dict[str, np.ndarray]:
+        return {"rows": np.asarray(self.rows, np.int32), "heads": np.asarray(self.heads, np.int32),
+                "kv_heads": np.asarray(self.kv_heads, np.int32), "queries": np.asarray(self.queries, np.int32)}
+
+    def query_rows(self) -> int:
+        return len(self.queries[0][0])
 
     def whole(self, spec: AttentionSpec) -> bool:
-        return (len(self.rows), len(self.heads), len(self.kv_heads), len(self.queries)) == (
+        return (len(self.rows), len(self.heads), len(self.kv_heads), self.query_rows()) == (
             spec.batch, spec.num_heads, spec.num_kv_heads, spec.q_len)
 
     def describe(self, spec: AttentionSpec) -> str:
         if self.whole(spec):
             return "whole"
         return (f"batch rows {list(self.rows)}, heads {list(self.heads)}, kv heads {list(self.kv_heads)}, "
-                f"{len(self.queries)} of {spec.q_len} query rows")
+                f"{self.query_rows()} of {spec.q_len} query rows each")
 
 
 def plan_slice(spec: AttentionSpec, slice_elements: int = SLICE_ELEMENTS,
@@ -234,10 +239,12 @@ def plan_slice(spec: AttentionSpec, slice_elements: int = SLICE_ELEMENTS,
     rows = tuple(range(b)) if b * n * few * s <= slice_elements else _ends_and_random(rng, b, MAX_ROWS)
     heads = tuple(range(n)) if len(rows) * n * few * s <= slice_elements else _ends_and_random(rng, n, MAX_HEADS)
     group = n // spec.num_kv_heads
-    queries = set(_strata(rng, t, max(1, slice_elements // (len(rows) * len(heads) * s))))
-    if spec.mask_shape is not None and spec.mask_shape[2] == t and t > 1:
-        queries.add(t // 2)  # the row the random mask empties (`_device_inputs`)
-    return Slice(rows, heads, tuple(sorted({head // group for head in heads})), tuple(sorted(queries)))
+    count = max(1, slice_elements // (len(rows) * len(heads) * s))
+    # The row the random mask empties (`_device_inputs`) is among the first pair's rows.
+    empty = t // 2 if spec.mask_shape is not None and spec.mask_shape[2] == t and t > 1 else None
+    queries = tuple(tuple(_strata(rng, t, count, empty if (i, j) == (0, 0) else None) for j in range(len(heads)))
+                    for i in range(len(rows)))
+    return Slice(rows, heads, tuple(sorted({head // group for head in heads})), queries)
 
 
 def _ends_and_random(rng: np.random.Generator, size: int, count: int) -> tuple[int, ...]:
@@ -249,19 +256,14 @@ def _ends_and_random(rng: np.random.Generator, size: int, count: int) -> tuple[i
     return tuple(sorted({0, size - 1, *(int(i) for i in middle)}))
 
 
-def _strata(rng: np.random.Generator, size: int, count: int) -> tuple[int, ...]:
-    """One random index in each of `count` equal parts of range(size) (all when size <= count)."""
+def _strata(rng: np.random.Generator, size: int, count: int, fixed: int | None = None) -> tuple[int, ...]:
+    """One random index in each of `count` equal parts of range(size) (all when size <= count);
+    `fixed`, when given, is the one of its part."""
     if size <= count:
         return tuple(range(size))
     edges = np.linspace(0, size, count + 1).astype(int)
-    return tuple(int(rng.integers(low, high)) for low, high in zip(edges[:-1], edges[1:]))
-
-
-def _take(x: Any, axis: int, index: Any, full: int) -> Any:
-    """x sliced along `axis` when that axis is full-size (size-1 broadcast axes are kept)."""
-    if x is None or x.shape[axis] != full or len(index) == full:
-        return x
-    return jnp.take(x, index, axis=axis)
+    return tuple(fixed if fixed is not None and low <= fixed < high else int(rng.integers(low, high))
+                 for low, high in zip(edges[:-1], edges[1:]))
 
 
 # ----------------------------------------------------------------------------- random inputs
@@ -363,37 +365,40 @@ def _run(fn: Callable, spec: AttentionSpec, q, k, v, inputs: RuntimeInputs, trai
 def _candidate_program(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, scalars: Mapping[str, Any],
                        candidate: Candidate) -> Callable:
     """(key, host arrays, slice indices) -> the slice of the inputs, of what may attend where, and of
-    the candidate's results: all the reference needs, small enough to copy to the host."""
-    b, t, n, kv = spec.batch, spec.q_len, spec.num_heads, spec.num_kv_heads
+    the candidate's results: all the reference needs, small enough to copy to the host. Query-side
+    arrays come as (B', N', T', ...), one row of T' per (batch row, head) pair."""
+    b, t, n = spec.batch, spec.q_len, spec.num_heads
 
     def program(key, host, picks):
-        rows, heads, kv_heads, queries = picks["rows"], picks["heads"], picks["kv_heads"], picks["queries"]
+        rows, heads, queries = picks["rows"][:, None, None], picks["heads"][None, :, None], picks["queries"]
         q, k, v, inputs, cotangent = _device_inputs(spec, ir, key, host, scalars)
         # Only the slice sends gradients back (see the module docstring).
-        keep = jnp.zeros((b, t, n, 1), cotangent.dtype).at[rows[:, None, None], queries[None, :, None],
-                                                           heads[None, None, :]].set(1)
+        cotangent = jnp.zeros_like(cotangent).at[rows, queries, heads].set(cotangent[rows, queries, heads])
         ours = _run(lambda inp, q, k, v: candidate(spec, q, k, v, inp, ir, training=training),
-                    spec, q, k, v, inputs, training, cotangent * keep)
+                    spec, q, k, v, inputs, training, cotangent)
         q_pos, kv_pos, allowed = positions_and_mask(spec, inputs)
+        nowhere = jnp.zeros((1, 1, 1), jnp.int32)
 
-        def on_q(x):  # (B, T, N, H) -> (B', T', N', H)
-            return _take(_take(_take(x, 0, rows, b), 1, queries, t), 2, heads, n)
+        def on_q(x):  # (B, T, N, H) -> (B', N', T', H)
+            return x[rows, queries, heads]
 
         def on_kv(x):  # (B, S, K, H) -> (B', S, K', H)
-            return _take(_take(x, 0, rows, b), 2, kv_heads, kv)
+            return jnp.take(jnp.take(x, picks["rows"], axis=0), picks["kv_heads"], axis=2)
 
         def on_score(x):  # (B|1, N|1, T|1, S|1) -> (B'|1, N'|1, T'|1, S|1)
-            return _take(_take(_take(x, 0, rows, b), 1, heads, n), 2, queries, t)
+            if x is None:
+                return None
+            full = [size == whole for size, whole in zip(x.shape, (b, n, t))]
+            return x[rows if full[0] else nowhere, heads if full[1] else nowhere, queries if full[2] else nowhere]
 
-        data = {"q": on_q(q), "k": on_kv(k), "v": on_kv(v), "cotangent": on_q(cotangent * keep),
-                "allowed": on_score(allowed), "q_pos": _take(_take(q_pos, 0, rows, b), 1, queries, t),
-                "kv_pos": _take(kv_pos, 0, rows, b), "bias": on_score(inputs.bias),
+        data = {"q": on_q(q), "k": on_kv(k), "v": on_kv(v), "cotangent": on_q(cotangent),
+                "allowed": on_score(allowed), "q_pos": q_pos[rows, queries],
+                "kv_pos": jnp.take(kv_pos, picks["rows"], axis=0), "bias": on_score(inputs.bias),
                 "arrays": {name: on_score(x) for name, x in (inputs.mod_arrays or {}).items()},
                 "o": on_q(ours["o"])}
         if training:
-            data["lse"] = _take(_take(_take(ours["lse"], 0, rows, b), 1, heads, n), 2, queries, t)
-            data.update(dq=on_q(ours["dq"]), dk=on_kv(ours["dk"]), dv=on_kv(ours["dv"]))
-            data["dbias"] = on_score(ours["dbias"])
+            data.update(lse=ours["lse"][rows, heads, queries], dq=on_q(ours["dq"]), dk=on_kv(ours["dk"]),
+                        dv=on_kv(ours["dv"]), dbias=on_score(ours["dbias"]))
         return data
 
     return program
@@ -403,21 +408,21 @@ def _candidate_program(spec: AttentionSpec, ir: ScoreModIR | None, training: boo
 
 def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Slice,
               data: Mapping[str, Any], scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Attention of the slice in float64 with NumPy: o (B', T', N', H_v), lse (B', N', T') and, when
-    training, dq (B', T', N', H), dk, dv (B', S, K', H) and dbias (the bias slice's shape).
+    """Attention of the slice in float64 with NumPy: o (B', N', T', H_v), lse (B', N', T') and, when
+    training, dq (B', N', T', H), dk, dv (B', S, K', H) and dbias (B', N', T', S|1).
 
     `data` holds the slice of the inputs (`_candidate_program`): q, k, v, the cotangent, `allowed`
     (where a query may attend), the positions `gen_index` reads, the bias and the mod's arrays."""
     f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
     group = spec.num_heads // spec.num_kv_heads
     kv_of = [chosen.kv_heads.index(head // group) for head in chosen.heads]  # each head's K' index
-    q = f64(data["q"]).transpose(0, 2, 1, 3)  # (B', N', T', H): one matmul per (row, head)
-    k = f64(data["k"])[:, :, kv_of].transpose(0, 2, 1, 3)  # (B', N', S, H)
+    q = f64(data["q"])  # (B', N', T', H)
+    k = f64(data["k"])[:, :, kv_of].transpose(0, 2, 1, 3)  # (B', N', S, H): one matmul per (row, head)
     v = f64(data["v"])[:, :, kv_of].transpose(0, 2, 1, 3)
     score = spec.scale * (q @ k.swapaxes(-1, -2))  # (B', N', T', S)
     index = (np.asarray(chosen.rows, np.int32)[:, None, None, None],
              np.asarray(chosen.heads, np.int32)[None, :, None, None],
-             np.asarray(data["q_pos"], np.int32)[:, None, :, None],
+             np.asarray(data["q_pos"], np.int32)[..., None],
              np.asarray(data["kv_pos"], np.int32)[:, None, None, :])
     arrays = {name: np.asarray(x) for name, x in data["arrays"].items()}
 
@@ -436,26 +441,43 @@ def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen
     probs = weights / np.where(total > 0, total, 1.0)  # rows with no allowed key: 0
     lse = np.where(total > 0, row_max + np.log(np.where(total > 0, total, 1.0)), -np.inf)[..., 0]
     out = probs @ v
-    result = {"o": out.transpose(0, 2, 1, 3), "lse": lse}
+    result = {"o": out, "lse": lse}
     if not training:
         return result
     # Backward as the cuDNN graph computes it: through the softmax, then the mod's bprop (the IR's
     # derived one equals the XLA backend's autodiff; a user's is what both backends run).
-    d_out = f64(data["cotangent"]).transpose(0, 2, 1, 3)
+    d_out = f64(data["cotangent"])
     d_logits = probs * (d_out @ v.swapaxes(-1, -2) - np.sum(d_out * out, axis=-1, keepdims=True))
     if ir is not None and ir.grad_output is None:
         raise ValueError("the score_mod has no bprop, so its backward graph cannot be checked")
     d_score = d_logits if ir is None else mod(d_logits)
-    result["dq"] = (spec.scale * (d_score @ k)).transpose(0, 2, 1, 3)
+    result["dq"] = spec.scale * (d_score @ k)
     per_head = {"dk": spec.scale * (d_score.swapaxes(-1, -2) @ q), "dv": probs.swapaxes(-1, -2) @ d_out}
     for name, grads in per_head.items():  # (B', N', S, H) summed over each kv head's group
         summed = np.zeros((grads.shape[0], len(chosen.kv_heads), *grads.shape[2:]))
         np.add.at(summed, (slice(None), kv_of), grads)
         result[name] = summed.transpose(0, 2, 1, 3)
     if data["bias"] is not None:
-        broadcast = tuple(axis for axis, size in enumerate(np.shape(data["bias"])) if size == 1)
-        result["dbias"] = np.sum(d_logits, axis=broadcast, keepdims=True)
+        result["dbias"] = _bias_gradient(spec, chosen, d_logits)
     return result
+
+
+def _bias_gradient(spec: AttentionSpec, chosen: Slice, d_logits: np.ndarray) -> np.ndarray:
+    """The bias gradient at each of the slice's (row, head, query) elements, (B', N', T', S|1): the
+    sum of `d_logits` over every element of the slice that reads the same bias element (a bias that
+    broadcasts over B, N or T is read by several; the others send no gradient, their cotangent is 0)."""
+    picked = chosen.indices()
+    axes = [picked["rows"][:, None, None], picked["heads"][None, :, None], picked["queries"]]
+    shape = spec.bias_shape
+    where = np.broadcast_arrays(*(index if size == full else np.zeros_like(index)
+                                  for index, size, full in zip(axes, shape, (spec.batch, spec.num_heads, spec.q_len))))
+    if shape[3] == 1:
+        d_logits = np.sum(d_logits, axis=-1, keepdims=True)
+    _, inverse = np.unique(np.stack([w.ravel() for w in where]), axis=1, return_inverse=True)
+    inverse = inverse.ravel()
+    summed = np.zeros((inverse.max() + 1, d_logits.shape[-1]))
+    np.add.at(summed, inverse, d_logits.reshape(-1, d_logits.shape[-1]))
+    return summed[inverse].reshape(*where[0].shape, d_logits.shape[-1])
 
 
 # ----------------------------------------------------------------------------- comparison
@@ -477,7 +499,7 @@ def compare(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: 
         theirs = reference(spec, ir, training, chosen, data, scalars)
         errors = {"o": relative_error(data["o"], theirs["o"])}
         attends = np.isfinite(theirs["lse"])  # (B', N', T')
-        empty = np.swapaxes(~attends, 1, 2)[..., None]  # (B', T', N', 1)
+        empty = ~attends[..., None]
         largest = [np.max(np.where(empty, np.abs(np.asarray(data["o"], np.float64)), 0.0))]
         if training:
             errors["lse"] = relative_error(np.where(attends, np.asarray(data["lse"], np.float64), 0.0),
@@ -486,7 +508,8 @@ def compare(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: 
                 errors[name] = relative_error(data[name], theirs[name])
             largest.append(np.max(np.where(empty, np.abs(np.asarray(data["dq"], np.float64)), 0.0)))
             if data["dbias"] is not None:
-                errors["dbias"] = relative_error(data["dbias"], theirs["dbias"])
+                errors["dbias"] = relative_error(np.broadcast_to(data["dbias"], theirs["dbias"].shape),
+                                                 theirs["dbias"])
         value = float(np.max(largest))  # NaN stays NaN
     errors["empty_rows"] = value if math.isfinite(value) else math.inf
     return errors
