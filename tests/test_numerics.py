@@ -31,6 +31,7 @@ from sdpagraph.deploy.specfile import SpecEntry
 from sdpagraph.graphs import builder, support as support_module
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.operands import ARRAY_PREFIX, graph_io, graph_spec, uid_map
+from sdpagraph.graphs.reference import reference
 from sdpagraph.jax_api import cudnn as cudnn_backend
 from sdpagraph.jax_api import numerics
 from sdpagraph.jax_api.call import RuntimeInputs, prepare_call
@@ -370,7 +371,7 @@ def test_the_float64_reference_agrees_with_jax_dot_product_attention():
     data = {"q": q.transpose(0, 2, 1, 3), "k": k, "v": v, "cotangent": cotangent.transpose(0, 2, 1, 3),
             "bias": bias, "arrays": {}, "allowed": np.tril(np.ones((t, t), bool))[None, None],
             "q_pos": np.broadcast_to(np.arange(t), (b, n, t)), "kv_pos": np.broadcast_to(np.arange(t), (b, t))}
-    ours = numerics.reference(call.spec, None, True, chosen, data, {})
+    ours = reference(call.spec, None, True, chosen.indices(), data, {})
 
     def jax_attention(q, k, v, bias):
         return jax.nn.dot_product_attention(q, k, v, bias, is_causal=True, implementation="xla")
