@@ -63,8 +63,6 @@ FORWARD_TOLERANCE = 1e-2
 BACKWARD_TOLERANCE = 2e-2
 TOLERANCES = {dtype: {"forward": FORWARD_TOLERANCE, "backward": BACKWARD_TOLERANCE}
               for dtype in ("bfloat16", "float16", "float32")}
-FORWARD_OUTPUTS = ("o", "lse")
-BACKWARD_OUTPUTS = ("dq", "dk", "dv", "dbias")
 # The reference computes at most about this many score elements (rows x heads x query rows x S):
 # its float64 matmuls then take milliseconds on the host. Above it, a slice (`plan_slice`).
 SLICE_ELEMENTS = 1 << 19
@@ -168,7 +166,7 @@ def _check_in_thread(spec, ir, training, cache, seed, slice_elements, candidate)
         chosen = plan_slice(spec, slice_elements, np.random.default_rng([seed, 1]))
         host = host_inputs(spec, ir, seed)
         key = jax.random.key(seed, impl="rbg")  # compiles in a fraction of threefry's time
-        picks = {name: np.asarray(index, np.int32) for name, index in chosen.indices().items()}
+        picks = chosen.indices()
         lowered = jax.jit(_candidate_program(spec, ir, training, host["scalars"], candidate)).lower(
             key, host["arrays"], picks)
         traced = time.perf_counter()
