@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 
 import jax
@@ -30,6 +31,7 @@ from sdpagraph.deploy.specfile import SpecEntry
 from sdpagraph.graphs import builder, support as support_module
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.operands import ARRAY_PREFIX, graph_io, graph_spec, uid_map
+from sdpagraph.graphs.reference import reference
 from sdpagraph.jax_api import cudnn as cudnn_backend
 from sdpagraph.jax_api import numerics
 from sdpagraph.jax_api.call import RuntimeInputs, prepare_call
@@ -322,30 +324,89 @@ def xla_candidate(spec, q, k, v, inputs, ir, training=True):
     return xla_attention(spec, q, k, v, inputs, ir)
 
 
-def spec_and_ir(batch=4, heads=(4, 2), length=24, **kwargs):
+def spec_and_ir(batch=4, heads=(4, 2), length=24, dtype=jnp.bfloat16, **kwargs):
     n, kv = heads
-    q = jax.ShapeDtypeStruct((batch, length, n, 8), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((batch, length, kv, 8), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((batch, length, n, 8), dtype)
+    k = jax.ShapeDtypeStruct((batch, length, kv, 8), dtype)
     call = prepare_call(q, k, k, kwargs.pop("bias", None), kwargs.pop("mask", None), **kwargs)
     return call.spec, call.score_mod
 
 
 def test_a_slice_of_a_large_config_compares_exactly():
-    """Sliced (batch rows 0 and B-1, two heads of the last kv group; zero cotangent elsewhere), the
-    reference agrees with a full-size run of the same backend to bf16 rounding, gradients and a
-    broadcast bias's gradient included."""
+    """Sliced (the first, the last and a random batch row, a few query rows per row and head; zero
+    cotangent elsewhere), the float64 reference agrees with a full-size run of the XLA backend to
+    bf16 rounding, gradients and a broadcast bias's gradient included."""
     bias = jax.ShapeDtypeStruct((1, 4, 24, 24), jnp.bfloat16)
     mask = jax.ShapeDtypeStruct((4, 1, 24, 24), jnp.bool_)
     spec, ir = spec_and_ir(bias=bias, mask=mask, is_causal=True, score_mod=mods.compose(
         mods.softcap(10.0), mods.alibi(np.linspace(0.1, 0.4, 4).astype(np.float32))))
-    chosen = numerics.plan_slice(spec, ir, slice_elements=1)
-    assert (chosen.rows, chosen.heads, chosen.kv_heads) == ((0, 3), (2, 3), (1,))
+    chosen = numerics.plan_slice(spec, slice_elements=1, rng=np.random.default_rng(7))
+    assert len(chosen.rows) == numerics.MAX_ROWS and {0, 3} <= set(chosen.rows) and chosen.heads == (0, 1, 2, 3)
+    assert np.shape(chosen.queries) == (3, 4, 1) and chosen.queries[0][0] == (12,)  # the masked-out row
     result = numerics.check_numerics(spec, ir, True, candidate=xla_candidate, slice_elements=1, seed=7)
     assert result.passed, result.summary()
-    assert result.slice == "batch rows [0, 3], heads [2, 3], kv heads [1]"
+    assert result.slice.startswith("batch rows [0, ") and result.slice.endswith("1 of 24 query rows each")
     assert set(result.errors) == {"o", "lse", "dq", "dk", "dv", "dbias", "empty_rows"}
-    assert result.errors["empty_rows"] == 0.0  # one masked-out query row: 0 on both sides
+    assert result.errors["empty_rows"] == 0.0  # the masked-out query row: 0 on both sides
     assert all(0 < result.errors[name] < 1e-2 for name in ("o", "dq", "dk", "dv", "dbias"))
+
+
+# Configs the float64 reference must compute exactly as the XLA backend does (float32 inputs).
+REFERENCE_CONFIGS = {
+    "softcap_alibi_bias_mask": dict(bias=jax.ShapeDtypeStruct((1, 4, 24, 24), jnp.float32),
+                                    mask=jax.ShapeDtypeStruct((4, 1, 24, 24), jnp.bool_), is_causal=True,
+                                    score_mod=mods.compose(mods.softcap(10.0), mods.alibi(
+                                        np.linspace(0.1, 0.4, 4).astype(np.float32)))),
+    "padding_bottom_right_window": dict(query_seq_lengths=jax.ShapeDtypeStruct((4,), jnp.int32),
+                                        key_value_seq_lengths=jax.ShapeDtypeStruct((4,), jnp.int32),
+                                        is_causal=True, causal_alignment="bottom_right", local_window_size=(5, 0)),
+    "segments_relative_bias": dict(segment_ids=jax.ShapeDtypeStruct((4, 24), jnp.int32), max_segments_per_seq=3,
+                                   is_causal=True, score_mod=mods.relative_position_bias(
+                                       np.linspace(-1, 1, 4 * 9).reshape(4, 9).astype(np.float32), 4)),
+    "bias_per_row_and_query": dict(bias=jax.ShapeDtypeStruct((4, 1, 24, 24), jnp.float32)),
+}
+
+
+@pytest.mark.parametrize("name", REFERENCE_CONFIGS)
+def test_the_float64_reference_matches_the_xla_backend(name):
+    """In float32 the XLA backend's errors against the reference are float32 rounding (1e-6), on
+    slices of every shape: masks, padding, segments, score_mod arrays and a broadcast bias agree."""
+    spec, ir = spec_and_ir(dtype=jnp.float32, **dict(REFERENCE_CONFIGS[name]))
+    for elements in (numerics.SLICE_ELEMENTS, 3000):
+        result = numerics.check_numerics(spec, ir, True, candidate=xla_candidate, slice_elements=elements, seed=3)
+        assert (result.slice == "whole") == (elements == numerics.SLICE_ELEMENTS), result.slice
+        assert all(error < 2e-5 for error in result.errors.values()), (name, result.slice, result.errors)
+
+
+def test_the_float64_reference_agrees_with_jax_dot_product_attention():
+    """Fresh random inputs: forward and gradients (q, k, v, bias) of jax's own XLA attention, GQA,
+    causal, with a bias."""
+    rng = np.random.default_rng(11)
+    b, t, n, kv, h = 2, 20, 4, 2, 8
+    q, cotangent = rng.standard_normal((b, t, n, h)), rng.standard_normal((b, t, n, h))
+    k, v = rng.standard_normal((b, t, kv, h)), rng.standard_normal((b, t, kv, h))
+    bias = rng.standard_normal((1, n, t, t))
+    call = prepare_call(*(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v, bias)), is_causal=True)
+    chosen = numerics.plan_slice(call.spec)
+    assert chosen.whole(call.spec)
+    data = {"q": q.transpose(0, 2, 1, 3), "k": k, "v": v, "cotangent": cotangent.transpose(0, 2, 1, 3),
+            "bias": bias, "arrays": {}, "allowed": np.tril(np.ones((t, t), bool))[None, None],
+            "q_pos": np.broadcast_to(np.arange(t), (b, n, t)), "kv_pos": np.broadcast_to(np.arange(t), (b, t))}
+    ours = reference(call.spec, None, True, chosen.indices(), data, {})
+
+    def jax_attention(q, k, v, bias):
+        return jax.nn.dot_product_attention(q, k, v, bias, is_causal=True, implementation="xla")
+
+    with jax.default_matmul_precision("highest"):
+        args = [jnp.asarray(x, jnp.float32) for x in (q, k, v, bias)]
+        out, pullback = jax.vjp(jax_attention, *args)
+        dq, dk, dv, dbias = pullback(jnp.asarray(cotangent, jnp.float32))
+    np.testing.assert_allclose(ours["o"].transpose(0, 2, 1, 3), out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours["dq"].transpose(0, 2, 1, 3), dq, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ours["dk"], dk, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ours["dv"], dv, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ours["dbias"][0], np.asarray(dbias)[0][..., None].squeeze(-1), rtol=1e-4, atol=1e-5)
+    assert np.isfinite(ours["lse"]).all()
 
 
 def test_padding_segments_and_inference_draw_valid_inputs():
@@ -365,12 +426,57 @@ def test_padding_segments_and_inference_draw_valid_inputs():
         assert 1 <= len(set(used)) <= 3 and (np.diff(used) >= 0).all() and (row[len(used):] == 0).all()
 
 
+@jax.custom_vjp
+def _wrong_head_gradient(x):
+    return x
+
+
+def _wrong_head_gradient_bwd(_, g):
+    return (g.at[:, :, 2].multiply(1.5),)  # head (or kv head) 2 only
+
+
+_wrong_head_gradient.defvjp(lambda x: (x, None), _wrong_head_gradient_bwd)
+
+
+def _scaled(out, where):
+    return out.at[where].multiply(1.2)
+
+
+# Wrong values a slice of the first rows and heads, or of the first query rows, would not see. Config:
+# B5 N8/K4 T64; the budget keeps batch rows and heads whole with 16 of 64 query rows each.
+WRONG_CANDIDATES = {
+    "last head": (lambda out, q, k, v: (_scaled(out, (slice(None), slice(None), -1)), q, k, v), ["o", "dq", "dk", "dv"]),
+    "middle batch row": (lambda out, q, k, v: (_scaled(out, 2), q, k, v), ["o", "dq", "dk", "dv"]),
+    "last quarter of query rows": (lambda out, q, k, v: (_scaled(out, (slice(None), slice(48, None))), q, k, v),
+                                   ["o", "dq", "dk", "dv"]),
+    "dq of one head, backward only": (lambda out, q, k, v: (out, _wrong_head_gradient(q), k, v), ["dq"]),
+    "dv of one kv head, backward only": (lambda out, q, k, v: (out, q, k, _wrong_head_gradient(v)), ["dv"]),
+}
+
+
+@pytest.mark.parametrize("name", WRONG_CANDIDATES)
+def test_wrong_values_confined_to_a_head_a_row_or_the_backward_are_caught(name):
+    tamper, failing = WRONG_CANDIDATES[name]
+    spec, ir = spec_and_ir(batch=5, heads=(8, 4), length=64, **KWARGS)
+
+    def wrong(spec, q, k, v, inputs, ir, training=True):
+        out, lse = xla_attention(spec, q, k, v, inputs, ir)
+        _, q, k, v = tamper(out, q, k, v)  # a wrong gradient reaches q, k, v through the tampered inputs
+        out, _ = xla_attention(spec, q, k, v, inputs, ir)
+        return tamper(out, q, k, v)[0], lse
+
+    for seed in range(3):
+        result = numerics.check_numerics(spec, ir, True, candidate=wrong, slice_elements=5 * 8 * 16 * 64, seed=seed)
+        assert result.slice.endswith("16 of 64 query rows each"), result.slice
+        assert not result.passed and result.failures() == failing, (seed, result.summary())
+
+
 def test_a_wrong_candidate_fails_with_the_errors_over_tolerance():
     spec, ir = spec_and_ir(batch=2, **KWARGS)
 
     def wrong_last_row(spec, q, k, v, inputs, ir, training=True):
         out, lse = xla_attention(spec, q, k, v, inputs, ir)
-        return out.at[-1].multiply(1.2), lse  # only batch row B-1: inside the slice
+        return out.at[-1].multiply(1.2), lse  # only batch row B-1
 
     result = numerics.check_numerics(spec, ir, True, candidate=wrong_last_row, slice_elements=1)
     assert not result.passed and result.failures() == ["o", "dq", "dk", "dv"]
@@ -387,6 +493,32 @@ def test_a_wrong_candidate_fails_with_the_errors_over_tolerance():
     result = numerics.check_numerics(spec, ir, False, candidate=nan_output)
     assert not result.passed and result.errors["o"] == math.inf
     assert "o error inf > 0.01" in cached_graphs.failure_reason(result.to_record())
+
+
+def test_the_check_compiles_one_program_and_no_reference(monkeypatch):
+    """XLA compiling a float32 reference was nearly all of the check's time: the reference is NumPy
+    now. The one program compiled is the candidate's (inputs, the graphs, the slice)."""
+    compiles = []
+
+    def listen(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    def no_xla_reference(*args, **kwargs):
+        raise AssertionError("the check ran the XLA backend")
+
+    spec, ir = spec_and_ir(**KWARGS)
+    numerics.check_numerics(spec, ir, True, candidate=xla_candidate, seed=0)  # one-time eager ops (keys)
+    other, other_ir = spec_and_ir(batch=3, **KWARGS)
+    monkeypatch.setattr(sys.modules["sdpagraph.jax_api.xla"], "xla_attention", no_xla_reference)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        result = numerics.check_numerics(other, other_ir, True, candidate=xla_candidate, seed=1)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert result.passed, result.summary()
+    assert len(compiles) == 1, compiles
+    assert set(result.timings) == {"trace_s", "compile_s", "run_s", "reference_s"}
 
 
 # ----------------------------------------------------------------------------- sdpagraph verify --numerics

@@ -1,4 +1,5 @@
-"""Evaluate a ScoreModIR with jax.numpy (the XLA backend and the tests use this).
+"""Evaluate a ScoreModIR with jax.numpy (the XLA backend, the tests) or NumPy (the numerical
+check's float64 reference, `jax_api.numerics`).
 
 Values broadcast against the score `(B, N, T, S)`; `gen_index` reads the position
 arrays the caller supplies (per-segment positions when sequences are packed), so the
@@ -7,47 +8,77 @@ result has the dividend's sign), as cuDNN's pointwise MOD does.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import jax.numpy as jnp
+import numpy as np
 
 from sdpagraph.graphs.ir import BOOL, FLOAT, INT, Node, ScoreModIR
 
-_JNP_DTYPES = {FLOAT: jnp.float32, INT: jnp.int32, BOOL: jnp.bool_}
 
-
-def _fl(x):
-    return x.astype(jnp.float32) if x.dtype != jnp.float32 else x
-
-
-_UNARY: dict[str, Callable] = {
-    "abs": jnp.abs, "ceil": jnp.ceil, "floor": jnp.floor, "neg": jnp.negative, "identity": lambda x: x,
-    "cos": lambda x: jnp.cos(_fl(x)), "erf": lambda x: jax_erf(_fl(x)), "exp": lambda x: jnp.exp(_fl(x)),
-    "log": lambda x: jnp.log(_fl(x)), "reciprocal": lambda x: 1.0 / _fl(x),
-    "rsqrt": lambda x: 1.0 / jnp.sqrt(_fl(x)), "sigmoid": lambda x: jax_sigmoid(_fl(x)),
-    "sin": lambda x: jnp.sin(_fl(x)), "softplus": lambda x: jnp.logaddexp(_fl(x), 0.0),
-    "sqrt": lambda x: jnp.sqrt(_fl(x)), "tan": lambda x: jnp.tan(_fl(x)), "tanh": lambda x: jnp.tanh(_fl(x)),
-    "logical_not": jnp.logical_not,
-}
-_BINARY: dict[str, Callable] = {
-    "add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply, "div": lambda a, b: _fl(a) / _fl(b),
-    "max": jnp.maximum, "min": jnp.minimum, "mod": jnp.fmod, "pow": lambda a, b: jnp.power(_fl(a), _fl(b)),
-    "logical_and": jnp.logical_and, "logical_or": jnp.logical_or,
-    "cmp_eq": jnp.equal, "cmp_neq": jnp.not_equal, "cmp_gt": jnp.greater, "cmp_ge": jnp.greater_equal,
-    "cmp_lt": jnp.less, "cmp_le": jnp.less_equal,
-    "tanh_backward": lambda loss, x: _fl(loss) * (1.0 - jnp.tanh(_fl(x)) ** 2),
-    "sigmoid_backward": lambda loss, x: _fl(loss) * jax_sigmoid(_fl(x)) * (1.0 - jax_sigmoid(_fl(x))),
-}
-
-
-def jax_erf(x):
+def _jax_erf(x):
     from jax.scipy.special import erf
     return erf(x)
 
 
-def jax_sigmoid(x):
+def _jax_sigmoid(x):
     from jax.nn import sigmoid
     return sigmoid(x)
+
+
+def _numpy_erf(x):
+    from scipy.special import erf  # scipy comes with jax
+    return erf(x)
+
+
+def _numpy_sigmoid(x):
+    from scipy.special import expit
+    return expit(x)
+
+
+@dataclass(frozen=True)
+class ArrayModule:
+    """Which array library evaluates, and in which float type FLOAT nodes compute."""
+
+    xp: Any  # jax.numpy or numpy: the functions both have
+    float_dtype: Any
+    erf: Callable
+    sigmoid: Callable
+
+    def dtype(self, ir_dtype: str) -> Any:
+        return {FLOAT: self.float_dtype, INT: np.int32, BOOL: np.bool_}[ir_dtype]
+
+    def fl(self, x: Any) -> Any:
+        return x.astype(self.float_dtype) if x.dtype != self.float_dtype else x
+
+
+JAX = ArrayModule(jnp, jnp.float32, _jax_erf, _jax_sigmoid)
+NUMPY_FLOAT64 = ArrayModule(np, np.float64, _numpy_erf, _numpy_sigmoid)
+
+# Each op: (array module, *args) -> value.
+_UNARY: dict[str, Callable] = {
+    "abs": lambda m, x: m.xp.abs(x), "ceil": lambda m, x: m.xp.ceil(x), "floor": lambda m, x: m.xp.floor(x),
+    "neg": lambda m, x: m.xp.negative(x), "identity": lambda m, x: x,
+    "cos": lambda m, x: m.xp.cos(m.fl(x)), "erf": lambda m, x: m.erf(m.fl(x)), "exp": lambda m, x: m.xp.exp(m.fl(x)),
+    "log": lambda m, x: m.xp.log(m.fl(x)), "reciprocal": lambda m, x: 1.0 / m.fl(x),
+    "rsqrt": lambda m, x: 1.0 / m.xp.sqrt(m.fl(x)), "sigmoid": lambda m, x: m.sigmoid(m.fl(x)),
+    "sin": lambda m, x: m.xp.sin(m.fl(x)), "softplus": lambda m, x: m.xp.logaddexp(m.fl(x), 0.0),
+    "sqrt": lambda m, x: m.xp.sqrt(m.fl(x)), "tan": lambda m, x: m.xp.tan(m.fl(x)),
+    "tanh": lambda m, x: m.xp.tanh(m.fl(x)), "logical_not": lambda m, x: m.xp.logical_not(x),
+}
+_BINARY: dict[str, Callable] = {
+    "add": lambda m, a, b: m.xp.add(a, b), "sub": lambda m, a, b: m.xp.subtract(a, b),
+    "mul": lambda m, a, b: m.xp.multiply(a, b), "div": lambda m, a, b: m.fl(a) / m.fl(b),
+    "max": lambda m, a, b: m.xp.maximum(a, b), "min": lambda m, a, b: m.xp.minimum(a, b),
+    "mod": lambda m, a, b: m.xp.fmod(a, b), "pow": lambda m, a, b: m.xp.power(m.fl(a), m.fl(b)),
+    "logical_and": lambda m, a, b: m.xp.logical_and(a, b), "logical_or": lambda m, a, b: m.xp.logical_or(a, b),
+    "cmp_eq": lambda m, a, b: m.xp.equal(a, b), "cmp_neq": lambda m, a, b: m.xp.not_equal(a, b),
+    "cmp_gt": lambda m, a, b: m.xp.greater(a, b), "cmp_ge": lambda m, a, b: m.xp.greater_equal(a, b),
+    "cmp_lt": lambda m, a, b: m.xp.less(a, b), "cmp_le": lambda m, a, b: m.xp.less_equal(a, b),
+    "tanh_backward": lambda m, loss, x: m.fl(loss) * (1.0 - m.xp.tanh(m.fl(x)) ** 2),
+    "sigmoid_backward": lambda m, loss, x: m.fl(loss) * m.sigmoid(m.fl(x)) * (1.0 - m.sigmoid(m.fl(x))),
+}
 
 
 def evaluate(
@@ -58,40 +89,42 @@ def evaluate(
     arrays: Mapping[str, Any],
     index: Sequence[Any],
     dscore: Any = None,
+    module: ArrayModule = JAX,
 ) -> tuple[Any, Any]:
     """Return (modified score, bprop(dscore) or None).
 
     `index[axis]` is the array `gen_index(axis)` yields, broadcastable to the score.
     `scalars`/`arrays` map the names in `ir.scalar_names`/`ir.array_names` to values.
+    `module`: JAX (float32, traceable) or NUMPY_FLOAT64.
     """
     values: list[Any] = []
     for node in ir.nodes:
-        values.append(_node_value(ir, node, values, score, dscore, scalars, arrays, index))
+        values.append(_node_value(ir, node, values, score, dscore, scalars, arrays, index, module))
     grad = None if ir.grad_output is None or dscore is None else values[ir.grad_output]
     return values[ir.output], grad
 
 
-def _node_value(ir: ScoreModIR, node: Node, values: list, score, dscore, scalars, arrays, index):
-    op = node.op
+def _node_value(ir: ScoreModIR, node: Node, values: list, score, dscore, scalars, arrays, index, m: ArrayModule):
+    op, xp = node.op, m.xp
     if op == "score":
         return score
     if op == "dscore":
         if dscore is None:
-            return jnp.zeros((), jnp.float32)  # bprop nodes are computed only when asked for
+            return xp.zeros((), m.float_dtype)  # bprop nodes are computed only when asked for
         return dscore
     if op == "const":
-        return jnp.asarray(node.attr("value"), _JNP_DTYPES[node.dtype])
+        return xp.asarray(node.attr("value"), m.dtype(node.dtype))
     if op == "scalar":
-        return jnp.asarray(scalars[ir.scalar_names[node.attr("slot")]], _JNP_DTYPES[node.dtype])
+        return xp.asarray(scalars[ir.scalar_names[node.attr("slot")]], m.dtype(node.dtype))
     if op == "array":
-        return jnp.asarray(arrays[ir.array_names[node.attr("slot")]], _JNP_DTYPES[node.dtype])
+        return xp.asarray(arrays[ir.array_names[node.attr("slot")]], m.dtype(node.dtype))
     if op == "gen_index":
-        return jnp.asarray(index[node.attr("axis")], jnp.int32)
+        return xp.asarray(index[node.attr("axis")], np.int32)
     args = [values[a] for a in node.args]
     if op == "binary_select":
-        out = jnp.where(args[2], args[0], args[1])
+        out = xp.where(args[2], args[0], args[1])
     elif op in _UNARY:
-        out = _UNARY[op](args[0])
+        out = _UNARY[op](m, args[0])
     else:
-        out = _BINARY[op](*args)
-    return out.astype(_JNP_DTYPES[node.dtype])
+        out = _BINARY[op](m, *args)
+    return out.astype(m.dtype(node.dtype))

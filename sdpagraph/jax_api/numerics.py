@@ -1,26 +1,33 @@
-"""The numerical check of a config's cuDNN graphs against the XLA backend.
+"""The numerical check of a config's cuDNN graphs against a float64 reference.
 
     check_numerics(spec, ir, training, cache=None) -> NumericsResult
 
 Fused-attention stacks ship silent wrong results; sdpagraph uses a graph only once it has
 computed the right answer on this GPU. The check draws fresh random inputs of the spec's
-shapes (q, k, v in the spec's dtype, a bias and a boolean mask of the spec's shapes with one
-query row masked out, random valid lengths for padding, random packed segments, the call's
-score_mod scalars (random positive ones where it has none) and random arrays of the IR's
+shapes on the device (q, k, v in the spec's dtype, a bias and a boolean mask of the spec's shapes
+with one query row masked out, random valid lengths for padding, random packed segments, the
+call's score_mod scalars (random positive ones where it has none) and random arrays of the IR's
 shapes), runs the runtime's own cuDNN path (`jax_api.cudnn.attention`: forward and, when
-training, the gradients of q, k, v and the bias through `jax.vjp` with a random cotangent), and
-compares with `jax_api.xla.xla_attention` run in float32 (highest matmul precision) on the same
-inputs, upcast.
+training, the gradients of q, k, v and the bias through `jax.vjp` with a random cotangent) in one
+jitted program, and compares a slice of its results with a NumPy float64 reference (`graphs.reference`) on the host.
+
+The reference evaluates the spec's attention and the score_mod IR (`graphs.ir_eval` on NumPy,
+backward through the IR's bprop, as the cuDNN backward graph does) for the slice only, so no XLA
+program is compiled for it: XLA compiling a float32 reference was nearly all of the check's time
+(docs/results/numerics-h100-2026-11-23.md). Which keys each query may attend to and the
+positions `gen_index` reads come from the XLA backend's own mask code (`xla.positions_and_mask`),
+evaluated inside the candidate's program and sliced there.
+
+The slice (`plan_slice`, drawn from the seed): at most about `slice_elements` score elements.
+Whole batch rows and heads while MIN_QUERY_ROWS query rows of each fit; else the first, the last and
+random other batch rows (up to MAX_ROWS) and heads (up to MAX_HEADS), and query rows spread over
+the sequence (one random row in each of equal strata). The graph always runs on its whole shape;
+the cotangent is zero outside the slice, so dk, dv and a broadcast dbias of the whole run hold the
+slice's contributions only and compare exactly.
 
 Errors are relative Frobenius errors per output (`o`, `lse`, `dq`, `dk`, `dv`, `dbias`) against
 tolerances per dtype (`TOLERANCES`, the bounds the GPU tests hold the backends to), plus
 `empty_rows`: the largest |value| cuDNN gives in rows that attend to no key (must be 0).
-
-Large shapes are checked on a slice: the cuDNN graph runs on the whole shape (it is built for
-it), the XLA reference on batch rows {0, B-1} and two query heads of the last key/value head's
-group. The cotangent is zero outside that slice, so dk, dv and a broadcast dbias of the whole
-run hold the slice's contributions only and compare exactly. A score_mod that reads the batch
-or head index (`gen_index` on axis 0 or 1) keeps that axis whole.
 
 The check runs in a worker thread, so it executes eagerly even when asked from inside a `jit`
 trace (the support query runs at trace time), and inside `cache.graphs.using_cache(cache)`, so
@@ -43,22 +50,25 @@ import numpy as np
 from sdpagraph.cache.graph_cache import GraphCache
 from sdpagraph.cache.graphs import using_cache
 from sdpagraph.graphs.ir import INT, ScoreModIR
+from sdpagraph.graphs.reference import reference
 from sdpagraph.jax_api.call import RuntimeInputs
-from sdpagraph.jax_api.xla import xla_attention
+from sdpagraph.jax_api.xla import positions_and_mask
 from sdpagraph.spec import AttentionSpec
 
-# Relative Frobenius error bounds, bf16/fp16 inputs with fp32 accumulation against an fp32
-# reference: tests/gpu/test_builder_gpu.py's FORWARD_TOLERANCE / BACKWARD_TOLERANCE. Measured
-# errors of correct graphs are 2e-3 to 5e-3 (docs/results/); wrong graphs (a wrong scale, mask
-# or gradient) give 1e-1 and more.
+# Relative Frobenius error bounds, bf16/fp16 inputs with fp32 accumulation against a reference
+# of higher precision: tests/gpu/test_builder_gpu.py's FORWARD_TOLERANCE / BACKWARD_TOLERANCE.
+# Measured errors of correct graphs are 2e-3 to 5e-3 (docs/results/); wrong graphs (a wrong scale,
+# mask or gradient) give 1e-1 and more.
 FORWARD_TOLERANCE = 1e-2
 BACKWARD_TOLERANCE = 2e-2
 TOLERANCES = {dtype: {"forward": FORWARD_TOLERANCE, "backward": BACKWARD_TOLERANCE}
               for dtype in ("bfloat16", "float16", "float32")}
-FORWARD_OUTPUTS = ("o", "lse")
-BACKWARD_OUTPUTS = ("dq", "dk", "dv", "dbias")
-# Above this many score elements (B * N * T * S) the reference runs on a slice.
-SLICE_ELEMENTS = 1 << 24
+# The reference computes at most about this many score elements (rows x heads x query rows x S):
+# its float64 matmuls then take milliseconds on the host. Above it, a slice (`plan_slice`).
+SLICE_ELEMENTS = 1 << 19
+MAX_ROWS = 3  # batch rows of a slice: the first, the last, random others
+MAX_HEADS = 4  # query heads of a slice: the first, the last, random others
+MIN_QUERY_ROWS = 2  # batch rows and heads are kept whole while this many query rows of each fit
 SCALAR_RANGE = (1.0, 50.0)  # score_mod scalars: positive (softcap divides by its cap)
 MASK_KEEP = 0.7
 MAX_RANDOM_SEGMENTS = 8
@@ -77,7 +87,7 @@ class NumericsResult:
     seed: int
     slice: str  # "whole" or which batch rows and heads the reference ran on
     training: bool
-    timings: dict[str, float] = field(default_factory=dict)  # trace_s, compile_s, run_s of the check
+    timings: dict[str, float] = field(default_factory=dict)  # trace_s, compile_s, run_s, reference_s
     checked: float = field(default_factory=time.time)
 
     def failures(self) -> list[str]:
@@ -128,13 +138,14 @@ def tolerances_for(spec: AttentionSpec, training: bool, has_bias: bool) -> dict[
 def check_numerics(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, cache: GraphCache | None = None,
                    *, seed: int | None = None, slice_elements: int = SLICE_ELEMENTS,
                    candidate: Candidate | None = None, scalars: Mapping[str, Any] | None = None) -> NumericsResult:
-    """Run the cuDNN path of (spec, ir) once on random inputs and compare with the XLA backend
-    in float32 (`training`: forward and backward graphs, else the inference graph).
+    """Run the cuDNN path of (spec, ir) once on random inputs and compare a slice of its results
+    with the float64 reference (`training`: forward and backward graphs, else the inference graph).
 
-    `cache`: the graph cache whose graphs run (default: the runtime's). `candidate` replaces the
-    cuDNN path (tests). `scalars`: values of the IR's scalars to check with (the call's: a jax.numpy
-    mod's constants are scalars, and `exp(s * 0.1)` must not be checked as `exp(s * 40)`); the
-    others are drawn at random. Raises whatever the runs raise (the caller decides what that means)."""
+    `cache`: the graph cache whose graphs run (default: the runtime's). `slice_elements`: the
+    reference's budget of score elements. `candidate` replaces the cuDNN path (tests). `scalars`:
+    values of the IR's scalars to check with (the call's: a jax.numpy mod's constants are scalars,
+    and `exp(s * 0.1)` must not be checked as `exp(s * 40)`); the others are drawn at random. Raises
+    whatever the runs raise (the caller decides what that means)."""
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else int(seed)
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdpagraph-numerics") as pool:
@@ -148,30 +159,33 @@ def check_numerics(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, c
 
 
 def _check_in_thread(spec, ir, training, cache, seed, slice_elements, candidate, scalars):
-    # A fresh thread has no JAX trace in progress (the support query may run inside a user's jit
-    # trace) and default config: float32 matmuls at full precision for the reference.
+    # A fresh thread has no JAX trace in progress (the support query may run inside a user's jit trace).
     if candidate is None:
         from sdpagraph.jax_api import cudnn  # the runtime's cuDNN path (imports this module lazily)
         candidate = cudnn.attention
-    with using_cache(cache), jax.default_matmul_precision("highest"):
+    with using_cache(cache):
         started = time.perf_counter()
-        chosen = plan_slice(spec, ir, slice_elements)
+        chosen = plan_slice(spec, slice_elements, np.random.default_rng([seed, 1]))
         host = host_inputs(spec, ir, seed, scalars)
         key = jax.random.key(seed, impl="rbg")  # compiles in a fraction of threefry's time
-        lowered = jax.jit(_comparison(spec, ir, training, chosen, host["scalars"], candidate)).lower(
-            key, host["arrays"])
+        picks = chosen.indices()
+        lowered = jax.jit(_candidate_program(spec, ir, training, host["scalars"], candidate)).lower(
+            key, host["arrays"], picks)
         traced = time.perf_counter()
         compiled = _compile(lowered)
         built = time.perf_counter()
-        errors = jax.device_get(compiled(key, host["arrays"]))
+        data = jax.device_get(compiled(key, host["arrays"], picks))
         ran = time.perf_counter()
-    timings = {"trace_s": traced - started, "compile_s": built - traced, "run_s": ran - built}
-    return {name: _finite_or_inf(value) for name, value in errors.items()}, chosen.describe(spec), timings
+        errors = compare(spec, ir, training, chosen, data, host["scalars"])
+        done = time.perf_counter()
+    timings = {"trace_s": traced - started, "compile_s": built - traced, "run_s": ran - built,
+               "reference_s": done - ran}
+    return errors, chosen.describe(spec), timings
 
 
-# The check's program runs once: compile it fast. On an H100, XLA's default GEMM autotuning made
-# it 12-21 s, without autotuning 1.8-2.4 s, with cuBLAS instead of Triton GEMMs 1.1-1.3 s
-# (docs/results/numerics-h100-2026-11-23.md).
+# The candidate's program runs once: compile it fast. On an H100, XLA's default GEMM autotuning made
+# the check's program (then with a float32 XLA reference) 12-21 s, without autotuning 1.8-2.4 s, with
+# cuBLAS instead of Triton GEMMs 1.1-1.3 s (docs/results/numerics-h100-2026-11-23.md).
 COMPILE_OPTIONS = {"gpu": {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False},
                    "cpu": {"xla_backend_optimization_level": 0}}
 
@@ -186,72 +200,70 @@ def _compile(lowered: Any) -> Any:
     return lowered.compile()
 
 
-def _finite_or_inf(value: Any) -> float:
-    value = float(value)
-    return value if math.isfinite(value) else math.inf
-
-
 # ----------------------------------------------------------------------------- slices
 
 @dataclass(frozen=True)
 class Slice:
-    """Which batch rows, query heads and key/value heads the reference computes."""
+    """Which batch rows, query heads and key/value heads the reference computes, and for each
+    (batch row, head) pair which query rows: `queries[i][j]` for rows[i], heads[j]."""
 
     rows: tuple[int, ...]
     heads: tuple[int, ...]
     kv_heads: tuple[int, ...]
+    queries: tuple[tuple[tuple[int, ...], ...], ...]
+
+    def indices(self) -> dict[str, np.ndarray]:
+        return {"rows": np.asarray(self.rows, np.int32), "heads": np.asarray(self.heads, np.int32),
+                "kv_heads": np.asarray(self.kv_heads, np.int32), "queries": np.asarray(self.queries, np.int32)}
+
+    def query_rows(self) -> int:
+        return len(self.queries[0][0])
 
     def whole(self, spec: AttentionSpec) -> bool:
-        return (len(self.rows), len(self.heads), len(self.kv_heads)) == (spec.batch, spec.num_heads,
-                                                                          spec.num_kv_heads)
+        return (len(self.rows), len(self.heads), len(self.kv_heads), self.query_rows()) == (
+            spec.batch, spec.num_heads, spec.num_kv_heads, spec.q_len)
 
     def describe(self, spec: AttentionSpec) -> str:
         if self.whole(spec):
             return "whole"
-        return f"batch rows {list(self.rows)}, heads {list(self.heads)}, kv heads {list(self.kv_heads)}"
+        return (f"batch rows {list(self.rows)}, heads {list(self.heads)}, kv heads {list(self.kv_heads)}, "
+                f"{self.query_rows()} of {spec.q_len} query rows each")
 
 
-def plan_slice(spec: AttentionSpec, ir: ScoreModIR | None, slice_elements: int = SLICE_ELEMENTS) -> Slice:
-    b, n, k = spec.batch, spec.num_heads, spec.num_kv_heads
-    everything = Slice(tuple(range(b)), tuple(range(n)), tuple(range(k)))
-    if b * n * spec.q_len * spec.kv_len <= slice_elements:
-        return everything
-    read = {node.attr("axis") for node in ir.nodes if node.op == "gen_index"} if ir is not None else set()
-    rows = everything.rows if 0 in read else tuple(sorted({0, b - 1}))
-    if 1 in read:
-        return Slice(rows, everything.heads, everything.kv_heads)
-    group = n // k
-    last = k - 1
-    return Slice(rows, tuple(sorted({last * group, last * group + group - 1})), (last,))
+def plan_slice(spec: AttentionSpec, slice_elements: int = SLICE_ELEMENTS,
+               rng: np.random.Generator | None = None) -> Slice:
+    """The slice the reference computes (module docstring); random parts drawn from `rng`."""
+    rng = np.random.default_rng(0) if rng is None else rng
+    b, n, t, s = spec.batch, spec.num_heads, spec.q_len, spec.kv_len
+    few = min(t, MIN_QUERY_ROWS)
+    rows = tuple(range(b)) if b * n * few * s <= slice_elements else _ends_and_random(rng, b, MAX_ROWS)
+    heads = tuple(range(n)) if len(rows) * n * few * s <= slice_elements else _ends_and_random(rng, n, MAX_HEADS)
+    group = n // spec.num_kv_heads
+    count = max(1, slice_elements // (len(rows) * len(heads) * s))
+    # The row the random mask empties (`_device_inputs`) is among the first pair's rows.
+    empty = t // 2 if spec.mask_shape is not None and spec.mask_shape[2] == t and t > 1 else None
+    queries = tuple(tuple(_strata(rng, t, count, empty if (i, j) == (0, 0) else None) for j in range(len(heads)))
+                    for i in range(len(rows)))
+    return Slice(rows, heads, tuple(sorted({head // group for head in heads})), queries)
 
 
-def _take(x: Any, axis: int, index: tuple[int, ...], full: int) -> Any:
-    """x sliced along `axis` when that axis is full-size (size-1 broadcast axes are kept)."""
-    if x is None or x.shape[axis] != full or len(index) == full:
-        return x
-    return jnp.take(x, jnp.asarray(index, jnp.int32), axis=axis)
+def _ends_and_random(rng: np.random.Generator, size: int, count: int) -> tuple[int, ...]:
+    """The first and last of range(size) and random others, `count` in all (all when size <= count):
+    an error confined to one batch row or head is found when that row is picked, the last always."""
+    if size <= count:
+        return tuple(range(size))
+    middle = rng.choice(np.arange(1, size - 1), count - 2, replace=False)
+    return tuple(sorted({0, size - 1, *(int(i) for i in middle)}))
 
 
-def _slice_bnts(x: Any, spec: AttentionSpec, chosen: Slice) -> Any:
-    """A (B|1, N|1, T|1, S|1) array (bias, mask, mod arrays) on the slice."""
-    x = _take(x, 0, chosen.rows, spec.batch)
-    return _take(x, 1, chosen.heads, spec.num_heads)
-
-
-def _slice_bthd(x: Any, spec: AttentionSpec, chosen: Slice, heads: tuple[int, ...], full_heads: int) -> Any:
-    return _take(_take(x, 0, chosen.rows, spec.batch), 2, heads, full_heads)
-
-
-def reference_spec(spec: AttentionSpec, chosen: Slice) -> AttentionSpec:
-    def sliced(shape):
-        if shape is None:
-            return None
-        b, n, t, s = shape
-        return (len(chosen.rows) if b == spec.batch else b, len(chosen.heads) if n == spec.num_heads else n, t, s)
-
-    return dataclasses.replace(spec, batch=len(chosen.rows), num_heads=len(chosen.heads),
-                               num_kv_heads=len(chosen.kv_heads), bias_shape=sliced(spec.bias_shape),
-                               mask_shape=sliced(spec.mask_shape), dtype="float32")
+def _strata(rng: np.random.Generator, size: int, count: int, fixed: int | None = None) -> tuple[int, ...]:
+    """One random index in each of `count` equal parts of range(size) (all when size <= count);
+    `fixed`, when given, is the one of its part."""
+    if size <= count:
+        return tuple(range(size))
+    edges = np.linspace(0, size, count + 1).astype(int)
+    return tuple(fixed if fixed is not None and low <= fixed < high else int(rng.integers(low, high))
+                 for low, high in zip(edges[:-1], edges[1:]))
 
 
 # ----------------------------------------------------------------------------- random inputs
@@ -335,21 +347,10 @@ def _device_inputs(spec: AttentionSpec, ir: ScoreModIR | None, key: Any, host: M
     return q, k, v, inputs, cotangent
 
 
-# ----------------------------------------------------------------------------- comparison
-
-def relative_error(actual: Any, expected: Any, where: Any = None) -> Any:
-    """||actual - expected||_F / ||expected||_F in float32 (inf when not finite)."""
-    actual, expected = actual.astype(jnp.float32), expected.astype(jnp.float32)
-    if where is not None:
-        where = jnp.broadcast_to(where, actual.shape)
-        actual, expected = jnp.where(where, actual, 0.0), jnp.where(where, expected, 0.0)
-    error = jnp.linalg.norm((actual - expected).reshape(-1)) / jnp.maximum(jnp.linalg.norm(expected.reshape(-1)),
-                                                                         1e-30)
-    return jnp.where(jnp.isfinite(error), error, jnp.inf)
-
+# ----------------------------------------------------------------------------- the candidate's run
 
 def _run(fn: Callable, spec: AttentionSpec, q, k, v, inputs: RuntimeInputs, training: bool, cotangent) -> dict:
-    """Outputs (and, when training, gradients of q, k, v and the bias) of one backend."""
+    """Outputs (and, when training, gradients of q, k, v and the bias) of the candidate."""
     has_bias = inputs.bias is not None
 
     def forward(q, k, v, bias):
@@ -364,53 +365,78 @@ def _run(fn: Callable, spec: AttentionSpec, q, k, v, inputs: RuntimeInputs, trai
     return {"o": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "dbias": dbias if has_bias else None}
 
 
-def _comparison(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Slice,
-                scalars: Mapping[str, Any], candidate: Candidate) -> Callable:
-    ref_spec = reference_spec(spec, chosen)
-    sliced = not chosen.whole(spec)
+def _candidate_program(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, scalars: Mapping[str, Any],
+                       candidate: Candidate) -> Callable:
+    """(key, host arrays, slice indices) -> the slice of the inputs, of what may attend where, and of
+    the candidate's results: all the reference needs, small enough to copy to the host. Query-side
+    arrays come as (B', N', T', ...), one row of T' per (batch row, head) pair."""
+    b, t, n = spec.batch, spec.q_len, spec.num_heads
 
-    def compare(key, host):
+    def program(key, host, picks):
+        rows, heads, queries = picks["rows"][:, None, None], picks["heads"][None, :, None], picks["queries"]
         q, k, v, inputs, cotangent = _device_inputs(spec, ir, key, host, scalars)
-        if sliced:  # only the slice's rows and heads send gradients back (see the module docstring)
-            keep = jnp.zeros((spec.batch, 1, spec.num_heads, 1), cotangent.dtype)
-            keep = keep.at[jnp.asarray(chosen.rows)[:, None], :, jnp.asarray(chosen.heads)[None, :]].set(1)
-            cotangent = cotangent * keep
+        # Only the slice sends gradients back (see the module docstring).
+        cotangent = jnp.zeros_like(cotangent).at[rows, queries, heads].set(cotangent[rows, queries, heads])
         ours = _run(lambda inp, q, k, v: candidate(spec, q, k, v, inp, ir, training=training),
                     spec, q, k, v, inputs, training, cotangent)
+        q_pos, kv_pos, allowed = positions_and_mask(spec, inputs)
+        nowhere = jnp.zeros((1, 1, 1), jnp.int32)
 
-        def up(x):
-            return None if x is None else x.astype(jnp.float32)
+        def on_q(x):  # (B, T, N, H) -> (B', N', T', H)
+            return x[rows, queries, heads]
 
-        def rows(x):
-            return None if x is None else _take(x, 0, chosen.rows, spec.batch)
+        def on_kv(x):  # (B, S, K, H) -> (B', S, K', H)
+            return jnp.take(jnp.take(x, picks["rows"], axis=0), picks["kv_heads"], axis=2)
 
-        ref_inputs = RuntimeInputs(
-            bias=up(_slice_bnts(inputs.bias, spec, chosen)), mask=_slice_bnts(inputs.mask, spec, chosen),
-            q_lengths=rows(inputs.q_lengths), kv_lengths=rows(inputs.kv_lengths),
-            q_segment_ids=rows(inputs.q_segment_ids), kv_segment_ids=rows(inputs.kv_segment_ids),
-            mod_scalars=inputs.mod_scalars,
-            mod_arrays={name: _slice_bnts(x, spec, chosen) for name, x in (inputs.mod_arrays or {}).items()})
-        on_q = lambda x: _slice_bthd(x, spec, chosen, chosen.heads, spec.num_heads)  # noqa: E731
-        on_kv = lambda x: _slice_bthd(x, spec, chosen, chosen.kv_heads, spec.num_kv_heads)  # noqa: E731
-        theirs = _run(lambda inp, q, k, v: xla_attention(ref_spec, q, k, v, inp, ir),
-                      ref_spec, up(on_q(q)), up(on_kv(k)), up(on_kv(v)), ref_inputs, training,
-                      up(on_q(cotangent)))
-        errors = {"o": relative_error(on_q(ours["o"]), theirs["o"])}
-        ref_lse = theirs["lse"]  # (B', N', T), -inf where a row attends to no key
-        attends = jnp.isfinite(ref_lse)
-        empty = jnp.swapaxes(~attends, 1, 2)[..., None]  # (B', T, N', 1)
-        largest = jnp.max(jnp.where(empty, jnp.abs(on_q(ours["o"]).astype(jnp.float32)), 0.0))
+        def on_score(x):  # (B|1, N|1, T|1, S|1) -> (B'|1, N'|1, T'|1, S|1)
+            if x is None:
+                return None
+            full = [size == whole for size, whole in zip(x.shape, (b, n, t))]
+            return x[rows if full[0] else nowhere, heads if full[1] else nowhere, queries if full[2] else nowhere]
+
+        data = {"q": on_q(q), "k": on_kv(k), "v": on_kv(v), "cotangent": on_q(cotangent),
+                "allowed": on_score(allowed), "q_pos": q_pos[rows, queries],
+                "kv_pos": jnp.take(kv_pos, picks["rows"], axis=0), "bias": on_score(inputs.bias),
+                "arrays": {name: on_score(x) for name, x in (inputs.mod_arrays or {}).items()},
+                "o": on_q(ours["o"])}
         if training:
-            ours_lse = _take(_take(ours["lse"], 0, chosen.rows, spec.batch), 1, chosen.heads, spec.num_heads)
-            errors["lse"] = relative_error(jnp.where(attends, ours_lse, 0.0), jnp.where(attends, ref_lse, 0.0))
-            errors["dq"] = relative_error(on_q(ours["dq"]), theirs["dq"])
-            errors["dk"] = relative_error(on_kv(ours["dk"]), theirs["dk"])
-            errors["dv"] = relative_error(on_kv(ours["dv"]), theirs["dv"])
-            largest = jnp.maximum(largest, jnp.max(jnp.where(empty, jnp.abs(on_q(ours["dq"]).astype(jnp.float32)),
-                                                             0.0)))
-            if ours["dbias"] is not None:
-                errors["dbias"] = relative_error(_slice_bnts(ours["dbias"], spec, chosen), theirs["dbias"])
-        errors["empty_rows"] = jnp.where(jnp.isnan(largest), jnp.inf, largest)
-        return errors
+            data.update(lse=ours["lse"][rows, heads, queries], dq=on_q(ours["dq"]), dk=on_kv(ours["dk"]),
+                        dv=on_kv(ours["dv"]), dbias=on_score(ours["dbias"]))
+        return data
 
-    return compare
+    return program
+
+
+# ----------------------------------------------------------------------------- comparison
+
+def relative_error(actual: Any, expected: Any, where: Any = None) -> float:
+    """||actual - expected||_F / ||expected||_F in float64 (inf when not finite)."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    if where is not None:
+        where = np.broadcast_to(where, actual.shape)
+        actual, expected = np.where(where, actual, 0.0), np.where(where, expected, 0.0)
+    error = float(np.linalg.norm((actual - expected).ravel()) / max(float(np.linalg.norm(expected.ravel())), 1e-30))
+    return error if math.isfinite(error) else math.inf
+
+
+def compare(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Slice, data: Mapping[str, Any],
+            scalars: Mapping[str, Any]) -> dict[str, float]:
+    """The errors of the candidate's slice (`data`) against the float64 reference."""
+    with np.errstate(all="ignore"):  # inf/NaN from a wrong candidate become inf errors, not warnings
+        theirs = reference(spec, ir, training, chosen.indices(), data, scalars)
+        errors = {"o": relative_error(data["o"], theirs["o"])}
+        attends = np.isfinite(theirs["lse"])  # (B', N', T')
+        empty = ~attends[..., None]
+        largest = [np.max(np.where(empty, np.abs(np.asarray(data["o"], np.float64)), 0.0))]
+        if training:
+            errors["lse"] = relative_error(np.where(attends, np.asarray(data["lse"], np.float64), 0.0),
+                                           np.where(attends, theirs["lse"], 0.0))
+            for name in ("dq", "dk", "dv"):
+                errors[name] = relative_error(data[name], theirs[name])
+            largest.append(np.max(np.where(empty, np.abs(np.asarray(data["dq"], np.float64)), 0.0)))
+            if data["dbias"] is not None:
+                errors["dbias"] = relative_error(np.broadcast_to(data["dbias"], theirs["dbias"].shape),
+                                                 theirs["dbias"])
+        value = float(np.max(largest))  # NaN stays NaN
+    errors["empty_rows"] = value if math.isfinite(value) else math.inf
+    return errors

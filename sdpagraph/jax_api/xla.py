@@ -101,6 +101,13 @@ def allowed_mask(spec: AttentionSpec, inputs: RuntimeInputs, layout: _Layout) ->
     return allowed
 
 
+def positions_and_mask(spec: AttentionSpec, inputs: RuntimeInputs) -> tuple[Any, Any, Any]:
+    """(query positions (B, T), key positions (B, S), allowed (B|1, N|1, T, S)): what `gen_index`
+    reads on the sequence axes, and where a query may attend to a key."""
+    layout = _layout(spec, inputs)
+    return layout.q_pos, layout.kv_pos, allowed_mask(spec, inputs, layout)
+
+
 def attended_rows(spec: AttentionSpec, inputs: RuntimeInputs) -> Any:
     """Boolean (B|1, N|1, T): the query rows that may attend to at least one key."""
     return jnp.any(allowed_mask(spec, inputs, _layout(spec, inputs)), axis=-1)
@@ -171,12 +178,12 @@ def xla_attention(
                         precision=precision, preferred_element_type=jnp.float32)
     logits = logits.reshape(b, n, t, s) * jnp.float32(spec.scale)
 
-    layout = _layout(spec, inputs)
+    q_pos, kv_pos, allowed = positions_and_mask(spec, inputs)
     index = (
         jnp.arange(b, dtype=jnp.int32)[:, None, None, None],
         jnp.arange(n, dtype=jnp.int32)[None, :, None, None],
-        layout.q_pos[:, None, :, None],
-        layout.kv_pos[:, None, None, :],
+        q_pos[:, None, :, None],
+        kv_pos[:, None, None, :],
     )
     if score_mod is not None:
         arrays = {name: jax.lax.stop_gradient(v) for name, v in (inputs.mod_arrays or {}).items()}
@@ -188,7 +195,6 @@ def xla_attention(
     if inputs.bias is not None:
         logits = logits + inputs.bias.astype(jnp.float32)
 
-    allowed = allowed_mask(spec, inputs, layout)
     if python is not None and python.mask_mod is not None:
         allowed = allowed & apply_jnp_mask_mod(python.mask_mod, index, logits.shape)
     probs, lse = _masked_softmax(logits, allowed)

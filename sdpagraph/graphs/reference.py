@@ -1,0 +1,95 @@
+"""A float64 NumPy reference of attention with a score_mod IR, on a slice of the scores.
+
+    reference(spec, ir, training, picks, data, scalars) -> {"o", "lse", "dq", "dk", "dv", "dbias"}
+
+The numerical check (`jax_api.numerics`) compares cuDNN's results with it. It computes in float64
+on the host, so it compiles nothing (compiling an XLA float32 reference was nearly all of the
+check's time) and its own rounding is far below the check's bounds. The mod runs through
+`graphs.ir_eval` on NumPy, the backward through the IR's bprop as cuDNN's backward graph does.
+It computes only the scores of the picked (batch row, head, query row) elements, against every key.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from sdpagraph.graphs.ir import ScoreModIR
+from sdpagraph.graphs.ir_eval import NUMPY_FLOAT64, evaluate
+from sdpagraph.spec import AttentionSpec
+
+
+def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks: Mapping[str, np.ndarray],
+              data: Mapping[str, Any], scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Attention of the slice in float64 with NumPy: o (B', N', T', H_v), lse (B', N', T') and, when
+    training, dq (B', N', T', H), dk, dv (B', S, K', H) and dbias (B', N', T', S|1).
+
+    `picks`: the slice's batch `rows` (B',), `heads` (N',), `kv_heads` (K',) and `queries`
+    (B', N', T'). `data`: the slice of the inputs, query-side as (B', N', T', ...): q, the cotangent,
+    k and v (B', S, K', H), `allowed` (where a query may attend, broadcastable to the scores), the
+    positions `gen_index` reads (`q_pos` (B', N', T'), `kv_pos` (B', S)), the bias (None or
+    broadcastable) and the mod's `arrays`; `scalars`: the mod's scalars."""
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    group = spec.num_heads // spec.num_kv_heads
+    kv_of = np.searchsorted(picks["kv_heads"], picks["heads"] // group)  # each head's K' index
+    q = f64(data["q"])  # (B', N', T', H)
+    k = f64(data["k"])[:, :, kv_of].transpose(0, 2, 1, 3)  # (B', N', S, H): one matmul per (row, head)
+    v = f64(data["v"])[:, :, kv_of].transpose(0, 2, 1, 3)
+    score = spec.scale * (q @ k.swapaxes(-1, -2))  # (B', N', T', S)
+    index = (np.asarray(picks["rows"], np.int32)[:, None, None, None],
+             np.asarray(picks["heads"], np.int32)[None, :, None, None],
+             np.asarray(data["q_pos"], np.int32)[..., None],
+             np.asarray(data["kv_pos"], np.int32)[:, None, None, :])
+    arrays = {name: np.asarray(x) for name, x in data["arrays"].items()}
+
+    def mod(dscore=None):
+        out = evaluate(ir, score, scalars=scalars, arrays=arrays, index=index, dscore=dscore, module=NUMPY_FLOAT64)
+        return np.broadcast_to(out[0] if dscore is None else out[1], score.shape)
+
+    logits = score if ir is None else mod()
+    if data["bias"] is not None:
+        logits = logits + f64(data["bias"])
+    allowed = np.broadcast_to(np.asarray(data["allowed"], bool), logits.shape)
+    row_max = np.max(np.where(allowed, logits, -np.inf), axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    weights = np.where(allowed, np.exp(np.where(allowed, logits, row_max) - row_max), 0.0)
+    total = np.sum(weights, axis=-1, keepdims=True)
+    probs = weights / np.where(total > 0, total, 1.0)  # rows with no allowed key: 0
+    lse = np.where(total > 0, row_max + np.log(np.where(total > 0, total, 1.0)), -np.inf)[..., 0]
+    out = probs @ v
+    result = {"o": out, "lse": lse}
+    if not training:
+        return result
+    # Backward as the cuDNN graph computes it: through the softmax, then the mod's bprop (the IR's
+    # derived one equals the XLA backend's autodiff; a user's is what both backends run).
+    d_out = f64(data["cotangent"])
+    d_logits = probs * (d_out @ v.swapaxes(-1, -2) - np.sum(d_out * out, axis=-1, keepdims=True))
+    if ir is not None and ir.grad_output is None:
+        raise ValueError("the score_mod has no bprop, so its backward graph cannot be checked")
+    d_score = d_logits if ir is None else mod(d_logits)
+    result["dq"] = spec.scale * (d_score @ k)
+    per_head = {"dk": spec.scale * (d_score.swapaxes(-1, -2) @ q), "dv": probs.swapaxes(-1, -2) @ d_out}
+    for name, grads in per_head.items():  # (B', N', S, H) summed over each kv head's group
+        summed = np.zeros((grads.shape[0], len(picks["kv_heads"]), *grads.shape[2:]))
+        np.add.at(summed, (slice(None), kv_of), grads)
+        result[name] = summed.transpose(0, 2, 1, 3)
+    if data["bias"] is not None:
+        result["dbias"] = _bias_gradient(spec, picks, d_logits)
+    return result
+
+
+def _bias_gradient(spec: AttentionSpec, picks: Mapping[str, np.ndarray], d_logits: np.ndarray) -> np.ndarray:
+    """The bias gradient at each of the slice's (row, head, query) elements, (B', N', T', S|1): the
+    sum of `d_logits` over every element of the slice that reads the same bias element (a bias that
+    broadcasts over B, N or T is read by several; the others send no gradient, their cotangent is 0)."""
+    axes = [picks["rows"][:, None, None], picks["heads"][None, :, None], picks["queries"]]
+    shape = spec.bias_shape
+    where = np.broadcast_arrays(*(index if size == full else np.zeros_like(index)
+                                  for index, size, full in zip(axes, shape, (spec.batch, spec.num_heads, spec.q_len))))
+    if shape[3] == 1:
+        d_logits = np.sum(d_logits, axis=-1, keepdims=True)
+    _, inverse = np.unique(np.stack([w.ravel() for w in where]), axis=1, return_inverse=True)
+    inverse = inverse.ravel()
+    summed = np.zeros((inverse.max() + 1, d_logits.shape[-1]))
+    np.add.at(summed, inverse, d_logits.reshape(-1, d_logits.shape[-1]))
+    return summed[inverse].reshape(*where[0].shape, d_logits.shape[-1])
