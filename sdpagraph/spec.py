@@ -37,7 +37,7 @@ def directions_for(training: bool) -> tuple[str, ...]:
     return TRAINING_DIRECTIONS if training else INFERENCE_DIRECTIONS
 
 
-_FIELDS_ADDED_LATER = {"segment_mask": False}  # name -> default (see AttentionSpec.to_dict)
+_FIELDS_ADDED_LATER = {"segment_mask": False, "max_seqlen_q": None, "max_seqlen_kv": None}  # name -> default (see AttentionSpec.to_dict)
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,11 @@ class AttentionSpec:
     # Internal (graphs.operands.graph_spec): packed self-attention segments kept apart on the dense
     # layout by comparing each key's position with its query's segment bounds (masks.segment_ir).
     segment_mask: bool = False
+    # Static bounds on a packed segment's query / key length (`max_seqlen_q` / `max_seqlen_kv` of
+    # `attention`), None when not given. Only the small-sequence backend uses them; cuDNN's graphs
+    # do not depend on them (`graphs.operands.graph_spec` drops them).
+    max_seqlen_q: int | None = None
+    max_seqlen_kv: int | None = None
 
     @property
     def has_window(self) -> bool:
@@ -118,7 +123,9 @@ class AttentionSpec:
         if self.has_padding:
             parts.append("padding")
         if self.segments:
-            parts.append(f"segments({self.segments},{self.max_segments})")
+            hints = "".join(f",{name}<={bound}" for name, bound in (("q", self.max_seqlen_q), ("kv", self.max_seqlen_kv))
+                            if bound is not None)
+            parts.append(f"segments({self.segments},{self.max_segments}{hints})")
         if self.segment_mask:
             parts.append("segment-mask")
         return " ".join(parts)
@@ -226,11 +233,15 @@ def _check_lengths(x: Any, batch: int, limit: int, argname: str) -> None:
         raise ValueError(f"{argname} must lie in [0, {limit}], got values in [{values.min()}, {values.max()}]")
 
 
-def segment_counts(ids: np.ndarray) -> np.ndarray:
-    """(B,) segments per row of concrete ids: maximal runs of one nonzero id (`jax_api.segments`)."""
-    ids = np.asarray(ids)
+def _run_starts(ids: np.ndarray) -> np.ndarray:
+    """(B, T) bool: where a segment (a maximal run of one nonzero id, `jax_api.segments`) begins."""
     previous = np.concatenate([np.zeros_like(ids[:, :1]), ids[:, :-1]], axis=1)
-    return np.sum((ids != 0) & (ids != previous), axis=1)
+    return (ids != 0) & (ids != previous)
+
+
+def segment_counts(ids: np.ndarray) -> np.ndarray:
+    """(B,) segments per row of concrete ids."""
+    return np.sum(_run_starts(np.asarray(ids)), axis=1)
 
 
 CHECK_SEGMENTS_ENV = "SDPAGRAPH_CHECK_SEGMENTS"
@@ -258,6 +269,66 @@ def _check_segment_count(argname: str, values: np.ndarray | None, bound: int | N
     if over.size:
         row = int(over[0])
         raise ValueError(segment_overflow_message(argname, row, int(counts[row]), bound))
+
+
+def longest_segments(ids: np.ndarray) -> np.ndarray:
+    """(B,) the longest segment of each row of concrete ids (maximal runs of one nonzero id), 0 for a
+    row of padding."""
+    ids = np.asarray(ids)
+    index = np.arange(ids.shape[1])
+    run_start = np.maximum.accumulate(np.where(_run_starts(ids), index, 0), axis=1)
+    return np.max(np.where(ids != 0, index - run_start + 1, 0), axis=1, initial=0)
+
+
+def segment_length_message(argname: str, hint_name: str, row: int, length: int, bound: int) -> str:
+    """The one error text for a packed segment longer than its `max_seqlen_q` / `max_seqlen_kv` hint."""
+    return (f"{argname}: row {row} has a segment of {length} tokens, longer than {hint_name}={bound}; the "
+            f"small-sequence backend would drop its tokens past {bound}: pass {hint_name} >= {length}")
+
+
+def seqlen_hint_checks(segment_ids: Any, max_seqlen_q: int | None,
+                       max_seqlen_kv: int | None) -> list[tuple[str, Any, str, int]]:
+    """What the hints promise about the ids: (ids' argument name, ids, hint's name, bound) per check.
+
+    Self-attention (one ids array): a segment has as many keys as queries, so the smaller hint given
+    bounds both; cross-attention: `max_seqlen_q` bounds the query ids, `max_seqlen_kv` the key ids."""
+    if isinstance(segment_ids, (tuple, list)):
+        pairs = (("segment_ids[0]", segment_ids[0], "max_seqlen_q", max_seqlen_q),
+                 ("segment_ids[1]", segment_ids[1], "max_seqlen_kv", max_seqlen_kv))
+        return [(arg, ids, hint, bound) for arg, ids, hint, bound in pairs if bound is not None]
+    given = [(bound, hint) for hint, bound in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv))
+             if bound is not None]
+    return [("segment_ids", segment_ids, min(given)[1], min(given)[0])] if given else []
+
+
+def _seqlen_hints(segment_ids: Any, max_seqlen_q: Any, max_seqlen_kv: Any, q_len: int,
+                  kv_len: int) -> tuple[int | None, int | None]:
+    """Validate `max_seqlen_q` / `max_seqlen_kv` and return them as the spec holds them: clipped to T
+    and S (a longer bound promises nothing more), and in self-attention both the smaller one given."""
+    hints = {"max_seqlen_q": max_seqlen_q, "max_seqlen_kv": max_seqlen_kv}
+    for name, value in hints.items():
+        if value is None:
+            continue
+        if segment_ids is None:
+            raise ValueError(f"{name}={value!r} needs segment_ids: it bounds the length of each packed segment "
+                             "(without segments the lengths are T and S, which the shapes give)")
+        hints[name] = _static_int(value, name)
+        if hints[name] <= 0:
+            raise ValueError(f"{name} must be a positive int, got {hints[name]}")
+    for argname, ids, hint_name, bound in seqlen_hint_checks(segment_ids, hints["max_seqlen_q"],
+                                                             hints["max_seqlen_kv"]):
+        values = _concrete_values(ids)
+        if values is None or not values.size or not segment_checks_enabled():
+            continue
+        longest = longest_segments(values)
+        over = np.flatnonzero(longest > bound)
+        if over.size:
+            row = int(over[0])
+            raise ValueError(segment_length_message(argname, hint_name, row, int(longest[row]), bound))
+    q_hint, kv_hint = hints["max_seqlen_q"], hints["max_seqlen_kv"]
+    if segment_ids is not None and not isinstance(segment_ids, (tuple, list)) and (q_hint or kv_hint):
+        q_hint = kv_hint = min(h for h in (q_hint, kv_hint) if h is not None)
+    return (None if q_hint is None else min(q_hint, q_len)), (None if kv_hint is None else min(kv_hint, kv_len))
 
 
 def _segment_mode(segment_ids: Any, batch: int, q_len: int, kv_len: int, bound: int | None = None) -> str | None:
@@ -308,6 +379,8 @@ def normalize_arguments(
     max_segments_per_seq: int | None = None,
     chunk_size: int | None = None,
     implementation: str | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_kv: int | None = None,
 ) -> NormalizedCall:
     """Validate the public arguments and build the `AttentionSpec` (arrays or ShapeDtypeStructs)."""
     if implementation not in IMPLEMENTATIONS:
@@ -389,6 +462,7 @@ def normalize_arguments(
             raise ValueError("pass either segment_ids or query_seq_lengths/key_value_seq_lengths, not both: padding is segment id 0")
     elif max_segments_per_seq is not None:
         raise ValueError("max_segments_per_seq needs segment_ids")
+    max_seqlen_q, max_seqlen_kv = _seqlen_hints(segment_ids, max_seqlen_q, max_seqlen_kv, q_len, kv_len)
 
     spec = AttentionSpec(
         batch=batch,
@@ -410,5 +484,7 @@ def normalize_arguments(
         has_kv_lengths=key_value_seq_lengths is not None,
         segments=segments,
         max_segments=max_segments,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_kv,
     )
     return NormalizedCall(spec=spec, unbatched=unbatched)

@@ -25,7 +25,7 @@ from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.ir_eval import evaluate
 from sdpagraph.graphs.jnp_mods import apply_jnp_mask_mod, apply_jnp_score_mod
 from sdpagraph.jax_api.call import RuntimeInputs
-from sdpagraph.jax_api.segments import segment_metadata, segment_positions, segment_run_ids
+from sdpagraph.jax_api.segments import at_runs, segment_metadata, segment_positions, segment_run_ids
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
 
 
@@ -42,13 +42,6 @@ class _Layout:
     diag_offset: Any  # broadcastable to (B, T, S): kv_len - q_len for bottom-right, else 0
 
 
-def _token_lengths(run_ids: Any, max_segments: int, segment_ids: Any) -> Any:
-    """Length of the segment each token belongs to (0 for padding), in O(T)."""
-    lens = segment_metadata(segment_ids, max_segments).seq_lens
-    lens = jnp.concatenate([jnp.zeros_like(lens[:, :1]), lens], axis=1)
-    return jnp.take_along_axis(lens, jnp.minimum(run_ids, max_segments), axis=1)
-
-
 def _segment_layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
     q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
     q_run, kv_run = segment_run_ids(q_ids), segment_run_ids(kv_ids)
@@ -57,8 +50,8 @@ def _segment_layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
     kv_valid = (kv_run > 0) & (kv_run <= spec.max_segments)
     offset = 0
     if spec.causal_alignment == "bottom_right" and spec.segments == "cross":
-        q_len = _token_lengths(q_run, spec.max_segments, q_ids)
-        kv_len = _token_lengths(kv_run, spec.max_segments, kv_ids)
+        q_len = at_runs(segment_metadata(q_ids, spec.max_segments).seq_lens, q_run)
+        kv_len = at_runs(segment_metadata(kv_ids, spec.max_segments).seq_lens, kv_run)
         offset = kv_len[:, None, :] - q_len[:, :, None]
     return _Layout(segment_positions(q_ids), segment_positions(kv_ids), q_valid, kv_valid, q_run, kv_run, offset)
 
@@ -130,7 +123,7 @@ def _masked_softmax(logits: Any, allowed: Any) -> tuple[Any, Any]:
 def _apply_score_mod(ir: ScoreModIR, score: Any, scalars: dict, arrays: dict, index: tuple) -> Any:
     """The mod's forward; its gradient is the IR's bprop (`grad_output`), so a user's
     `score_mod_bprop` is honoured here as on cuDNN (a derived bprop equals autodiff: use that)."""
-    if ir.grad_output is None or ir.grad_derived:
+    if not ir.user_bprop:
         return evaluate(ir, score, scalars=scalars, arrays=arrays, index=index)[0]
     return _mod_with_bprop(ir, score, scalars, arrays, index)
 
