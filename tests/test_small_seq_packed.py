@@ -16,19 +16,7 @@ from sdpagraph.jax_api.small_seq import small_seq_reason
 from sdpagraph.spec import AttentionSpec
 from tests import reference as ref
 
-TOL = {"float32": 2e-5, "bfloat16": 3e-2}
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-
-
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy % 2**32
-    print(f"seed={seed}")  # shown when a test fails, to reproduce it
-    return np.random.default_rng(seed)
+from tests.test_small_seq import TOL, rel_err, rng  # noqa: F401 - rng is a fixture
 
 
 def packed_ids(rng, B, T, longest, count=None):

@@ -42,7 +42,8 @@ from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.jax_api.call import RuntimeInputs
 from sdpagraph.jax_api.small_seq_core import Aux, Static, attend, probabilities, to_score_layout
 from sdpagraph.jax_api.small_seq_packed import packed_attention
-from sdpagraph.spec import UNBOUNDED, AttentionSpec
+from sdpagraph.jax_api.xla import position_allowed
+from sdpagraph.spec import AttentionSpec
 
 MAX_Q_LEN = 4  # query positions per sequence (per packed segment)
 MAX_KV_LEN = 32  # key/value positions per sequence (per packed segment)
@@ -104,15 +105,9 @@ def _allowed(spec: AttentionSpec, inputs: RuntimeInputs) -> Any:
         full_q = jnp.int32(t) if q_len is None else q_len
         full_kv = jnp.int32(s) if kv_len is None else kv_len
         diag = q_pos + (full_kv - full_q)
-    left, right = spec.window
-    if spec.is_causal:
-        allowed = both(allowed, kv_pos <= diag)
-    if left != UNBOUNDED:
-        allowed = both(allowed, kv_pos >= diag - left)
-    if right != UNBOUNDED:
-        allowed = both(allowed, kv_pos <= diag + right)
-    if spec.chunk_size is not None:
-        allowed = both(allowed, jnp.floor_divide(diag, spec.chunk_size) == jnp.floor_divide(kv_pos, spec.chunk_size))
+    positions = position_allowed(spec, diag, kv_pos)
+    if positions is not None:
+        allowed = both(allowed, positions)
     if allowed is not None:
         allowed = allowed[:, :, :, None, None]  # (B|1, T, S, 1, 1)
     if inputs.mask is not None:  # a lower-rank mask is left-padded with 1s to spec.mask_shape

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from sdpagraph.jax_api.call import RuntimeInputs
 from sdpagraph.jax_api.segments import at_runs, segment_metadata, segment_positions, segment_run_ids
 from sdpagraph.jax_api.small_seq_core import Aux, Static, attend, to_score_layout
-from sdpagraph.spec import UNBOUNDED, AttentionSpec
+from sdpagraph.jax_api.xla import position_allowed
+from sdpagraph.spec import AttentionSpec
 
 
 def _key_windows(spec: AttentionSpec, inputs: RuntimeInputs, width: int) -> tuple[Any, Any]:
@@ -55,17 +56,8 @@ def _key_windows(spec: AttentionSpec, inputs: RuntimeInputs, width: int) -> tupl
     same = jnp.take_along_axis(kv_run, index.reshape(b, t * width), axis=1).reshape(b, t, width) == q_run[:, :, None]
     valid = (q_run > 0) & (q_run <= spec.max_segments)  # segments past max_segments are dropped, as on XLA
     allowed = valid[:, :, None] & inside & same
-    diag = (q_pos + offset)[:, :, None]  # aligned query position; the key's is its slot
-    left, right = spec.window
-    if spec.is_causal:
-        allowed &= slot <= diag
-    if left != UNBOUNDED:
-        allowed &= slot >= diag - left
-    if right != UNBOUNDED:
-        allowed &= slot <= diag + right
-    if spec.chunk_size is not None:
-        allowed &= jnp.floor_divide(diag, spec.chunk_size) == jnp.floor_divide(slot, spec.chunk_size)
-    return index, allowed
+    positions = position_allowed(spec, (q_pos + offset)[:, :, None], slot)  # a key's position is its slot
+    return index, allowed if positions is None else allowed & positions
 
 
 def _windowed(x: Any, index: Any) -> Any:

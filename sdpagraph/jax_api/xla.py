@@ -72,13 +72,12 @@ def _layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
     return _segment_layout(spec, inputs) if spec.segments else _dense_layout(spec, inputs)
 
 
-def allowed_mask(spec: AttentionSpec, inputs: RuntimeInputs, layout: _Layout) -> Any:
-    """Boolean (B|1, N|1, T, S): True where a query may attend to a key."""
-    allowed = layout.q_valid[:, :, None] & layout.kv_valid[:, None, :]
-    if layout.q_group is not None:
-        allowed &= layout.q_group[:, :, None] == layout.kv_group[:, None, :]
-    diag = layout.q_pos[:, :, None] + layout.diag_offset  # aligned query position, (B, T, 1|S)
-    kv = layout.kv_pos[:, None, :]
+def position_allowed(spec: AttentionSpec, diag: Any, kv: Any) -> Any:
+    """Boolean (`diag` and `kv` broadcast together): where the key at position `kv` passes the spec's
+    causal, window and chunk masks around the aligned query position `diag`; None without them."""
+    if not spec.has_position_mask:
+        return None
+    allowed = jnp.ones(jnp.broadcast_shapes(jnp.shape(diag), jnp.shape(kv)), jnp.bool_)
     left, right = spec.window
     if spec.is_causal:
         allowed &= kv <= diag
@@ -88,6 +87,18 @@ def allowed_mask(spec: AttentionSpec, inputs: RuntimeInputs, layout: _Layout) ->
         allowed &= kv <= diag + right
     if spec.chunk_size is not None:
         allowed &= jnp.floor_divide(diag, spec.chunk_size) == jnp.floor_divide(kv, spec.chunk_size)
+    return allowed
+
+
+def allowed_mask(spec: AttentionSpec, inputs: RuntimeInputs, layout: _Layout) -> Any:
+    """Boolean (B|1, N|1, T, S): True where a query may attend to a key."""
+    allowed = layout.q_valid[:, :, None] & layout.kv_valid[:, None, :]
+    if layout.q_group is not None:
+        allowed &= layout.q_group[:, :, None] == layout.kv_group[:, None, :]
+    diag = layout.q_pos[:, :, None] + layout.diag_offset  # aligned query position, (B, T, 1|S)
+    positions = position_allowed(spec, diag, layout.kv_pos[:, None, :])
+    if positions is not None:
+        allowed &= positions
     allowed = allowed[:, None, :, :]
     if inputs.mask is not None:
         allowed = allowed & inputs.mask
