@@ -15,11 +15,12 @@ import dataclasses
 import json
 import math
 import operator
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from sdpagraph.segment_rules import check_segment_count, check_segment_lengths, seqlen_hint_checks
 
 DTYPES = ("float32", "bfloat16", "float16")
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
@@ -233,74 +234,6 @@ def _check_lengths(x: Any, batch: int, limit: int, argname: str) -> None:
         raise ValueError(f"{argname} must lie in [0, {limit}], got values in [{values.min()}, {values.max()}]")
 
 
-def _run_starts(ids: np.ndarray) -> np.ndarray:
-    """(B, T) bool: where a segment (a maximal run of one nonzero id, `jax_api.segments`) begins."""
-    previous = np.concatenate([np.zeros_like(ids[:, :1]), ids[:, :-1]], axis=1)
-    return (ids != 0) & (ids != previous)
-
-
-def segment_counts(ids: np.ndarray) -> np.ndarray:
-    """(B,) segments per row of concrete ids."""
-    return np.sum(_run_starts(np.asarray(ids)), axis=1)
-
-
-CHECK_SEGMENTS_ENV = "SDPAGRAPH_CHECK_SEGMENTS"
-
-
-def segment_checks_enabled() -> bool:
-    """Whether rows with more segments than max_segments_per_seq raise (concrete ids, when the call
-    is made) or are checked when the call runs (traced ids, `jax_api.segments.check_segment_bound`).
-    On unless SDPAGRAPH_CHECK_SEGMENTS is 0, false, off or no (read when a call is made or traced);
-    switched off, those segments are dropped and their query rows give 0."""
-    return os.environ.get(CHECK_SEGMENTS_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
-def segment_overflow_message(argname: str, row: int, count: int, bound: int) -> str:
-    """The one error text for a row with more segments than `max_segments_per_seq`."""
-    return (f"{argname}: row {row} has {count} segments, more than max_segments_per_seq={bound}; "
-            f"segments past the bound would be dropped: pass max_segments_per_seq >= {count}")
-
-
-def _check_segment_count(argname: str, values: np.ndarray | None, bound: int | None) -> None:
-    if values is None or bound is None or not values.size or not segment_checks_enabled():
-        return
-    counts = segment_counts(values)
-    over = np.flatnonzero(counts > bound)
-    if over.size:
-        row = int(over[0])
-        raise ValueError(segment_overflow_message(argname, row, int(counts[row]), bound))
-
-
-def longest_segments(ids: np.ndarray) -> np.ndarray:
-    """(B,) the longest segment of each row of concrete ids (maximal runs of one nonzero id), 0 for a
-    row of padding."""
-    ids = np.asarray(ids)
-    index = np.arange(ids.shape[1])
-    run_start = np.maximum.accumulate(np.where(_run_starts(ids), index, 0), axis=1)
-    return np.max(np.where(ids != 0, index - run_start + 1, 0), axis=1, initial=0)
-
-
-def segment_length_message(argname: str, hint_name: str, row: int, length: int, bound: int) -> str:
-    """The one error text for a packed segment longer than its `max_seqlen_q` / `max_seqlen_kv` hint."""
-    return (f"{argname}: row {row} has a segment of {length} tokens, longer than {hint_name}={bound}; the "
-            f"small-sequence backend would drop its tokens past {bound}: pass {hint_name} >= {length}")
-
-
-def seqlen_hint_checks(segment_ids: Any, max_seqlen_q: int | None,
-                       max_seqlen_kv: int | None) -> list[tuple[str, Any, str, int]]:
-    """What the hints promise about the ids: (ids' argument name, ids, hint's name, bound) per check.
-
-    Self-attention (one ids array): a segment has as many keys as queries, so the smaller hint given
-    bounds both; cross-attention: `max_seqlen_q` bounds the query ids, `max_seqlen_kv` the key ids."""
-    if isinstance(segment_ids, (tuple, list)):
-        pairs = (("segment_ids[0]", segment_ids[0], "max_seqlen_q", max_seqlen_q),
-                 ("segment_ids[1]", segment_ids[1], "max_seqlen_kv", max_seqlen_kv))
-        return [(arg, ids, hint, bound) for arg, ids, hint, bound in pairs if bound is not None]
-    given = [(bound, hint) for hint, bound in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv))
-             if bound is not None]
-    return [("segment_ids", segment_ids, min(given)[1], min(given)[0])] if given else []
-
-
 def _seqlen_hints(segment_ids: Any, max_seqlen_q: Any, max_seqlen_kv: Any, q_len: int,
                   kv_len: int) -> tuple[int | None, int | None]:
     """Validate `max_seqlen_q` / `max_seqlen_kv` and return them as the spec holds them: clipped to T
@@ -317,14 +250,7 @@ def _seqlen_hints(segment_ids: Any, max_seqlen_q: Any, max_seqlen_kv: Any, q_len
             raise ValueError(f"{name} must be a positive int, got {hints[name]}")
     for argname, ids, hint_name, bound in seqlen_hint_checks(segment_ids, hints["max_seqlen_q"],
                                                              hints["max_seqlen_kv"]):
-        values = _concrete_values(ids)
-        if values is None or not values.size or not segment_checks_enabled():
-            continue
-        longest = longest_segments(values)
-        over = np.flatnonzero(longest > bound)
-        if over.size:
-            row = int(over[0])
-            raise ValueError(segment_length_message(argname, hint_name, row, int(longest[row]), bound))
+        check_segment_lengths(argname, _concrete_values(ids), hint_name, bound)
     q_hint, kv_hint = hints["max_seqlen_q"], hints["max_seqlen_kv"]
     if segment_ids is not None and not isinstance(segment_ids, (tuple, list)) and (q_hint or kv_hint):
         q_hint = kv_hint = min(h for h in (q_hint, kv_hint) if h is not None)
@@ -358,7 +284,7 @@ def _segment_mode(segment_ids: Any, batch: int, q_len: int, kv_len: int, bound: 
         if argname != "segment_ids[1]":
             # Query rows past the bound would give zeros. Key segments past it need no check: the
             # k-th key segment pairs with the k-th query segment, which is then past it too.
-            _check_segment_count(argname, values, bound)
+            check_segment_count(argname, values, bound)
     return mode
 
 

@@ -34,6 +34,8 @@ def packed_ids(rng, B, T, longest, count=None):
             ids[b, t:t + length] = n
             t += length
     ids[0, :min(longest, T)] = 1  # one segment of the longest length
+    if longest < T and ids[0, longest] == 1:
+        ids[0, longest] = 0  # (it may have run on: end it)
     return ids
 
 
@@ -232,3 +234,21 @@ def test_regime_of_packed_calls():
                             segment_ids=(jnp.tile(jnp.arange(1, 9, dtype=jnp.int32), (2, 1)), jnp.ones((2, 64), jnp.int32)),
                             max_seqlen_q=1,
                             implementation="small_seq")
+
+
+def test_spec_files_carry_the_hints():
+    from sdpagraph.deploy.specfile import parse_entry
+
+    q, k, v = structs(T=16, S=64)
+    ids = (jax.ShapeDtypeStruct((2, 16), jnp.int32), jax.ShapeDtypeStruct((2, 64), jnp.int32))
+    spec = prepare_call(q, k, v, segment_ids=ids, max_seqlen_q=2, max_seqlen_kv=16, is_causal=True).spec
+    recorded = parse_entry(0, {"spec": spec.to_dict(), "directions": ["forward", "backward"]})
+    assert recorded.spec == spec
+    written = parse_entry(0, {"shapes": {"query": [2, 16, 4, 8], "key": [2, 64, 4, 8], "value": [2, 64, 4, 8]},
+                              "dtype": "bfloat16", "is_causal": True,
+                              "segment_ids": {"q_shape": [2, 16], "kv_shape": [2, 64]},
+                              "max_seqlen_q": 2, "max_seqlen_kv": 16})
+    assert written.spec == spec
+    edited = dict(spec.to_dict(), max_seqlen_kv=100)  # not what the runtime makes (it clips to S)
+    with pytest.raises(ValueError, match="max_seqlen_kv is 100, the runtime has 64"):
+        parse_entry(0, {"spec": edited, "directions": ["forward", "backward"]})

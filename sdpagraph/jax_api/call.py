@@ -25,7 +25,8 @@ from sdpagraph.cache.memory import BoundedMemo
 from sdpagraph.jax_api import flex_mods
 from sdpagraph.jax_api.flex_mods import PythonMods
 from sdpagraph.jax_api.segments import check_segment_bound, check_segment_lengths, segment_checks_enabled
-from sdpagraph.spec import AttentionSpec, normalize_arguments, seqlen_hint_checks
+from sdpagraph.segment_rules import seqlen_hint_checks
+from sdpagraph.spec import AttentionSpec, normalize_arguments
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdpagraph.spec import (CHECK_SEGMENTS_ENV, segment_checks_enabled, segment_length_message,
-                            segment_overflow_message)
+from sdpagraph.segment_rules import (CHECK_SEGMENTS_ENV, segment_checks_enabled, segment_length_message,
+                                     segment_overflow_message)
 
 __all__ = [
     "CHECK_SEGMENTS_ENV",
