@@ -5,6 +5,7 @@ spec-file reader (`deploy.specfile`), so the two can never disagree about what a
 """
 from __future__ import annotations
 
+import functools
 import linecache
 import numbers
 import os
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdpagraph.graphs.ir import FLOAT, INT, ScoreModError, ScoreModIR, array_api_error
+from sdpagraph.graphs.native_masks import NativeMask, native_mask
 from sdpagraph.graphs.trace import TensorInfo, trace_score_mod
 from sdpagraph.cache.memory import BoundedMemo
 from sdpagraph.jax_api import flex_mods
@@ -210,6 +212,14 @@ def _check_segments_at_run_time(segment_ids: Any, q_ids: Any, max_segments_per_s
             check_segment_lengths(ids, bound, argname, hint_name)
 
 
+def _native_mask_mod(ir: ScoreModIR | None, score_mod: Any, mask_mod: Any, spec: AttentionSpec) -> NativeMask | None:
+    """The native flags a lone mask_mod equals (`graphs.native_masks`), when the call sets no
+    position mask of its own to combine with."""
+    if mask_mod is None or score_mod is not None or spec.has_position_mask or spec.causal_alignment != "top_left":
+        return None
+    return native_mask(ir)
+
+
 def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                  query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                  implementation=None, causal_alignment="top_left", segment_ids=None,
@@ -221,15 +231,19 @@ def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_caus
     left-padded with 1s, as jax.nn.dot_product_attention reads them), so no backend sees
     another rank."""
     bias, mask = _array_like(bias), _array_like(mask)
-    call = normalize_arguments(
-        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+    normalize = functools.partial(
+        normalize_arguments, query, key, value, bias, mask, scale=scale,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=local_window_size, causal_alignment=causal_alignment, segment_ids=segment_ids,
+        causal_alignment=causal_alignment, segment_ids=segment_ids,
         max_segments_per_seq=max_segments_per_seq, chunk_size=chunk_size, implementation=implementation,
         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
     )
+    call = normalize(is_causal=is_causal, local_window_size=local_window_size)
     ir, scalars, arrays, python_mods = _record_mod(score_mod, mask_mod, score_mod_tensors, score_mod_bprop,
                                                    call.spec)
+    native = _native_mask_mod(ir, score_mod, mask_mod, call.spec)
+    if native is not None:  # the flags cuDNN skips tiles for, in place of an equal mask mod
+        call, ir = normalize(is_causal=native.is_causal, local_window_size=native.window), None
     q_ids = kv_ids = None
     if segment_ids is not None:
         q_ids, kv_ids = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)

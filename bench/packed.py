@@ -1,0 +1,183 @@
+"""Packed sequences (segment_ids) against the dense rate, side by side in one run. Needs a GPU.
+
+    python bench/packed.py [--out DIR] [--no-flex]
+
+Per case (bf16, N16 H128, causal): sdpagraph's packed call (cuDNN), the same documents as rows of
+their own (dense causal at B*docs x doc length: what the packed call could at best cost), dense
+causal over the whole rows (the rate the issue compares with), the packed call's segment
+metadata alone (the XLA ops before cuDNN), and FlexAttention with a document block mask. Prints
+ms, real-token TFLOP/s and ratios; writes packed.md / packed.json to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave room for torch
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import sdpagraph
+from sdpagraph.jax_api.segments import segment_metadata, segment_run_ids
+
+from cuda_timing import cuda_event_ms  # bench/ is on sys.path when a script here runs
+from jax_timing import time_ms
+
+N, H = 16, 128
+
+
+def equal_docs(B, T, docs):
+    return np.repeat(np.arange(1, docs + 1, dtype=np.int32), T // docs)[None].repeat(B, axis=0)
+
+
+def random_docs(B, T, low, high, seed=0):
+    """Rows of documents with lengths drawn from [low, high], the last one cut at T."""
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((B, T), np.int32)
+    for b in range(B):
+        start, doc = 0, 1
+        while start < T:
+            length = min(int(rng.integers(low, high + 1)), T - start)
+            ids[b, start:start + length] = doc
+            start, doc = start + length, doc + 1
+    return ids
+
+
+CASES = [  # (name, ids, score_mod name)
+    ("B4 T4096, 4 docs of 1024", lambda: equal_docs(4, 4096, 4), None),
+    ("B4 T4096, 16 docs of 256", lambda: equal_docs(4, 4096, 16), None),
+    ("B8 T8192, docs 64-2048", lambda: random_docs(8, 8192, 64, 2048), None),
+    ("B8 T8192, docs 64-2048, softcap30", lambda: random_docs(8, 8192, 64, 2048), "softcap"),
+]
+
+
+def doc_lengths(ids):
+    run = np.asarray(segment_run_ids(jnp.asarray(ids)))
+    return [int(np.sum(run[b] == r)) for b in range(run.shape[0]) for r in range(1, run[b].max() + 1)]
+
+
+def causal_flops(lengths, backward):
+    forward = sum(4.0 * N * H * L * L * 0.5 for L in lengths)
+    return forward * (3.5 if backward else 1.0)
+
+
+def softcap(s, b, h, i, j):
+    return 30.0 * jnp.tanh(s / 30.0)
+
+
+def jitted(fn, backward):
+    if not backward:
+        return jax.jit(fn)
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
+
+
+def flex_ms(ids, mod, backward):
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, T = ids.shape
+    compiled = torch.compile(flex_attention)
+    q, k, v = (torch.randn(B, N, T, H, device="cuda", dtype=torch.bfloat16, requires_grad=backward) for _ in range(3))
+    docs = torch.from_numpy(ids).to("cuda")
+    block_mask = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (docs[b, qi] == docs[b, ki]),
+                                   B=B, H=None, Q_LEN=T, KV_LEN=T)
+    score_mod = (lambda s, b, h, qi, ki: 30.0 * torch.tanh(s / 30.0)) if mod else None
+
+    def step():
+        out = compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
+        if backward:
+            out.backward(torch.ones_like(out))
+        return out
+
+    return cuda_event_ms(step, rounds=5)
+
+
+def run(with_flex):
+    rows = []
+    for name, make_ids, mod in CASES:
+        ids = make_ids()
+        B, T = ids.shape
+        lengths = doc_lengths(ids)
+        M = int(np.asarray(segment_run_ids(jnp.asarray(ids))).max())
+        rng = np.random.default_rng(1)
+        q, k, v = (jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.bfloat16) for _ in range(3))
+        seg = jnp.asarray(ids)
+        score_mod = softcap if mod else None
+        for backward in (False, True):
+            row = {"case": name, "pass": "fwd+bwd" if backward else "fwd", "docs": len(lengths), "max per row": M}
+            variants = {
+                "packed": lambda q, k, v: sdpagraph.attention(
+                    q, k, v, is_causal=True, segment_ids=seg, max_segments_per_seq=M, score_mod=score_mod,
+                    implementation="cudnn", training=backward),
+                "dense rows": lambda q, k, v: sdpagraph.attention(
+                    q, k, v, is_causal=True, score_mod=score_mod, implementation="cudnn", training=backward),
+            }
+            for label, fn in variants.items():
+                try:
+                    row[label + " ms"] = time_ms(jitted(fn, backward), q, k, v)
+                except Exception as error:  # record and go on
+                    row[label + " ms"], row[label + " error"] = None, f"{type(error).__name__}: {str(error)[:300]}"
+            if len(set(lengths)) == 1:  # equal documents: each as a row of its own, the ideal
+                L = lengths[0]
+                as_rows = [x.reshape(B * (T // L), L, N, H) for x in (q, k, v)]
+                fn = lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=True, score_mod=score_mod,  # noqa: E731
+                                                         implementation="cudnn", training=backward)
+                row["docs as rows ms"] = time_ms(jitted(fn, backward), *as_rows)
+            if not backward:
+                meta = jax.jit(lambda ids: (segment_metadata(ids, M), segment_run_ids(ids)))
+                row["metadata ms"] = time_ms(meta, seg)
+            if with_flex:
+                try:
+                    row["flex ms"] = flex_ms(ids, mod, backward)
+                except Exception as error:
+                    row["flex ms"], row["flex error"] = None, f"{type(error).__name__}: {str(error)[:300]}"
+            work = causal_flops(lengths, backward)
+            row["packed TFLOP/s"] = work / (row["packed ms"] * 1e9) if row.get("packed ms") else None
+            dense_work = causal_flops([T] * B, backward)
+            row["dense TFLOP/s"] = dense_work / (row["dense rows ms"] * 1e9) if row.get("dense rows ms") else None
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def table(rows):
+    fmt = lambda x, spec=".3f": format(x, spec) if isinstance(x, (int, float)) else "n/a"  # noqa: E731
+    lines = ["| case | pass | packed ms | real-token TFLOP/s | dense TFLOP/s | packed/dense rate | docs as rows ms | "
+             "metadata ms | flex ms | flex/packed |", "|---" * 10 + "|"]
+    for r in rows:
+        rate = r["packed TFLOP/s"] / r["dense TFLOP/s"] if r.get("packed TFLOP/s") and r.get("dense TFLOP/s") else None
+        flex = r["flex ms"] / r["packed ms"] if r.get("flex ms") and r.get("packed ms") else None
+        lines.append(f"| {r['case']} | {r['pass']} | {fmt(r.get('packed ms'))} | {fmt(r.get('packed TFLOP/s'), '.0f')} | "
+                     f"{fmt(r.get('dense TFLOP/s'), '.0f')} | {fmt(rate, '.2f')} | {fmt(r.get('docs as rows ms'))} | "
+                     f"{fmt(r.get('metadata ms'))} | {fmt(r.get('flex ms'))} | {fmt(flex, '.2f')} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (no torch)")
+    args = parser.parse_args()
+    if not [d for d in jax.devices() if d.platform == "gpu"]:
+        print("bench/packed.py needs a GPU; none visible", file=sys.stderr)
+        return 2
+    rows = run(not args.no_flex)
+    text = table(rows)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    header = (f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {time.strftime('%Y-%m-%d')}; "
+              f"bf16 N{N} H{H} causal; dense = causal over whole rows at the same shape\n\n")
+    with open(os.path.join(args.out, "packed.md"), "w") as f:
+        f.write(header + text + "\n")
+    with open(os.path.join(args.out, "packed.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
