@@ -22,10 +22,12 @@ mean of back-to-back calls (`time_ms`). cuDNN's numerical check of new graphs is
 (`SDPAGRAPH_VERIFY=off`, it costs 1-2 s per shape and is measured by bench/numerics.py) unless
 `--verify`.
 
-Time, expected (not yet measured on a GPU): 5-10 s per case on an H100, where compiles and cuDNN's
-graph builds dominate, 32 cases. The default `--time-budget 200` starts no case after 200 s, so the
-run ends within about 4 minutes whatever a case costs; cases not started are listed as cut (the
-anchors, then the crossover's far corners), and `--time-budget 600` runs them all.
+Time: the H100 run of 2026-11-24 (docs/results/jnp-mods-dispatch-2026-11-24.md) spent 29 s per case,
+most of it drawing the 4 GB of inputs with NumPy on the host; they are now drawn on the device, which
+leaves compiles and cuDNN's graph builds: expected 5-12 s per case (not yet measured), 32 cases. The
+default `--time-budget 200` starts no case after 200 s, so the run ends within about 4 minutes
+whatever a case costs; cases not started are listed as cut (the anchors, then the crossover's far
+corners), and `--time-budget 600` runs them all.
 
 Prints one table and writes it to DIR/dispatch.md: each backend's time, the small-sequence forward's
 achieved HBM bandwidth against the GPU's datasheet peak and a measured copy, the ratios small_seq/xla
@@ -213,11 +215,11 @@ def run(args) -> dict:
             break
         spec = case.spec()
         in_regime = small_seq_reason(spec) is None
-        rng = np.random.default_rng(0)
-        try:
-            arrays = [jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
-                      for shape in ((case.b, case.t, case.n, case.h), (case.b, case.s, case.k, case.h),
-                                    (case.b, case.s, case.k, case.h), (case.b, case.t, case.n, case.h))]
+        try:  # drawn on the device: NumPy's generator took ~20 s per case for the 4 GB of K and V
+            shapes = ((case.b, case.t, case.n, case.h), (case.b, case.s, case.k, case.h),
+                      (case.b, case.s, case.k, case.h), (case.b, case.t, case.n, case.h))
+            arrays = [jax.random.normal(key, shape, jnp.bfloat16)
+                      for key, shape in zip(jax.random.split(jax.random.key(0), len(shapes)), shapes)]
         except Exception as error:  # noqa: BLE001
             print(f"{case.label()}: could not make inputs: {error}", file=sys.stderr)
             continue
