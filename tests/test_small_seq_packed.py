@@ -126,6 +126,18 @@ def test_packed_past_max_segments_and_padding_rows(rng):
         assert np.all(np.asarray(out)[2] == 0)
 
 
+def test_key_and_value_gradients_gather_and_never_scatter(rng):
+    """dK and dV sum each key's window slots with a gather: no scatter-add (atomic on a GPU, and
+    nondeterministic), for self- and cross-attention."""
+    q_ids, kv_ids = packed_ids(rng, 2, 12, 2, count=4), packed_ids(rng, 2, 40, 8, count=4)
+    for ids, s, hints in ((jnp.asarray(q_ids), 12, dict(max_seqlen_q=2)),
+                          ((jnp.asarray(q_ids), jnp.asarray(kv_ids)), 40, dict(max_seqlen_q=2, max_seqlen_kv=8))):
+        q, k, v = draw(rng, (2, 12, 4, 8), "float32"), draw(rng, (2, s, 2, 8), "float32"), draw(rng, (2, s, 2, 8), "float32")
+        loss = lambda q, k, v: jnp.sum(sdpagraph.attention(q, k, v, segment_ids=ids, implementation="small_seq",  # noqa: E731
+                                                           is_causal=True, **hints) ** 2)
+        assert "scatter" not in str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+
+
 USER_BPROP = dict(score_mod=lambda graph, score, tensors: score * 2.0,
                   score_mod_bprop=lambda graph, dscore, tensors: dscore * 3.0)
 TRIPLED = ref.Mod(lambda s, *_: 2.0 * s, lambda s, *_: np.full_like(s, 3.0))

@@ -12,16 +12,18 @@ segment's start as everywhere in sdpagraph):
     out[b, t]      = softmax over w of (score_mod(scale * q[b, t] . K_win[b, t, w]) + bias) . V_win
 
 Memory and bytes are O(B * T * W) (K and V windows, per-score arrays), never O(T * S) as the dense
-XLA backend's: the stream is bandwidth-bound as the BSHD one. The gather's gradient (dK, dV from
-the windows') is jax's transpose of the gather, a scatter-add. `max_seqlen_q` is not needed to
-compute (every query token has its own window): it bounds the regime (`small_seq.small_seq_reason`).
+XLA backend's: the stream is bandwidth-bound as the BSHD one. The gradient of K and V is a gather
+too, not jax's transpose of a gather (a scatter-add, atomic on a GPU): key s of segment r sums the
+window slots that hold it, slot `position of s in r` of the L = `max_seqlen_q` query tokens of
+the query segment that reads r. (A bias's gradient is jax's scatter-add.)
 
-A segment longer than W (possible only with `SDPAGRAPH_CHECK_SEGMENTS=0`, which lets such ids
-through unchecked) has its keys past the W-th dropped.
+A segment longer than its hint (possible only with `SDPAGRAPH_CHECK_SEGMENTS=0`, which lets such
+ids through unchecked) has its keys past the W-th dropped, and the gradient of K and V misses the
+queries past the L-th.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,31 +35,74 @@ from sdpagraph.jax_api.xla import position_allowed
 from sdpagraph.spec import AttentionSpec
 
 
-def _key_windows(spec: AttentionSpec, inputs: RuntimeInputs, width: int) -> tuple[Any, Any]:
-    """(key index (B, T, W) int32 of each query token's window, allowed (B, T, W) bool)."""
+class _Windows(NamedTuple):
+    """Which keys each query token's window holds, and the way back (int arrays, no gradient)."""
+
+    index: Any  # (B, T, W): the key in slot w of query t's window (clipped to S - 1)
+    queries: Any  # (B, S, L): the query tokens whose windows hold key s (clipped to T - 1)
+    slot: Any  # (B, S): key s's slot in those windows (its position in its segment)
+    reach: Any  # (B, S, L) bool: queries[b, s, i] is one of them
+
+
+def _key_windows(spec: AttentionSpec, inputs: RuntimeInputs, width: int, q_bound: int) -> tuple[_Windows, Any]:
+    """(the windows, allowed (B, T, W) bool) for queries in segments of at most `q_bound` tokens."""
     q_ids = inputs.q_segment_ids
     kv_ids = q_ids if spec.segments == "self" else inputs.kv_segment_ids
     b, t, s = spec.batch, spec.q_len, spec.kv_len
     q_run, kv_run = segment_run_ids(q_ids), segment_run_ids(kv_ids)
-    q_pos = segment_positions(q_ids)  # (B, T)
+    q_pos, kv_pos = segment_positions(q_ids), segment_positions(kv_ids)  # (B, T), (B, S)
     offset = 0  # bottom-right alignment: key segment length - query segment length
     if spec.segments == "self":
         start = jnp.arange(t, dtype=jnp.int32)[None, :] - q_pos
+        first_query = jnp.arange(s, dtype=jnp.int32)[None, :] - kv_pos
     else:  # the r-th query segment reads the r-th key segment
-        kv_meta = segment_metadata(kv_ids, spec.max_segments)
+        kv_meta, q_meta = segment_metadata(kv_ids, spec.max_segments), segment_metadata(q_ids, spec.max_segments)
         start = at_runs(kv_meta.offsets[:, :-1], q_run)
+        first_query = at_runs(q_meta.offsets[:, :-1], kv_run)
         if spec.causal_alignment == "bottom_right":
-            offset = at_runs(kv_meta.seq_lens, q_run) - at_runs(segment_metadata(q_ids, spec.max_segments).seq_lens,
-                                                                 q_run)
+            offset = at_runs(kv_meta.seq_lens, q_run) - at_runs(q_meta.seq_lens, q_run)
     slot = jnp.arange(width, dtype=jnp.int32)
     index = start[:, :, None] + slot  # (B, T, W)
     inside = index < s
     index = jnp.minimum(index, s - 1)
-    same = jnp.take_along_axis(kv_run, index.reshape(b, t * width), axis=1).reshape(b, t, width) == q_run[:, :, None]
+    same = _rows_at(kv_run, index) == q_run[:, :, None]
     valid = (q_run > 0) & (q_run <= spec.max_segments)  # segments past max_segments are dropped, as on XLA
     allowed = valid[:, :, None] & inside & same
     positions = position_allowed(spec, (q_pos + offset)[:, :, None], slot)  # a key's position is its slot
-    return index, allowed if positions is None else allowed & positions
+    allowed = allowed if positions is None else allowed & positions
+    queries = first_query[:, :, None] + jnp.arange(q_bound, dtype=jnp.int32)  # (B, S, L)
+    reach = (queries < t) & (kv_run > 0)[:, :, None] & (kv_pos < width)[:, :, None]
+    queries = jnp.minimum(queries, t - 1)
+    reach &= _rows_at(q_run, queries) == kv_run[:, :, None]
+    return _Windows(index, queries, jnp.minimum(kv_pos, width - 1), reach), allowed
+
+
+def _rows_at(x: Any, index: Any) -> Any:
+    """x[b, index[b, ...]] for x (B, L) and index (B, ...)."""
+    b = x.shape[0]
+    return jnp.take_along_axis(x, index.reshape(b, -1), axis=1).reshape(index.shape)
+
+
+@jax.custom_vjp
+def _gather(x: Any, windows: _Windows) -> Any:
+    """x (B, S, ...) at each query token's window: (B, T, W, ...). Its transpose gathers too (each key
+    sums the slots that hold it), where jax's would scatter-add: no atomics, deterministic."""
+    return x[jnp.arange(x.shape[0])[:, None, None], windows.index]
+
+
+def _gather_fwd(x: Any, windows: _Windows) -> tuple[Any, Any]:
+    return _gather(x, windows), windows
+
+
+def _gather_bwd(windows: _Windows, d_windows: Any) -> tuple[Any, None]:
+    rows = jnp.arange(d_windows.shape[0])[:, None, None]
+    picked = d_windows[rows, windows.queries, windows.slot[:, :, None]]  # (B, S, L, ...)
+    reach = windows.reach.reshape(windows.reach.shape + (1,) * (picked.ndim - 3))
+    d_x = jnp.sum(jnp.where(reach, picked.astype(jnp.float32), 0.0), axis=2)
+    return d_x.astype(d_windows.dtype), None
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
 def _windowed(x: Any, index: Any) -> Any:
@@ -81,10 +126,10 @@ def packed_attention(spec: AttentionSpec, static: Static, query: Any, key: Any, 
     b, t, n, h = query.shape
     kh = spec.num_kv_heads
     width = spec.max_seqlen_kv if spec.max_seqlen_kv is not None else spec.kv_len
-    index, allowed = _key_windows(spec, inputs, width)
-    rows = jnp.arange(b)[:, None, None]
-    k_win = key[rows, index].reshape(b * t, width, kh, h)  # (B*T, W, K, H)
-    v_win = value[rows, index].reshape(b * t, width, kh, value.shape[-1])
+    windows, allowed = _key_windows(spec, inputs, width, spec.max_seqlen_q or spec.q_len)
+    index = windows.index
+    k_win = _gather(key, windows).reshape(b * t, width, kh, h)  # (B*T, W, K, H)
+    v_win = _gather(value, windows).reshape(b * t, width, kh, value.shape[-1])
     g = n // kh
     allowed = allowed.reshape(b * t, 1, width, 1, 1)  # the score layout
     if inputs.mask is not None:
