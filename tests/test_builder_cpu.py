@@ -23,6 +23,7 @@ from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.ir import BOOL, FLOAT, INT
 from sdpagraph.graphs.trace import TensorInfo, trace_score_mod
 from sdpagraph.graphs.ir_eval import evaluate
+from sdpagraph.graphs.jnp_mods import convert_jnp_score_mod
 from sdpagraph.graphs.lowering import lower, mod_stages, native_band
 from sdpagraph.graphs.mod_lowering import ModEmitter, Unsupported, pass_by_value_plan
 from sdpagraph.graphs.operands import bias_operand_shape, describe, graph_io, graph_spec, uid_map
@@ -45,6 +46,17 @@ def make_spec(**overrides):
 
 def softcap_ir():
     return trace_score_mod(mods.softcap(30.0), {"cap": SCALAR})
+
+
+def user_mod(kind):
+    """(IR, its scalars): an identity mod (it forces the mod path: every mask goes into the mod),
+    mods.softcap, or a jax.numpy softcap whose literals are bound scalars."""
+    if kind == "graph":
+        return softcap_ir(), {"cap": 30.0}
+    if kind == "jnp":
+        mod = convert_jnp_score_mod(lambda s, b, h, i, j: 30.0 * jnp.tanh(s / 30.0))
+        return mod.ir, dict(mod.scalars)
+    return trace_score_mod(lambda g, s, t: s, {}), {}
 
 
 # ----------------------------------------------------------------------------- fake pygraph
@@ -296,12 +308,13 @@ def test_a_boolean_mask_becomes_the_bias_operand():
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("case", ["native", "mod", "packed", "chunk_bias"])
+@pytest.mark.parametrize("case", ["native", "mod", "jnp_mod", "packed", "chunk_bias"])
 def test_real_pygraph_accepts_the_description(direction, case):
     """Up to the IR-level validate(), which needs no cuDNN backend library."""
     spec, ir = {
         "native": (make_spec(is_causal=True, window=(64, 0), has_q_lengths=True), None),
         "mod": (make_spec(is_causal=True, causal_alignment="bottom_right", kv_len=256), softcap_ir()),
+        "jnp_mod": (make_spec(is_causal=True, window=(64, 0)), user_mod("jnp")[0]),
         "packed": (make_spec(segments="self", max_segments=4, is_causal=True), None),
         "chunk_bias": (make_spec(chunk_size=64, bias_shape=(1, 8, 128, 128)), None),
     }[case]
@@ -311,6 +324,9 @@ def test_real_pygraph_accepts_the_description(direction, case):
     (node,) = graph._nodes
     outputs = {t.uid for t in node.outputs.values() if t is not None}
     assert {lowering.uids[role] for role in lowering.result_roles} <= outputs
+    if case == "jnp_mod":  # the softcap's literals are bound scalars, not baked constants
+        sources = [source for _, source, _ in lowering.pass_by_value]
+        assert ("scalar", "captured_literal0") in sources and ("const", 30.0) not in sources
 
 
 # ----------------------------------------------------------------------------- mod semantics on the CPU
@@ -345,11 +361,10 @@ def emitted_ir(spec, ir, direction):
     dict(chunk_size=32, causal_alignment="bottom_right", q_len=48, kv_len=128),
     dict(chunk_size=32, causal_alignment="bottom_right", q_len=150, kv_len=64),
 ])
-@pytest.mark.parametrize("with_user_mod", [False, True])
-def test_emitted_mod_matches_the_xla_backend(overrides, with_user_mod):
+@pytest.mark.parametrize("kind", ["identity", "graph", "jnp"])
+def test_emitted_mod_matches_the_xla_backend(overrides, kind):
     spec = make_spec(**overrides)
-    # Without a user mod, an identity mod forces the mod path: every mask goes into the mod.
-    ir = softcap_ir() if with_user_mod else trace_score_mod(lambda g, s, t: s, {})
+    ir, scalars = user_mod(kind)
     rng = np.random.default_rng(0)
     inputs = RuntimeInputs()
     layout = _layout(spec, inputs)
@@ -357,7 +372,6 @@ def test_emitted_mod_matches_the_xla_backend(overrides, with_user_mod):
              layout.q_pos[:, None, :, None], layout.kv_pos[:, None, None, :])
     score = jnp.asarray(rng.normal(size=(spec.batch, spec.num_heads, spec.q_len, spec.kv_len)) * 40, jnp.float32)
     dscore = jnp.asarray(rng.normal(size=score.shape), jnp.float32)
-    scalars = {"cap": 30.0}
 
     emitted, plan = emitted_ir(spec, ir, "backward")
     values = {entry.role: scalars[entry.source[1]] if entry.source[0] == "scalar" else entry.source[1]

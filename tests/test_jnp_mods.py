@@ -49,7 +49,7 @@ def random_inputs(seed, shape=SHAPE, scale=4.0):
 
 
 def run_ir(mod, score, dscore, shape=SHAPE):
-    out, grad = evaluate(mod.ir, jnp.asarray(score), scalars={}, arrays=mod.arrays, index=grid(shape),
+    out, grad = evaluate(mod.ir, jnp.asarray(score), scalars=mod.scalars, arrays=mod.arrays, index=grid(shape),
                          dscore=jnp.asarray(dscore))
     return np.asarray(jnp.broadcast_to(out, shape)), np.asarray(jnp.broadcast_to(grad, shape))
 
@@ -161,8 +161,8 @@ def test_alibi_with_captured_slopes():
 def test_relative_position():
     mod = check_score_mod(lambda s, b, h, q, k: s + (q - k) * 0.1,
                           numpy_reference=lambda s, b, h, q, k: s + (q - k) * np.float32(0.1))
-    assert ops(mod.ir)[:7] == ["score", "gen_index", "gen_index", "sub", "const", "mul", "add"]
-    assert mod.arrays == {}
+    assert ops(mod.ir)[:7] == ["score", "scalar", "gen_index", "gen_index", "sub", "mul", "add"]
+    assert mod.arrays == {} and mod.scalars == {"captured_literal0": pytest.approx(0.1)}
 
 
 def test_ops_kitchen_sink():
@@ -191,7 +191,7 @@ def test_float_comparisons_keep_nan_semantics():
     fn = lambda s, b, h, q, k: jnp.where(~(s < 0.0), s, 2 * s)  # noqa: E731
     mod = convert_jnp_score_mod(fn, SHAPE)
     score = np.array([np.nan, -1.0, 1.0], np.float32).reshape(1, 1, 1, 3)
-    out, _ = evaluate(mod.ir, jnp.asarray(score), scalars={}, arrays={}, index=grid((1, 1, 1, 3)))
+    out, _ = evaluate(mod.ir, jnp.asarray(score), scalars=mod.scalars, arrays={}, index=grid((1, 1, 1, 3)))
     ref = jax.vmap(lambda s: fn(s, 0, 0, 0, 0))(jnp.asarray(score).reshape(-1))
     np.testing.assert_array_equal(np.asarray(out).reshape(-1), np.asarray(ref))
 
@@ -200,6 +200,51 @@ def test_bitwise_ops_on_positions_become_aux_arrays():
     fn = lambda b, h, q, k: (q >> 1) == (k >> 1)  # noqa: E731
     mod = check_mask_mod(fn, numpy_reference=lambda b, h, q, k: (q >> 1) == (k >> 1))
     assert sorted(v.shape for v in mod.arrays.values()) == [(1, 1, 1, S), (1, 1, T, 1)]
+
+
+# ----------------------------------------------------------------------------- literals bound as scalars
+
+def literals(ir):
+    return [(n.attr("value"), n.dtype) for n in ir.nodes if n.op == "const"]
+
+
+@pytest.mark.parametrize("cap", [2.0, 30.0])
+def test_softcap_values_are_bound_scalars_of_one_ir(cap):
+    mod = check_score_mod(lambda s, b, h, q, k: cap * jnp.tanh(s / cap),
+                          numpy_reference=lambda s, b, h, q, k: cap * np.tanh(s / cap))
+    assert mod.scalars == {"captured_literal0": cap, "captured_literal1": cap}  # one per use
+    assert mod.infos["captured_literal0"] == TensorInfo("scalar", FLOAT) and mod.tensors == mod.scalars
+    assert not any(value == cap for value, _ in literals(mod.ir))
+    assert mod.ir.digest == convert_jnp_score_mod(lambda s, b, h, q, k: 30 * jnp.tanh(s / 30)).ir.digest
+    # the derived bprop reads the same scalars: tanh_backward's input is s / cap, then / cap
+    (grad_div,) = [n for i, n in enumerate(mod.ir.nodes) if n.op == "div" and i > mod.ir.output]
+    assert mod.ir.nodes[grad_div.args[1]].op == "scalar"
+
+
+def test_only_float_literals_on_the_score_path_are_lifted():
+    mod = check_score_mod(lambda s, b, h, q, k: s + (q // 2) * 0.5 - (q - 2 * k) * 0.25 + jnp.clip(s, -2.0, 2.0))
+    assert sorted(mod.scalars.values()) == [-2.0, 0.25, 0.5, 2.0]
+    assert literals(mod.ir) == [(2, INT)] + [(0.0, FLOAT)] * (len(literals(mod.ir)) - 1)  # ints stay, 0.0: bprop's
+    cases = [  # (mod, the literal values that stay literals)
+        (lambda s, b, h, q, k: jnp.where(s / 4.0 > 1.0, 1.0, s), [4.0, 1.0]),  # into a comparison; a fill value
+        (lambda s, b, h, q, k: jnp.where(q >= k, s * 2.0, -1e30), [np.float32(-1e30).item()]),  # 2.0 lifted
+        (lambda s, b, h, q, k: jnp.maximum(s, -jnp.inf), [-np.inf]),  # not finite
+        (lambda s, b, h, q, k: jnp.log1p(s) + jnp.exp2(s), [1.0, float(np.log(2.0))]),  # the converter's own
+        (lambda s, b, h, q, k: s + jnp.float32((q * 0.5).astype(jnp.int32) >= k), [0.5, 1.0]),  # cast to int
+    ]
+    for fn, kept in cases:
+        mod = check_score_mod(fn)
+        assert [v for v, dtype in literals(mod.ir) if dtype == FLOAT and v != 0.0] == kept
+    assert convert_jnp_score_mod(lambda s, b, h, q, k: jnp.where(q >= k, s * 2.0, -1e30)).scalars == {
+        "captured_literal0": 2.0}
+
+
+def test_mask_mod_literals_stay_and_its_tensors_have_their_own_names():
+    mod = check_mask_mod(lambda b, h, q, k: (q * 0.5).astype(jnp.int32) >= k // 2,
+                         numpy_reference=lambda b, h, q, k: (q * 0.5).astype(np.int32) >= k // 2)
+    assert mod.scalars == {} and 0.5 in [v for v, _ in literals(mod.ir)]
+    score_mod = convert_jnp_score_mod(lambda s, b, h, q, k: s * 0.5, name_prefix="mask_captured")
+    assert list(score_mod.scalars) == ["mask_captured_literal0"]
 
 
 # ----------------------------------------------------------------------------- mask mods
@@ -322,7 +367,8 @@ def test_callback_records_the_same_ir_and_values_are_not_hashed():
     mod = convert_jnp_score_mod(lambda s, b, h, q, k: s * 0.5 + slopes[h], SHAPE)
     assert trace_score_mod(mod.callback, mod.infos).digest == mod.ir.digest
     assert convert_jnp_score_mod(lambda s, b, h, q, k: s * 0.5 + (slopes * 7)[h], SHAPE).ir.digest == mod.ir.digest
-    assert convert_jnp_score_mod(lambda s, b, h, q, k: s * 0.25 + slopes[h], SHAPE).ir.digest != mod.ir.digest
+    assert convert_jnp_score_mod(lambda s, b, h, q, k: s * 0.25 + slopes[h], SHAPE).ir.digest == mod.ir.digest
+    assert convert_jnp_score_mod(lambda s, b, h, q, k: s / 0.5 + slopes[h], SHAPE).ir.digest != mod.ir.digest
     assert mod.ir.to_dict() == type(mod.ir).from_dict(json.loads(json.dumps(mod.ir.to_dict()))).to_dict()
 
 

@@ -159,6 +159,27 @@ def test_a_correct_graph_passes_and_its_entries_record_the_errors(fake_gpu, monk
     assert CompiledGraph.from_meta(blob, meta).direction == "forward" and "numerics" in meta
 
 
+def test_the_check_runs_with_the_call_s_scalars(fake_gpu, monkeypatch):
+    """A jax.numpy mod's float constants are bound scalars: checked with random values instead,
+    `exp(s * 0.25)` would be checked as `exp(s * 40)`, which overflows."""
+    seen = []
+    real = numerics.check_numerics
+
+    def recording(*args, scalars=None, **kwargs):
+        seen.append(dict(scalars))
+        return real(*args, scalars=scalars, **kwargs)
+
+    monkeypatch.setattr(numerics, "check_numerics", recording)
+    q, k, v = arrays()
+    kwargs = dict(is_causal=True, score_mod=lambda s, b, h, i, j: jnp.exp(s * 0.25))
+    answer = sdpagraph.check_support(q, k, v, **kwargs)
+    assert answer.supported, answer.reason
+    assert seen == [{"captured_literal0": 0.25}]
+    call = call_of(q, k, v, **kwargs)
+    given = numerics.host_inputs(call.spec, call.score_mod, 0, {"captured_literal0": 0.25})["scalars"]
+    assert given == {"captured_literal0": 0.25} and numerics.host_inputs(call.spec, call.score_mod, 0)["scalars"] != given
+
+
 @pytest.mark.parametrize("core,output", [(wrong_scale_core, "o"), (wrong_dq_core, "dq")])
 def test_a_wrong_graph_runs_on_xla_and_check_support_says_why(fake_gpu, monkeypatch, caplog, core, output):
     monkeypatch.setattr(cudnn_backend, "_core", core)

@@ -39,6 +39,11 @@ How jnp maps onto the IR:
   q_idx and kv_idx (`table[h, q_idx - kv_idx]`) would be a dense (T, S) table and is refused.
   The same goes for any other equation the IR has no op for, when it does not read the score
   (`q_idx >> 4`): it is evaluated over its grid and becomes an aux array.
+- Float literals that float arithmetic reads on the way to the score (`cap` in `cap * jnp.tanh(s /
+  cap)`, an ALiBi slope scale, a bias constant) become pass-by-value scalars named
+  `captured_literal0, ...`, whose values the converter returns next to the captured arrays: a new
+  value reuses the graph. Integers, booleans and whatever decides a mask stay literals; the rule
+  is `graphs.jnp_literals`'.
 
 Anything else raises `JnpModUnsupported` (a `graphs.mod_lowering.Unsupported`) naming the
 primitive: an index computed from the score, control flow or random numbers on the score,
@@ -48,8 +53,8 @@ the mod on XLA by calling the Python function itself (`apply_jnp_score_mod` /
 `apply_jnp_mask_mod`).
 
 The IR depends only on what the function computes: no object ids or tracer names enter it, so
-the same function gives the same IR and digest in every process; captured values enter only the
-returned arrays, never the IR (their shapes and dtypes do).
+the same function gives the same IR and digest in every process; captured values and lifted literals
+enter only the returned tensors, never the IR (captured arrays' shapes and dtypes do).
 """
 from __future__ import annotations
 
@@ -62,10 +67,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdpagraph.graphs.ir import (
-    BOOL, CMP_OPS, FLOAT, INT, OP_PARAMS, ModTensor, Node, RecordingGraph, ScoreModIR, reachable, result_type,
-)
+from sdpagraph.graphs.ir import BOOL, FLOAT, INT, RecordingGraph, ScoreModIR, reachable, result_type
 from sdpagraph.graphs.ir_eval import evaluate
+from sdpagraph.graphs.jnp_dag import MIRROR, Dag, and_, combine, formula_nodes, not_, or_, replay, xor_
+from sdpagraph.graphs.jnp_literals import lifted_literals, literal_name
 from sdpagraph.graphs.mod_lowering import Unsupported
 from sdpagraph.graphs.trace import TensorInfo, trace_score_mod
 
@@ -96,18 +101,24 @@ class JnpMod:
     """A converted jnp mod.
 
     `ir`: the ScoreModIR (forward and derived bprop). `arrays`: name -> 4-D array
-    (B|1, N|1, T|1, S|1) of each captured-array lookup, to pass as score_mod_tensors (they may be
-    tracers when the mod closes over traced values). `infos`: name -> TensorInfo of those arrays
-    (what `trace_score_mod` takes). `callback`: an equivalent pygraph-style
+    (B|1, N|1, T|1, S|1) of each captured-array lookup (they may be tracers when the mod closes
+    over traced values). `scalars`: name -> value of each float literal bound as a scalar
+    (`graphs.jnp_literals`). `tensors` holds both: pass them as score_mod_tensors. `infos`: name ->
+    TensorInfo of each (what `trace_score_mod` takes). `callback`: an equivalent pygraph-style
     `score_mod(graph, score, tensors)` that records exactly this IR, for code paths that take
     callbacks (`mods.compose`, `attention(score_mod=...)`). `kind`: "score_mod" or "mask_mod".
     """
 
     ir: ScoreModIR
     arrays: Mapping[str, Any]
+    scalars: Mapping[str, float]
     infos: Mapping[str, TensorInfo]
     callback: Callable[[Any, Any, Mapping[str, Any]], Any]
     kind: str
+
+    @property
+    def tensors(self) -> dict[str, Any]:
+        return {**self.arrays, **self.scalars}
 
 
 # ----------------------------------------------------------------------------- public API
@@ -139,16 +150,18 @@ def convert_jnp_mask_mod(fn: Callable, shape: Sequence[int] | None = None, *, ma
 
 def trace_jnp_score_mod(fn: Callable, shape: Sequence[int] | None = None, **kwargs: Any
                         ) -> tuple[ScoreModIR, dict[str, Any]]:
-    """(IR, captured arrays) of a jnp score_mod; see `convert_jnp_score_mod`."""
+    """(IR, score_mod_tensors: captured arrays and lifted literals) of a jnp score_mod; see
+    `convert_jnp_score_mod`."""
     mod = convert_jnp_score_mod(fn, shape, **kwargs)
-    return mod.ir, dict(mod.arrays)
+    return mod.ir, mod.tensors
 
 
 def trace_jnp_mask_mod(fn: Callable, shape: Sequence[int] | None = None, **kwargs: Any
                        ) -> tuple[ScoreModIR, dict[str, Any]]:
-    """(IR, captured arrays) of a jnp mask_mod; see `convert_jnp_mask_mod`."""
+    """(IR, score_mod_tensors: captured arrays and lifted literals) of a jnp mask_mod; see
+    `convert_jnp_mask_mod`."""
     mod = convert_jnp_mask_mod(fn, shape, **kwargs)
-    return mod.ir, dict(mod.arrays)
+    return mod.ir, mod.tensors
 
 
 def apply_jnp_score_mod(fn: Callable, score: Any, index: Sequence[Any]) -> Any:
@@ -212,156 +225,10 @@ def _kind(dtype: Any) -> str:
     raise TypeError(f"unsupported dtype {dtype} in a jnp mod")
 
 
-# ----------------------------------------------------------------------------- the DAG
-
-class _Dag:
-    """Hash-consed IR nodes, with the axes each reads and whether it reads the score."""
-
-    def __init__(self) -> None:
-        self.nodes: list[Node] = []
-        self.axes: list[frozenset] = []
-        self.score_dep: list[bool] = []
-        self.names: dict[int, str] = {}  # array leaf -> name
-        self._memo: dict[Any, int] = {}
-        self._lin: dict[int, tuple[dict, int]] = {}
-        self.score = self._add(Node("score"), frozenset(), True)
-
-    def _add(self, node: Node, axes: frozenset, dep: bool, key: Any = None) -> int:
-        key = node if key is None else key
-        if key not in self._memo:
-            self.nodes.append(node)
-            self.axes.append(axes)
-            self.score_dep.append(dep)
-            self._memo[key] = len(self.nodes) - 1
-        return self._memo[key]
-
-    def dtype(self, index: int) -> str:
-        return self.nodes[index].dtype
-
-    def op(self, op: str, args: Sequence[int], dtype: str | None = None) -> int:
-        args = tuple(args)
-        natural = result_type(op, tuple(self.nodes[a].dtype for a in args))
-        axes = frozenset().union(*(self.axes[a] for a in args))
-        dep = any(self.score_dep[a] for a in args)
-        return self._add(Node(op, args, (), natural if dtype is None else dtype), axes, dep)
-
-    def gen(self, axis: int) -> int:
-        return self._add(Node("gen_index", (self.score,), (("axis", axis),), INT), frozenset({axis}), False)
-
-    def const(self, value: Any, dtype: str) -> int:
-        value = float(value) if dtype == FLOAT else int(value)
-        # keyed by repr: -0.0 and 0.0 (equal as numbers) stay two literals
-        return self._add(Node("const", (), (("value", value),), dtype), frozenset(), False,
-                         key=("const", dtype, repr(value)))
-
-    def array(self, name: str, shape: tuple[int, ...], dtype: str, axes: frozenset) -> int:
-        index = self._add(Node("array", (), (("shape", shape),), dtype), axes, False, key=("array", name))
-        self.names[index] = name
-        return index
-
-    def int_const(self, index: int) -> int | None:
-        node = self.nodes[index]
-        return node.attr("value") if node.op == "const" and node.dtype == INT else None
-
-    def linear(self, index: int) -> tuple[dict, int]:
-        """An INT node as sum(coeff * atom) + constant, over add / sub / neg / mul by a literal."""
-        if index in self._lin:
-            return self._lin[index]
-        node = self.nodes[index]
-        result: tuple[dict, int] = ({index: 1}, 0)
-        if node.dtype == INT:
-            if node.op == "const":
-                result = ({}, node.attr("value"))
-            elif node.op in ("add", "sub"):
-                (fa, ca), (fb, cb) = self.linear(node.args[0]), self.linear(node.args[1])
-                sign = 1 if node.op == "add" else -1
-                result = (_combine(fa, fb, sign), ca + sign * cb)
-            elif node.op == "neg":
-                fa, ca = self.linear(node.args[0])
-                result = ({k: -v for k, v in fa.items()}, -ca)
-            elif node.op == "mul":
-                for x, y in (node.args, node.args[::-1]):
-                    c = self.int_const(y)
-                    if c is not None:
-                        fa, ca = self.linear(x)
-                        result = ({k: v * c for k, v in fa.items() if v * c}, ca * c)
-                        break
-        self._lin[index] = result
-        return result
-
-
-def _combine(fa: dict, fb: dict, sign: int) -> dict:
-    out = dict(fa)
-    for k, v in fb.items():
-        out[k] = out.get(k, 0) + sign * v
-    return {k: v for k, v in out.items() if v}
-
-
-# ----------------------------------------------------------------------------- booleans
-# Formulas: ("const", bool) | ("cmp", op, a, b, is_int) | ("ncmp", op, a, b, False) (the negation
-# of an ordered float comparison, which is not the opposite comparison when NaN is around) |
-# ("and", f, g) | ("or", f, g) | ("xor", f, g). Nodes in atoms are raw; they are canonicalized
-# when a select consumes the atom.
-
-TRUE, FALSE = ("const", True), ("const", False)
-_FLIP = {"cmp_ge": "cmp_lt", "cmp_lt": "cmp_ge", "cmp_gt": "cmp_le", "cmp_le": "cmp_gt",
-         "cmp_eq": "cmp_neq", "cmp_neq": "cmp_eq"}
-_MIRROR = {"cmp_ge": "cmp_le", "cmp_le": "cmp_ge", "cmp_gt": "cmp_lt", "cmp_lt": "cmp_gt",
-           "cmp_eq": "cmp_eq", "cmp_neq": "cmp_neq"}
-_JAX_CMP = {"eq": "cmp_eq", "ne": "cmp_neq", "lt": "cmp_lt", "le": "cmp_le", "gt": "cmp_gt", "ge": "cmp_ge"}
-
-
-def _not(f: tuple) -> tuple:
-    tag = f[0]
-    if tag == "const":
-        return ("const", not f[1])
-    if tag == "cmp":
-        _, op, a, b, is_int = f
-        if is_int or op in ("cmp_eq", "cmp_neq"):
-            return ("cmp", _FLIP[op], a, b, is_int)
-        return ("ncmp", op, a, b, False)
-    if tag == "ncmp":
-        return ("cmp",) + f[1:]
-    if tag == "and":
-        return _or(_not(f[1]), _not(f[2]))
-    if tag == "or":
-        return _and(_not(f[1]), _not(f[2]))
-    return _xor(_not(f[1]), f[2])
-
-
-def _and(f: tuple, g: tuple) -> tuple:
-    if f[0] == "const":
-        return g if f[1] else FALSE
-    if g[0] == "const":
-        return f if g[1] else FALSE
-    return ("and", f, g)
-
-
-def _or(f: tuple, g: tuple) -> tuple:
-    if f[0] == "const":
-        return TRUE if f[1] else g
-    if g[0] == "const":
-        return TRUE if g[1] else f
-    return ("or", f, g)
-
-
-def _xor(f: tuple, g: tuple) -> tuple:
-    if f[0] == "const":
-        return _not(g) if f[1] else g
-    if g[0] == "const":
-        return _not(f) if g[1] else f
-    return ("xor", f, g)
-
-
-def _formula_nodes(f: tuple) -> list[int]:
-    if f[0] in ("cmp", "ncmp"):
-        return [f[2], f[3]]
-    if f[0] == "const":
-        return []
-    return _formula_nodes(f[1]) + _formula_nodes(f[2])
-
 
 # ----------------------------------------------------------------------------- the converter
+
+_JAX_CMP = {"eq": "cmp_eq", "ne": "cmp_neq", "lt": "cmp_lt", "le": "cmp_le", "gt": "cmp_gt", "ge": "cmp_ge"}
 
 _INLINE = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "checkpoint", "remat", "remat2")
 _FLOAT_UNARY = {"exp": "exp", "log": "log", "tanh": "tanh", "logistic": "sigmoid", "sqrt": "sqrt",
@@ -378,7 +245,7 @@ class _Converter:
         self.what = what
         self.shape = shape
         self.prefix = prefix
-        self.dag = _Dag()
+        self.dag = Dag()
         self.arrays: dict[str, Any] = {}
         self.infos: dict[str, TensorInfo] = {}
         self._materialized: dict[Any, tuple[list, list]] = {}
@@ -483,7 +350,11 @@ class _Converter:
         return x.int_source if x.int_source is not None else x.node
 
     def arith(self, op: str, xs: Sequence[Any], kinds: Sequence[str], out_kind: str) -> _Sym:
-        nodes = [self.num(x, k) for x, k in zip(xs, kinds)]
+        """`op` over numbers; a concrete float operand of float arithmetic is a literal of its own,
+        which `graphs.jnp_literals` may bind as a scalar."""
+        nodes = [self.dag.literal(np.asarray(x).reshape(()).item())
+                 if k == out_kind == FLOAT and not _symbolic(x) and not isinstance(x, jax.core.Tracer)
+                 else self.num(x, k) for x, k in zip(xs, kinds)]
         for i, x in enumerate(xs):
             if isinstance(x, _Sym) and x.int_source is not None:
                 trial = nodes[:i] + [x.int_source] + nodes[i + 1:]
@@ -531,7 +402,7 @@ class _Converter:
         if not is_int:
             return dag.op(op, (a, b))
         (fa, ca), (fb, cb) = dag.linear(a), dag.linear(b)
-        terms, c = _combine(fa, fb, -1), ca - cb  # a - b = terms + c, compared with 0
+        terms, c = combine(fa, fb, -1), ca - cb  # a - b = terms + c, compared with 0
         q, k = dag.gen(QUERY_AXIS), dag.gen(KEY_AXIS)
         if set(terms) == {q, k} and terms[q] == -terms[k] and abs(terms[q]) == 1:
             shift = lambda node, s: node if s == 0 else dag.op("add", (node, dag.const(s, INT)))  # noqa: E731
@@ -546,14 +417,14 @@ class _Converter:
             # k - q + s >= 0  <=>  k + (s + 1) > q   (left side of a window)
             return dag.op("cmp_gt", (shift(k, e_const + 1), q))
         if dag.nodes[b].op == "gen_index" and dag.nodes[a].op != "gen_index":
-            a, b, op = b, a, _MIRROR[op]  # the position is the comparison's input, as graphs.masks has it
+            a, b, op = b, a, MIRROR[op]  # the position is the comparison's input, as graphs.masks has it
         return dag.op(op, (a, b))
 
     def comparison(self, op: str, x: Any, y: Any, kx: str, ky: str) -> tuple:
         """The formula of `x op y` for two numbers."""
         ix, iy = self.int_valued(x, kx), self.int_valued(y, ky)
         if ix is not None and iy is not None:  # two integers (casts or not): an exact integer comparison
-            for node, other, cmp in ((ix, iy, op), (iy, ix, _MIRROR[op])):
+            for node, other, cmp in ((ix, iy, op), (iy, ix, MIRROR[op])):
                 bound = self.dag.int_const(other)
                 if self.dag.nodes[node].op == "abs" and bound is not None:
                     return self.abs_bound(cmp, self.dag.nodes[node].args[0], bound)
@@ -564,13 +435,13 @@ class _Converter:
         """`abs(x) op c` as two comparisons of x (a symmetric window becomes two band conditions)."""
         lo, hi = self.dag.const(-c, INT), self.dag.const(c, INT)
         if op == "cmp_le":
-            return _and(("cmp", "cmp_le", x, hi, True), ("cmp", "cmp_ge", x, lo, True))
+            return and_(("cmp", "cmp_le", x, hi, True), ("cmp", "cmp_ge", x, lo, True))
         if op == "cmp_lt":
-            return _and(("cmp", "cmp_lt", x, hi, True), ("cmp", "cmp_gt", x, lo, True))
+            return and_(("cmp", "cmp_lt", x, hi, True), ("cmp", "cmp_gt", x, lo, True))
         if op == "cmp_ge":
-            return _or(("cmp", "cmp_ge", x, hi, True), ("cmp", "cmp_le", x, lo, True))
+            return or_(("cmp", "cmp_ge", x, hi, True), ("cmp", "cmp_le", x, lo, True))
         if op == "cmp_gt":
-            return _or(("cmp", "cmp_gt", x, hi, True), ("cmp", "cmp_lt", x, lo, True))
+            return or_(("cmp", "cmp_gt", x, hi, True), ("cmp", "cmp_lt", x, lo, True))
         return ("cmp", op, self.dag.op("abs", (x,)), hi, True)
 
     # -- captured arrays -------------------------------------------------------------------------
@@ -584,7 +455,7 @@ class _Converter:
     def deps(self, x: Any) -> tuple[frozenset, bool]:
         if isinstance(x, _Grid):
             return x.axes, False
-        nodes = [x.node] if isinstance(x, _Sym) else _formula_nodes(x.formula) if isinstance(x, _Pred) else []
+        nodes = [x.node] if isinstance(x, _Sym) else formula_nodes(x.formula) if isinstance(x, _Pred) else []
         axes = frozenset().union(*(self.dag.axes[n] for n in nodes))
         return axes, any(self.dag.score_dep[n] for n in nodes)
 
@@ -600,7 +471,7 @@ class _Converter:
         score = graph.leaf("score")
         leaves = {i: graph.leaf("array", (("shape", self.infos[n].shape),), self.infos[n].dtype, name=n)
                   for i, n in self.dag.names.items()}
-        out = _replay(self.dag.nodes, node, graph, score, leaves)
+        out = replay(self.dag.nodes, node, graph, score, leaves)
         ir = graph.to_ir(out.index, None)
         index = [jnp.arange(n, dtype=jnp.int32).reshape(tuple(n if a == axis else 1 for a in range(4)))
                  for axis, n in enumerate(self.shape)]
@@ -746,12 +617,12 @@ class _Converter:
 
     def rule_max(self, eqn, ins):
         if _kind(eqn.outvars[0].aval.dtype) == BOOL:
-            return _Pred(_or(self.pred(ins[0]), self.pred(ins[1])))
+            return _Pred(or_(self.pred(ins[0]), self.pred(ins[1])))
         return self._binary(eqn, ins, "max")
 
     def rule_min(self, eqn, ins):
         if _kind(eqn.outvars[0].aval.dtype) == BOOL:
-            return _Pred(_and(self.pred(ins[0]), self.pred(ins[1])))
+            return _Pred(and_(self.pred(ins[0]), self.pred(ins[1])))
         return self._binary(eqn, ins, "min")
 
     def rule_div(self, eqn, ins):
@@ -827,9 +698,9 @@ class _Converter:
         x, y = ins
         if kx == BOOL or ky == BOOL:
             if op == "cmp_eq":
-                return _Pred(_not(_xor(self.pred(x), self.pred(y))))
+                return _Pred(not_(xor_(self.pred(x), self.pred(y))))
             if op == "cmp_neq":
-                return _Pred(_xor(self.pred(x), self.pred(y)))
+                return _Pred(xor_(self.pred(x), self.pred(y)))
             return NotImplemented
         return _Pred(self.comparison(op, x, y, kx, ky))
 
@@ -841,16 +712,16 @@ class _Converter:
         return _Pred(combine(*(self.pred(x) for x in ins)))
 
     def rule_and(self, eqn, ins):
-        return self._logical(eqn, ins, _and)
+        return self._logical(eqn, ins, and_)
 
     def rule_or(self, eqn, ins):
-        return self._logical(eqn, ins, _or)
+        return self._logical(eqn, ins, or_)
 
     def rule_xor(self, eqn, ins):
-        return self._logical(eqn, ins, _xor)
+        return self._logical(eqn, ins, xor_)
 
     def rule_not(self, eqn, ins):
-        return self._logical(eqn, ins, _not)
+        return self._logical(eqn, ins, not_)
 
     def rule_select_n(self, eqn, ins):
         which, *cases = ins
@@ -863,7 +734,7 @@ class _Converter:
         if out == BOOL:
             result = self.pred(cases[0])
             for cond, case in zip(conditions, cases[1:]):
-                result = _or(_and(cond, self.pred(case)), _and(_not(cond), result))
+                result = or_(and_(cond, self.pred(case)), and_(not_(cond), result))
             return _Pred(result)
         result = self.num(cases[0], out)
         for cond, case in zip(conditions, cases[1:]):
@@ -933,59 +804,6 @@ def _matches_reference(eqn: Any) -> bool:
     return str(eqn.params.get("jaxpr")) == _REFERENCE_BODIES[key]
 
 
-# ----------------------------------------------------------------------------- replay
-
-def _replay(nodes: Sequence[Node], root: int, graph: Any, score: Any, leaves: Mapping[int, Any]) -> Any:
-    """Record the DAG's nodes that `root` reaches on a pygraph-like `graph`, in a canonical order:
-    positions first (by axis), then depth first with each select chain's conditions before its
-    values (innermost first), literals passed as Python numbers when an op reads them. Returns
-    the tensor of `root`."""
-    values: dict[int, Any] = {0: score}
-    live: set[int] = set()
-    stack = [root]
-    while stack:
-        i = stack.pop()
-        if i not in live:
-            live.add(i)
-            stack.extend(nodes[i].args)
-    for i in sorted((i for i in live if nodes[i].op == "gen_index"), key=lambda i: nodes[i].attr("axis")):
-        values[i] = graph.gen_index(input=score, axis=nodes[i].attr("axis"))
-
-    def children(i: int) -> tuple[int, ...]:
-        node = nodes[i]
-        if node.op != "binary_select":
-            return node.args
-        masks, s = [], i
-        while nodes[s].op == "binary_select" and (s == i or s not in values):
-            masks.append(nodes[s].args[2])
-            s = nodes[s].args[0]
-        return tuple(reversed(masks)) + node.args[:2]
-
-    work = [(root, False)]
-    while work:
-        i, expanded = work.pop()
-        if i in values:
-            continue
-        node = nodes[i]
-        if node.op == "const":
-            values[i] = node.attr("value")
-        elif node.op == "array":
-            values[i] = leaves[i]
-        elif expanded:
-            operands = [values[a] for a in node.args]
-            tensor = getattr(graph, node.op)(**dict(zip(OP_PARAMS[node.op], operands)))
-            if tensor.get_data_type() != node.dtype:
-                tensor.set_data_type(node.dtype)
-            values[i] = tensor
-        else:
-            work.append((i, True))
-            work.extend((c, False) for c in reversed(children(i)) if c not in values)
-    out = values[root]
-    if not isinstance(out, ModTensor) and not hasattr(out, "set_data_type"):  # the mod is a literal
-        out = graph.identity(input=out)
-    return out
-
-
 # ----------------------------------------------------------------------------- conversion
 
 def _convert(fn: Callable, what: str, shape: Sequence[int] | None, prefix: str, masked: float | None) -> JnpMod:
@@ -1017,18 +835,20 @@ def _convert(fn: Callable, what: str, shape: Sequence[int] | None, prefix: str, 
     else:
         root = conv.select(conv.pred(out), dag.score, dag.const(masked, FLOAT))
     nodes = tuple(dag.nodes)
-    names = dict(dag.names)
+    lifted = lifted_literals(nodes, root, dag.literals)
+    scalars = {literal_name(prefix, n): nodes[i].attr("value") for n, i in enumerate(lifted)}
+    names = {**dag.names, **dict(zip(lifted, scalars))}
 
     def callback(graph: Any, score: Any, tensors: Mapping[str, Any]) -> Any:
-        return _replay(nodes, root, graph, score, {i: tensors[name] for i, name in names.items() if name in tensors})
+        return replay(nodes, root, graph, score, {i: tensors[name] for i, name in names.items() if name in tensors})
 
     callback.__name__ = f"jnp_{what}"
     used = {dag.names[i] for i in reachable(nodes, (root,)) if i in dag.names}
     infos = {name: info for name, info in conv.infos.items() if name in used}
     arrays = {name: conv.arrays[name] for name in infos}
+    infos.update((name, TensorInfo("scalar", FLOAT)) for name in scalars)
     ir = trace_score_mod(callback, infos)
-    return JnpMod(ir, arrays, infos, callback, what)
-
+    return JnpMod(ir, arrays, scalars, infos, callback, what)
 
 
 def _check_result(avals: Sequence[Any], what: str) -> None:

@@ -8,6 +8,7 @@ Layers above (deployment's spec recording) watch the calls the runtime traces th
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Mapping
 
@@ -50,7 +51,8 @@ def _strict_miss_message(call: PreparedCall, miss: CacheMissError) -> str:
 def _cudnn_support(call: PreparedCall, training: bool, *, raise_on_miss: bool) -> Support:
     try:
         # Each config's graphs compute the right values once (checked against XLA) before they are used.
-        return cudnn_backend.support(call.spec, call.score_mod, training=training, verify=numerics.check_numerics)
+        verify = functools.partial(numerics.check_numerics, scalars=call.inputs.mod_scalars)  # with the call's values
+        return cudnn_backend.support(call.spec, call.score_mod, training=training, verify=verify)
     except CacheMissError as miss:
         if raise_on_miss:
             raise CacheMissError(_strict_miss_message(call, miss)) from None

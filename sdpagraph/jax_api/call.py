@@ -115,7 +115,7 @@ def _record_mod(score_mod, mask_mod, score_mod_tensors, score_mod_bprop, spec: A
         flex = flex_mods.resolve(score_mod, mask_mod, full)
     carried = getattr(score_mod, "tensors", {}) if score_mod is not None else {}
     values = dict(carried)
-    for name, value in {**(score_mod_tensors or {}), **(flex.arrays if flex else {})}.items():
+    for name, value in {**(score_mod_tensors or {}), **(flex.tensors if flex else {})}.items():
         if not isinstance(name, str):
             raise TypeError(f"score_mod_tensors keys must be str names, got {name!r}")
         if name in values:

@@ -21,7 +21,7 @@ from sdpagraph.graphs.jnp_mods import JnpMod, JnpModUnsupported, convert_jnp_mas
 GRAPH_FORM, JNP_FORM = "graph", "jnp"
 FORMS_TEXT = ("score_mod(graph, score, tensors) -> tensor (cudnn pygraph ops) or "
                "score_mod(score, b, h, q_idx, kv_idx) -> score (jax.numpy)")
-MASK_PREFIX = "mask_captured"  # names of the arrays a mask_mod captures (the score_mod's: "captured")
+MASK_PREFIX = "mask_captured"  # prefix of the tensors a mask_mod reads (the score_mod's: "captured")
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,12 @@ class PythonMods:
 @dataclass(frozen=True)
 class FlexMods:
     """A call's mods, resolved: a graph-form callback recording all that the IR can express (None
-    when there is nothing to record), the arrays the jax.numpy mods captured (graph operands, by
-    name), and the mods left to Python."""
+    when there is nothing to record), the tensors the jax.numpy mods read (captured arrays, graph
+    operands, and lifted float literals, bound scalars; by name, as score_mod_tensors), and the
+    mods left to Python."""
 
     callback: Callable | None
-    arrays: Mapping[str, Any]
+    tensors: Mapping[str, Any]
     python: PythonMods | None
 
 
@@ -64,7 +65,7 @@ def check_mask_mod(mask_mod: Any) -> None:
 
 
 def resolve(score_mod: Callable | None, mask_mod: Callable | None, shape: tuple[int, int, int, int]) -> FlexMods:
-    """The call's mods as one graph-form callback (plus captured arrays), or as Python functions.
+    """The call's mods as one graph-form callback (plus the tensors it reads), or as Python functions.
 
     `score_mod` may be in either form; `mask_mod` is jax.numpy. `shape` is (B, N, T, S). When a
     jax.numpy mod cannot be converted, every jax.numpy mod of the call stays Python (a graph-form
@@ -79,16 +80,16 @@ def resolve(score_mod: Callable | None, mask_mod: Callable | None, shape: tuple[
                     ([convert_jnp_mask_mod(mask_mod, shape, name_prefix=MASK_PREFIX)] if mask_mod is not None else [])
     except JnpModUnsupported as error:
         return FlexMods(graph_mod, {}, PythonMods(jnp_score, mask_mod, str(error)))
-    arrays = {name: value for mod in converted for name, value in mod.arrays.items()}
-    return FlexMods(_chain(graph_mod, converted), arrays, None)
+    tensors = {name: value for mod in converted for name, value in mod.tensors.items()}
+    return FlexMods(_chain(graph_mod, converted), tensors, None)
 
 
 def _chain(graph_mod: Callable | None, converted: list[JnpMod]) -> Callable | None:
     """One graph-form callback: the graph mod (with the call's own tensors), then each converted
-    mod (with the arrays it captured)."""
+    mod (with the tensors it reads)."""
     if not converted:
         return graph_mod
-    captured = {name for mod in converted for name in mod.arrays}
+    captured = {name for mod in converted for name in mod.tensors}
 
     def chained(graph: Any, score: Any, tensors: Mapping[str, Any]) -> Any:
         if graph_mod is not None:

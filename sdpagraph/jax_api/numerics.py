@@ -5,11 +5,12 @@
 Fused-attention stacks ship silent wrong results; sdpagraph uses a graph only once it has
 computed the right answer on this GPU. The check draws fresh random inputs of the spec's
 shapes (q, k, v in the spec's dtype, a bias and a boolean mask of the spec's shapes with one
-query row masked out, random valid lengths for padding, random packed segments, random positive
-score_mod scalars and random arrays of the IR's shapes), runs the runtime's own cuDNN path
-(`jax_api.cudnn.attention`: forward and, when training, the gradients of q, k, v and the bias
-through `jax.vjp` with a random cotangent), and compares with `jax_api.xla.xla_attention` run in
-float32 (highest matmul precision) on the same inputs, upcast.
+query row masked out, random valid lengths for padding, random packed segments, the call's
+score_mod scalars (random positive ones where it has none) and random arrays of the IR's
+shapes), runs the runtime's own cuDNN path (`jax_api.cudnn.attention`: forward and, when
+training, the gradients of q, k, v and the bias through `jax.vjp` with a random cotangent), and
+compares with `jax_api.xla.xla_attention` run in float32 (highest matmul precision) on the same
+inputs, upcast.
 
 Errors are relative Frobenius errors per output (`o`, `lse`, `dq`, `dk`, `dv`, `dbias`) against
 tolerances per dtype (`TOLERANCES`, the bounds the GPU tests hold the backends to), plus
@@ -126,17 +127,19 @@ def tolerances_for(spec: AttentionSpec, training: bool, has_bias: bool) -> dict[
 
 def check_numerics(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, cache: GraphCache | None = None,
                    *, seed: int | None = None, slice_elements: int = SLICE_ELEMENTS,
-                   candidate: Candidate | None = None) -> NumericsResult:
+                   candidate: Candidate | None = None, scalars: Mapping[str, Any] | None = None) -> NumericsResult:
     """Run the cuDNN path of (spec, ir) once on random inputs and compare with the XLA backend
     in float32 (`training`: forward and backward graphs, else the inference graph).
 
     `cache`: the graph cache whose graphs run (default: the runtime's). `candidate` replaces the
-    cuDNN path (tests). Raises whatever the runs raise (the caller decides what that means)."""
+    cuDNN path (tests). `scalars`: values of the IR's scalars to check with (the call's: a jax.numpy
+    mod's constants are scalars, and `exp(s * 0.1)` must not be checked as `exp(s * 40)`); the
+    others are drawn at random. Raises whatever the runs raise (the caller decides what that means)."""
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else int(seed)
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdpagraph-numerics") as pool:
         errors, where, timings = pool.submit(_check_in_thread, spec, ir, training, cache, seed, slice_elements,
-                                             candidate).result()
+                                             candidate, scalars or {}).result()
     tolerances = tolerances_for(spec, training, spec.bias_shape is not None)
     errors = {name: errors[name] for name in tolerances if name in errors}
     passed = all(math.isfinite(error) and error <= tolerances[name] for name, error in errors.items())
@@ -144,7 +147,7 @@ def check_numerics(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, c
                           time.perf_counter() - started, seed, where, training, timings=timings)
 
 
-def _check_in_thread(spec, ir, training, cache, seed, slice_elements, candidate):
+def _check_in_thread(spec, ir, training, cache, seed, slice_elements, candidate, scalars):
     # A fresh thread has no JAX trace in progress (the support query may run inside a user's jit
     # trace) and default config: float32 matmuls at full precision for the reference.
     if candidate is None:
@@ -153,7 +156,7 @@ def _check_in_thread(spec, ir, training, cache, seed, slice_elements, candidate)
     with using_cache(cache), jax.default_matmul_precision("highest"):
         started = time.perf_counter()
         chosen = plan_slice(spec, ir, slice_elements)
-        host = host_inputs(spec, ir, seed)
+        host = host_inputs(spec, ir, seed, scalars)
         key = jax.random.key(seed, impl="rbg")  # compiles in a fraction of threefry's time
         lowered = jax.jit(_comparison(spec, ir, training, chosen, host["scalars"], candidate)).lower(
             key, host["arrays"])
@@ -253,8 +256,10 @@ def reference_spec(spec: AttentionSpec, chosen: Slice) -> AttentionSpec:
 
 # ----------------------------------------------------------------------------- random inputs
 
-def host_inputs(spec: AttentionSpec, ir: ScoreModIR | None, seed: int) -> dict[str, Any]:
-    """The small random inputs drawn on the host: valid lengths, segment ids, score_mod scalars."""
+def host_inputs(spec: AttentionSpec, ir: ScoreModIR | None, seed: int,
+                given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The small random inputs drawn on the host: valid lengths, segment ids, score_mod scalars
+    (those not `given`)."""
     rng = np.random.default_rng(seed)
     b, t, s = spec.batch, spec.q_len, spec.kv_len
     arrays: dict[str, Any] = {}
@@ -272,7 +277,8 @@ def host_inputs(spec: AttentionSpec, ir: ScoreModIR | None, seed: int) -> dict[s
         for _, node in ir.slots("scalar"):
             name = ir.scalar_names[node.attr("slot")]
             low, high = SCALAR_RANGE
-            scalars[name] = int(rng.integers(low, high + 1)) if node.dtype == INT else float(rng.uniform(low, high))
+            drawn = int(rng.integers(low, high + 1)) if node.dtype == INT else float(rng.uniform(low, high))
+            scalars[name] = (given or {}).get(name, drawn)  # drawn anyway: a seed draws the same inputs
     return {"arrays": arrays, "scalars": scalars}
 
 

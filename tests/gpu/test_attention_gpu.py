@@ -187,6 +187,31 @@ def test_check_support_then_attention_builds_nothing_more(private_cache):
     assert private_cache.stats()["builds"] == builds
 
 
+def test_jnp_softcap_values_share_one_cached_graph_and_each_matches_xla(private_cache):
+    """The literals of a jax.numpy softcap are bound scalars: a second cap value builds nothing."""
+    rng = np.random.default_rng()
+    q = jnp.asarray(rng.standard_normal((2, 384, 4, 64)) * 3, jnp.bfloat16)  # scores of a few units
+    k, v = (jnp.asarray(rng.standard_normal((2, 384, 4, 64)), jnp.bfloat16) for _ in range(2))
+
+    def step(impl, cap):
+        def loss(q, k, v):
+            out = sdpagraph.attention(q, k, v, score_mod=lambda s, b, h, i, j: cap * jnp.tanh(s / cap),
+                                      mask_mod=lambda b, h, i, j: i >= j, implementation=impl)
+            return jnp.sum(out.astype(jnp.float32) ** 2), out
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    outs, builds = {}, []
+    for cap in (2.0, 30.0):
+        (_, out), grads = step("cudnn", cap)
+        builds.append(private_cache.stats()["builds"])
+        (_, out_ref), grads_ref = step("xla", cap)
+        errors = [rel_err(out, out_ref)] + [rel_err(a, b) for a, b in zip(grads, grads_ref)]
+        assert all(np.isfinite(errors)) and max(errors) < 2e-2, (cap, errors)
+        outs[cap] = out_ref
+    assert builds[0] > 0 and builds[1] == builds[0], builds
+    assert rel_err(outs[2.0], outs[30.0]) > 5e-2  # the two caps really differ
+
+
 def test_sixteen_threads_share_one_deserialized_graph():
     rng = np.random.default_rng()
     q, k, v = (jnp.asarray(rng.standard_normal((2, 256, 4, 64)), jnp.bfloat16) for _ in range(3))
