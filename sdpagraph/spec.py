@@ -15,11 +15,12 @@ import dataclasses
 import json
 import math
 import operator
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from sdpagraph.segment_rules import check_segment_count, check_segment_lengths, seqlen_hint_checks
 
 DTYPES = ("float32", "bfloat16", "float16")
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
@@ -37,7 +38,7 @@ def directions_for(training: bool) -> tuple[str, ...]:
     return TRAINING_DIRECTIONS if training else INFERENCE_DIRECTIONS
 
 
-_FIELDS_ADDED_LATER = {"segment_mask": False}  # name -> default (see AttentionSpec.to_dict)
+_FIELDS_ADDED_LATER = {"segment_mask": False, "max_seqlen_q": None, "max_seqlen_kv": None}  # name -> default (see AttentionSpec.to_dict)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,11 @@ class AttentionSpec:
     # Internal (graphs.operands.graph_spec): packed self-attention segments kept apart on the dense
     # layout by comparing each key's position with its query's segment bounds (masks.segment_ir).
     segment_mask: bool = False
+    # Static bounds on a packed segment's query / key length (`max_seqlen_q` / `max_seqlen_kv` of
+    # `attention`), None when not given. Only the small-sequence backend uses them; cuDNN's graphs
+    # do not depend on them (`graphs.operands.graph_spec` drops them).
+    max_seqlen_q: int | None = None
+    max_seqlen_kv: int | None = None
 
     @property
     def has_window(self) -> bool:
@@ -118,7 +124,9 @@ class AttentionSpec:
         if self.has_padding:
             parts.append("padding")
         if self.segments:
-            parts.append(f"segments({self.segments},{self.max_segments})")
+            hints = "".join(f",{name}<={bound}" for name, bound in (("q", self.max_seqlen_q), ("kv", self.max_seqlen_kv))
+                            if bound is not None)
+            parts.append(f"segments({self.segments},{self.max_segments}{hints})")
         if self.segment_mask:
             parts.append("segment-mask")
         return " ".join(parts)
@@ -226,38 +234,27 @@ def _check_lengths(x: Any, batch: int, limit: int, argname: str) -> None:
         raise ValueError(f"{argname} must lie in [0, {limit}], got values in [{values.min()}, {values.max()}]")
 
 
-def segment_counts(ids: np.ndarray) -> np.ndarray:
-    """(B,) segments per row of concrete ids: maximal runs of one nonzero id (`jax_api.segments`)."""
-    ids = np.asarray(ids)
-    previous = np.concatenate([np.zeros_like(ids[:, :1]), ids[:, :-1]], axis=1)
-    return np.sum((ids != 0) & (ids != previous), axis=1)
-
-
-CHECK_SEGMENTS_ENV = "SDPAGRAPH_CHECK_SEGMENTS"
-
-
-def segment_checks_enabled() -> bool:
-    """Whether rows with more segments than max_segments_per_seq raise (concrete ids, when the call
-    is made) or are checked when the call runs (traced ids, `jax_api.segments.check_segment_bound`).
-    On unless SDPAGRAPH_CHECK_SEGMENTS is 0, false, off or no (read when a call is made or traced);
-    switched off, those segments are dropped and their query rows give 0."""
-    return os.environ.get(CHECK_SEGMENTS_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
-def segment_overflow_message(argname: str, row: int, count: int, bound: int) -> str:
-    """The one error text for a row with more segments than `max_segments_per_seq`."""
-    return (f"{argname}: row {row} has {count} segments, more than max_segments_per_seq={bound}; "
-            f"segments past the bound would be dropped: pass max_segments_per_seq >= {count}")
-
-
-def _check_segment_count(argname: str, values: np.ndarray | None, bound: int | None) -> None:
-    if values is None or bound is None or not values.size or not segment_checks_enabled():
-        return
-    counts = segment_counts(values)
-    over = np.flatnonzero(counts > bound)
-    if over.size:
-        row = int(over[0])
-        raise ValueError(segment_overflow_message(argname, row, int(counts[row]), bound))
+def _seqlen_hints(segment_ids: Any, max_seqlen_q: Any, max_seqlen_kv: Any, q_len: int,
+                  kv_len: int) -> tuple[int | None, int | None]:
+    """Validate `max_seqlen_q` / `max_seqlen_kv` and return them as the spec holds them: clipped to T
+    and S (a longer bound promises nothing more), and in self-attention both the smaller one given."""
+    hints = {"max_seqlen_q": max_seqlen_q, "max_seqlen_kv": max_seqlen_kv}
+    for name, value in hints.items():
+        if value is None:
+            continue
+        if segment_ids is None:
+            raise ValueError(f"{name}={value!r} needs segment_ids: it bounds the length of each packed segment "
+                             "(without segments the lengths are T and S, which the shapes give)")
+        hints[name] = _static_int(value, name)
+        if hints[name] <= 0:
+            raise ValueError(f"{name} must be a positive int, got {hints[name]}")
+    for argname, ids, hint_name, bound in seqlen_hint_checks(segment_ids, hints["max_seqlen_q"],
+                                                             hints["max_seqlen_kv"]):
+        check_segment_lengths(argname, _concrete_values(ids), hint_name, bound)
+    q_hint, kv_hint = hints["max_seqlen_q"], hints["max_seqlen_kv"]
+    if segment_ids is not None and not isinstance(segment_ids, (tuple, list)) and (q_hint or kv_hint):
+        q_hint = kv_hint = min(h for h in (q_hint, kv_hint) if h is not None)
+    return (None if q_hint is None else min(q_hint, q_len)), (None if kv_hint is None else min(kv_hint, kv_len))
 
 
 def _segment_mode(segment_ids: Any, batch: int, q_len: int, kv_len: int, bound: int | None = None) -> str | None:
@@ -287,7 +284,7 @@ def _segment_mode(segment_ids: Any, batch: int, q_len: int, kv_len: int, bound: 
         if argname != "segment_ids[1]":
             # Query rows past the bound would give zeros. Key segments past it need no check: the
             # k-th key segment pairs with the k-th query segment, which is then past it too.
-            _check_segment_count(argname, values, bound)
+            check_segment_count(argname, values, bound)
     return mode
 
 
@@ -308,6 +305,8 @@ def normalize_arguments(
     max_segments_per_seq: int | None = None,
     chunk_size: int | None = None,
     implementation: str | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_kv: int | None = None,
 ) -> NormalizedCall:
     """Validate the public arguments and build the `AttentionSpec` (arrays or ShapeDtypeStructs)."""
     if implementation not in IMPLEMENTATIONS:
@@ -389,6 +388,7 @@ def normalize_arguments(
             raise ValueError("pass either segment_ids or query_seq_lengths/key_value_seq_lengths, not both: padding is segment id 0")
     elif max_segments_per_seq is not None:
         raise ValueError("max_segments_per_seq needs segment_ids")
+    max_seqlen_q, max_seqlen_kv = _seqlen_hints(segment_ids, max_seqlen_q, max_seqlen_kv, q_len, kv_len)
 
     spec = AttentionSpec(
         batch=batch,
@@ -410,5 +410,7 @@ def normalize_arguments(
         has_kv_lengths=key_value_seq_lengths is not None,
         segments=segments,
         max_segments=max_segments,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_kv,
     )
     return NormalizedCall(spec=spec, unbatched=unbatched)

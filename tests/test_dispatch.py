@@ -215,3 +215,24 @@ def test_lazy_candidates_are_asked_only_when_they_would_win():
     with pytest.raises(ValueError, match="implementation='cudnn' cannot run .*no engine"):
         choose(SMALL, {"cudnn": lambda: Support(False, "xla", "no engine"), "xla": True}, H100_TABLE,
                implementation="cudnn")
+
+
+def test_packed_calls_pick_small_seq_only_with_hints_in_the_regime():
+    """A packed call is in the small-sequence regime by its max_seqlen hints; without them (or with
+    hints outside it) it is not, whatever the model says."""
+    from sdpagraph.jax_api.small_seq import small_seq_reason
+
+    def pick(training, segment_ids=jax.ShapeDtypeStruct((8, 4096), jnp.int32), S=4096, **hints):
+        spec = spec_of(8, 4096, S, segment_ids=segment_ids, **hints)
+        candidates = {"cudnn": True, "xla": True, "small_seq": small_seq_reason(spec) is None}
+        return choose(spec, candidates, H100_TABLE, training=training)
+
+    cross = (jax.ShapeDtypeStruct((8, 4096), jnp.int32), jax.ShapeDtypeStruct((8, 16384), jnp.int32))
+    for training in (True, False):
+        for hints in (dict(max_seqlen_q=4), dict(max_seqlen_kv=1)):
+            choice = pick(training, **hints)
+            assert choice.backend == "small_seq" and "(model)" in choice.reason, choice.reason
+        assert pick(training, cross, 16384, max_seqlen_q=1, max_seqlen_kv=16).backend == "small_seq"
+        assert pick(training).backend == "cudnn"  # no hints
+        assert pick(training, max_seqlen_q=8).backend == "cudnn"  # outside the regime
+        assert pick(training, cross, 16384, max_seqlen_q=1).backend == "cudnn"  # keys unbounded

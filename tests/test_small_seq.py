@@ -7,7 +7,7 @@ import pytest
 
 from sdpagraph import mods
 from sdpagraph import spec as spec_module
-from sdpagraph.jax_api import small_seq
+from sdpagraph.jax_api import small_seq, small_seq_core
 from sdpagraph.jax_api.call import prepare_call
 from sdpagraph.jax_api.small_seq import (MAX_KV_LEN, MAX_Q_LEN, residual_probabilities, small_seq_attention,
                                          small_seq_reason)
@@ -199,7 +199,7 @@ def test_regime_limits():
     assert "T=5" in small_seq_reason(spec_of(T=MAX_Q_LEN + 1))
     assert "S=33" in small_seq_reason(spec_of(S=MAX_KV_LEN + 1))
     ids = jax.ShapeDtypeStruct((2, 4), jnp.int32)
-    assert "segment" in small_seq_reason(spec_of(T=4, S=4, segment_ids=ids))
+    assert "max_seqlen_q / max_seqlen_kv" in small_seq_reason(spec_of(T=4, S=4, segment_ids=ids))
     q, k, v = qkv(np.random.default_rng(0), T=1, S=40)
     call = prepare_call(q, k, v)
     with pytest.raises(ValueError, match="small-sequence backend cannot run .* S=40"):
@@ -221,14 +221,14 @@ def test_residuals_are_the_probabilities_and_the_backward_does_not_recompute_sco
     np.testing.assert_allclose(np.asarray(probs), expected, rtol=1e-5, atol=1e-6)
 
     # The custom_vjp's residuals hold p in the score layout (B, T, S, K, G), fp32, and not the output.
-    static = small_seq._Static(call.spec, None, ())
-    aux = small_seq._aux(call.spec, call.inputs)
-    (o, _), residuals = small_seq._core_fwd(static, q, k, v, None, aux)
+    static = small_seq._static(call.spec, None, call.inputs)
+    _, aux = small_seq._bshd(call.spec, call.inputs)
+    (o, _), residuals = small_seq_core._core_fwd(static, q, k, v, None, aux)
     saved_p = residuals[5]
     assert saved_p.shape == (B, T, S, K, N // K) and saved_p.dtype == jnp.float32
     assert not any(r is o for r in jax.tree_util.tree_leaves(residuals))
     # The backward contracts over H once (dP = dO . V): it does not recompute q . K.
-    jaxpr = jax.make_jaxpr(lambda res, ct: small_seq._core_bwd(static, res, ct))(residuals, (o, lse.reshape(B, K, N // K, T).transpose(0, 3, 1, 2)))
+    jaxpr = jax.make_jaxpr(lambda res, ct: small_seq_core._core_bwd(static, res, ct))(residuals, (o, lse.reshape(B, K, N // K, T).transpose(0, 3, 1, 2)))
     over_h = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "reduce_sum"
               and e.invars[0].aval.shape[-1] == H and e.outvars[0].aval.shape == saved_p.shape]
     assert len(over_h) == 1

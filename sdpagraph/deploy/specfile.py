@@ -65,7 +65,7 @@ RECORDED_FIELDS = ("spec", "score_mod", "directions", "summary")
 # whose arguments make the call invalid (so a conflict is reported at its second half).
 ARGUMENT_FIELDS = ("scale", "is_causal", "causal_alignment", "local_window_size", "chunk_size",
                    "query_seq_lengths", "key_value_seq_lengths", "segment_ids", "max_segments_per_seq",
-                   "score_mod")
+                   "max_seqlen_q", "max_seqlen_kv", "score_mod")
 HAND_WRITTEN_FIELDS = ("shapes", "dtype", "training", *ARGUMENT_FIELDS, "score_mod_tensors")
 JSON_WIDTH = 100
 ARRAY_ARGUMENTS = ("query", "key", "value", "bias", "mask")
@@ -394,6 +394,9 @@ def _arguments_of(spec: AttentionSpec) -> dict[str, Any]:
         q_ids, kv_ids = _int_struct([batch, q_len]), _int_struct([batch, kv_len])
         arguments["segment_ids"] = q_ids if spec.segments == "self" else (q_ids, kv_ids)
         arguments["max_segments_per_seq"] = spec.max_segments
+        for name in ("max_seqlen_q", "max_seqlen_kv"):
+            if getattr(spec, name) is not None:
+                arguments[name] = getattr(spec, name)
     return arguments
 
 

@@ -326,6 +326,12 @@ class ScoreModIR:
         return json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
 
     @property
+    def user_bprop(self) -> bool:
+        """Whether the bprop is the user's `score_mod_bprop` (a derived one equals jax's autodiff of
+        the forward, which the jax.numpy backends use instead)."""
+        return self.grad_output is not None and not self.grad_derived
+
+    @property
     def digest(self) -> str:
         """Hash of the whole IR (forward and bprop): the backward graph's key part."""
         if "all" not in self._digests:

@@ -78,7 +78,10 @@ def graph_spec(spec: AttentionSpec, ir: ScoreModIR | None) -> AttentionSpec:
     (`segment_mask`). The graph does not depend on max_segments (the JAX side applies it to the
     bounds it passes), so the twin drops it and one graph serves every bound. Self-attention
     has T == S, where both causal alignments agree, so the twin takes top-left (cuDNN declines
-    bottom-right with a bias)."""
+    bottom-right with a bias). The small-sequence backend's segment length hints (`max_seqlen_q`,
+    `max_seqlen_kv`) do not change a cuDNN graph either: they are dropped too."""
+    if spec.max_seqlen_q is not None or spec.max_seqlen_kv is not None:
+        spec = dataclasses.replace(spec, max_seqlen_q=None, max_seqlen_kv=None)
     if not folds_segments(spec, ir):
         return spec
     return dataclasses.replace(spec, segments=None, max_segments=0, causal_alignment="top_left",

@@ -128,6 +128,8 @@ def attention(
     score_mod_bprop: Callable | None = None,
     mask_mod: Callable | None = None,
     training: bool = True,
+    max_seqlen_q: int | None = None,
+    max_seqlen_kv: int | None = None,
 ) -> Any:
     r"""Scaled dot-product attention with flex-attention extensions; a drop-in for
     `jax.nn.dot_product_attention`.
@@ -155,7 +157,8 @@ def attention(
         cuDNN for most calls; XLA or "small_seq" where cuDNN is measured slower, e.g. query
         length 1-4 with 32 keys or fewer over a huge batch; the reason is logged once at
         INFO), "xla", "cudnn" (raises with the reason if unsupported), or "small_seq" (the
-        small-sequence backend: T <= 4, S <= 32; raises outside that regime).
+        small-sequence backend: T <= 4, S <= 32, or packed with `max_seqlen_q` <= 4 and
+        `max_seqlen_kv` <= 32; raises outside that regime).
       return_residual: also return the logsumexp, shape `(B, T, N)`, as jax does.
       causal_alignment: "top_left" (jax's default) or "bottom_right": the diagonal ends
         at the last query/key pair, for T != S.
@@ -202,6 +205,15 @@ def attention(
         are not yet checked on a GPU).
       training: False selects cuDNN's inference graph (no softmax stats) when no
         gradient is needed.
+      max_seqlen_q / max_seqlen_kv: static bounds on the length of each packed query /
+        key segment (positive ints; with `segment_ids` only). Runtime lengths are unknown
+        at trace time, so these hints say when a packed call is in the small-sequence
+        regime (`max_seqlen_q` <= 4, `max_seqlen_kv` <= 32; without a hint it is not).
+        In self-attention (one ids array) a segment has as many keys as queries, so the
+        smaller hint given bounds both. Other backends only validate them. A longer
+        segment raises `ValueError` (concrete ids) or fails the jitted call when it runs,
+        as `max_segments_per_seq` does (and `SDPAGRAPH_CHECK_SEGMENTS=0` switches that
+        off: the small-sequence backend then drops keys past the bound).
 
     Returns:
       `(B, T, N, H_v)` in the input dtype (and the logsumexp if `return_residual`).
@@ -216,6 +228,7 @@ def attention(
         causal_alignment=causal_alignment, segment_ids=segment_ids,
         max_segments_per_seq=max_segments_per_seq, chunk_size=chunk_size, score_mod=score_mod,
         score_mod_tensors=score_mod_tensors, score_mod_bprop=score_mod_bprop, mask_mod=mask_mod,
+        max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
     )
     if call.spec.empty_axes:  # nothing to compute (no graph to build): jax's empty or zero result
         implementation = "xla"

@@ -26,7 +26,8 @@ from sdpagraph.graphs.trace import TensorInfo, trace_score_mod
 from sdpagraph.cache.memory import BoundedMemo
 from sdpagraph.jax_api import flex_mods
 from sdpagraph.jax_api.flex_mods import PythonMods
-from sdpagraph.jax_api.segments import check_segment_bound, segment_checks_enabled
+from sdpagraph.jax_api.segments import check_segment_bound, check_segment_lengths, segment_checks_enabled
+from sdpagraph.segment_rules import seqlen_hint_checks
 from sdpagraph.spec import AttentionSpec, normalize_arguments
 
 
@@ -197,13 +198,18 @@ def _array_like(x: Any) -> Any:
     return x if x is None or hasattr(x, "shape") else jnp.asarray(x)
 
 
-def _check_segments_at_run_time(q_ids: Any, max_segments_per_seq: Any, spec: AttentionSpec) -> None:
-    """Traced query ids cannot be counted when the call is made (`normalize_arguments` counts
-    concrete ones): check the bound when the call runs (`segments.check_segment_bound`)."""
-    if (q_ids is None or max_segments_per_seq is None or not isinstance(q_ids, jax.core.Tracer)
-            or not segment_checks_enabled()):
+def _check_segments_at_run_time(segment_ids: Any, q_ids: Any, max_segments_per_seq: Any, max_seqlen_q: Any,
+                                max_seqlen_kv: Any, spec: AttentionSpec) -> None:
+    """Traced ids cannot be checked when the call is made (`normalize_arguments` checks concrete
+    ones): check the segment count bound and the segment length hints when the call runs
+    (`segments.check_segment_bound`, `segments.check_segment_lengths`)."""
+    if segment_ids is None or not segment_checks_enabled():
         return
-    check_segment_bound(q_ids, spec.max_segments, "segment_ids" if spec.segments == "self" else "segment_ids[0]")
+    if max_segments_per_seq is not None and isinstance(q_ids, jax.core.Tracer):
+        check_segment_bound(q_ids, spec.max_segments, "segment_ids" if spec.segments == "self" else "segment_ids[0]")
+    for argname, ids, hint_name, bound in seqlen_hint_checks(segment_ids, max_seqlen_q, max_seqlen_kv):
+        if isinstance(ids, jax.core.Tracer):
+            check_segment_lengths(ids, bound, argname, hint_name)
 
 
 def _native_mask_mod(ir: ScoreModIR | None, score_mod: Any, mask_mod: Any, spec: AttentionSpec) -> NativeMask | None:
@@ -218,7 +224,7 @@ def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_caus
                  query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                  implementation=None, causal_alignment="top_left", segment_ids=None,
                  max_segments_per_seq=None, chunk_size=None, score_mod=None, score_mod_tensors=None,
-                 score_mod_bprop=None, mask_mod=None) -> PreparedCall:
+                 score_mod_bprop=None, mask_mod=None, max_seqlen_q=None, max_seqlen_kv=None) -> PreparedCall:
     """Validate everything and record the score_mod; arrays may be ShapeDtypeStructs.
 
     The bias and mask come back 4-D (`spec.bias_shape` / `spec.mask_shape`: lower ranks
@@ -230,6 +236,7 @@ def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_caus
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         causal_alignment=causal_alignment, segment_ids=segment_ids,
         max_segments_per_seq=max_segments_per_seq, chunk_size=chunk_size, implementation=implementation,
+        max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
     )
     call = normalize(is_causal=is_causal, local_window_size=local_window_size)
     ir, scalars, arrays, python_mods = _record_mod(score_mod, mask_mod, score_mod_tensors, score_mod_bprop,
@@ -240,7 +247,7 @@ def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_caus
     q_ids = kv_ids = None
     if segment_ids is not None:
         q_ids, kv_ids = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
-    _check_segments_at_run_time(q_ids, max_segments_per_seq, call.spec)
+    _check_segments_at_run_time(segment_ids, q_ids, max_segments_per_seq, max_seqlen_q, max_seqlen_kv, call.spec)
     is_array = not isinstance(query, jax.ShapeDtypeStruct)
     wrap = (lambda x, shape: None if x is None else jnp.reshape(jnp.asarray(x), shape)) if is_array else (lambda x, _: x)
     inputs = RuntimeInputs(

@@ -30,7 +30,9 @@ The rule (`choose`):
    batched matrix products of tiny matrices: on an H100 B30720 T4 S16 ran 4x slower than T1).
    The coefficients are non-negative least squares in relative error (`fit_model`).
    A model ranks only inside the region its fit was measured in (MODEL_MAX_Q_LEN, MODEL_MAX_KV_LEN);
-   elsewhere only measurements rank, so an extrapolation never displaces cuDNN.
+   elsewhere only measurements rank, so an extrapolation never displaces cuDNN. A packed call with
+   `max_seqlen_q` / `max_seqlen_kv` hints is predicted, for cuDNN and small_seq, as the sequences its
+   hints bound (`Shape.of`), and for XLA as the dense (B, T, S) it computes.
 4. A candidate with no measurement and no (trusted) model (the table has no data for that backend and pass)
    gets no prediction and ranks after every predicted one; among those, FALLBACK_ORDER decides
    (cuDNN when it can run the call, else XLA: the behaviour before this rule). Ties too.
@@ -94,14 +96,21 @@ class Shape:
     extra_bytes: int = 0  # a bias or mask read per pass
 
     @classmethod
-    def of(cls, spec: AttentionSpec, has_score_mod: bool = False) -> "Shape":
+    def of(cls, spec: AttentionSpec, has_score_mod: bool = False, backend: str | None = None) -> "Shape":
+        """The shape `backend` computes: a packed call with `max_seqlen_q` / `max_seqlen_kv` hints is,
+        for cuDNN (THD) and small_seq, B * ceil(T / max_seqlen_q) sequences of the hinted lengths; the
+        XLA backend (and `backend=None`) computes the dense (B, T, S)."""
+        batch, q_len, kv_len = spec.batch, spec.q_len, spec.kv_len
+        if backend in ("cudnn", "small_seq") and spec.segments and (spec.max_seqlen_q or spec.max_seqlen_kv):
+            q_len, kv_len = spec.max_seqlen_q or q_len, spec.max_seqlen_kv or kv_len
+            batch = spec.batch * math.ceil(spec.q_len / q_len)
         extra = 0
         for shape, size in ((spec.bias_shape, _ITEMSIZE.get(spec.dtype, 4)), (spec.mask_shape, 1)):
             if shape is not None:
                 extra += size * math.prod(shape)
         plain = not (has_score_mod or spec.bias_shape or spec.mask_shape or spec.has_padding or spec.has_window
                      or spec.chunk_size is not None or spec.segments or spec.segment_mask)
-        return cls(spec.batch, spec.q_len, spec.kv_len, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+        return cls(batch, q_len, kv_len, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                    spec.head_dim_v, spec.dtype, spec.is_causal, plain, extra)
 
     def class_key(self) -> tuple:
@@ -363,8 +372,8 @@ def _why_not(answer: Any) -> str:
     return getattr(answer, "reason", None) or "not supported"
 
 
-def _model_trusted(spec: AttentionSpec) -> bool:
-    return spec.q_len <= MODEL_MAX_Q_LEN and spec.kv_len <= MODEL_MAX_KV_LEN
+def _model_trusted(shape: Shape) -> bool:
+    return shape.q_len <= MODEL_MAX_Q_LEN and shape.kv_len <= MODEL_MAX_KV_LEN
 
 
 def _rank(name: str) -> int:
@@ -417,8 +426,9 @@ def choose(spec: AttentionSpec, candidates: Mapping[str, Any], table: Table | No
     for name in answers.names():
         if not answers.may_run(name):
             continue
-        predicted = None if table is None else table.predict(shape, name, pass_)
-        if predicted is not None and predicted[1] == "model" and not _model_trusted(spec):
+        computed = Shape.of(spec, has_score_mod, name)  # a packed call's differs by backend
+        predicted = None if table is None else table.predict(computed, name, pass_)
+        if predicted is not None and predicted[1] == "model" and not _model_trusted(computed):
             predicted = None  # outside the region the models were fitted in: do not rank by them
         numbers[name] = None if predicted is None else predicted[0]
         if predicted is not None:

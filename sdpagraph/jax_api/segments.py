@@ -49,7 +49,9 @@ the true, unclipped count so callers can validate without ``checkify``::
 
 ``sdpagraph.attention`` does not let that happen silently: concrete ids with
 too many segments raise a ``ValueError`` when the call is made, and traced
-ids (under ``jit``) get ``check_segment_bound``, a run-time check.  Both are
+ids (under ``jit``) get ``check_segment_bound``, a run-time check; segments
+longer than the ``max_seqlen_q`` / ``max_seqlen_kv`` hints likewise
+(``check_segment_lengths``).  Both are
 on unless ``SDPAGRAPH_CHECK_SEGMENTS=0``.
 
 Memory
@@ -63,18 +65,21 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdpagraph.spec import CHECK_SEGMENTS_ENV, segment_checks_enabled, segment_overflow_message
+from sdpagraph.segment_rules import (CHECK_SEGMENTS_ENV, segment_checks_enabled, segment_length_message,
+                                     segment_overflow_message)
 
 __all__ = [
     "CHECK_SEGMENTS_ENV",
+    "at_runs",
     "SegmentMetadata",
     "check_segment_bound",
+    "check_segment_lengths",
     "segment_checks_enabled",
     "segment_metadata",
     "segment_positions",
@@ -166,6 +171,15 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
     return jnp.where(segment_ids != 0, t - run_start, 0)
 
 
+def at_runs(per_segment: jax.Array, run_ids: jax.Array) -> jax.Array:
+    """``per_segment[b, r - 1]`` at each token of run number ``r`` (``segment_run_ids``): e.g. the
+    length (``SegmentMetadata.seq_lens``) or start (``offsets``) of each token's segment.  Padding
+    (``r = 0``) gets 0; a run past the table's ``M`` columns gets column ``M``'s value.  O(T)."""
+    m = per_segment.shape[1]
+    table = jnp.concatenate([jnp.zeros_like(per_segment[:, :1]), per_segment], axis=1)
+    return jnp.take_along_axis(table, jnp.minimum(run_ids, m), axis=1)
+
+
 def _nth_true(flags: jax.Array, count: int) -> jax.Array:
     """``[B, count]`` int32: index of the 1st, 2nd, ... True in each row.
 
@@ -223,12 +237,20 @@ def segment_metadata(segment_ids: jax.Array, max_segments: int) -> SegmentMetada
 
 # ----------------------------------------------------------------------------- run-time bound check
 
-def _raise_if_over(argname: str, bound: int, row: jax.Array, count: jax.Array) -> None:
-    row, count = np.asarray(row), np.asarray(count)  # (), or a leading batch axis under vmap
+def _raise_if_over(message: Callable[[int, int], str], row: jax.Array, value: jax.Array) -> None:
+    row, value = np.asarray(row), np.asarray(value)  # (), or a leading batch axis under vmap
     over = np.flatnonzero(np.ravel(row) >= 0)
     if over.size:
         first = over[0]
-        raise ValueError(segment_overflow_message(argname, int(np.ravel(row)[first]), int(np.ravel(count)[first]), bound))
+        raise ValueError(message(int(np.ravel(row)[first]), int(np.ravel(value)[first])))
+
+
+def _check_rows(per_row: jax.Array, bound: int, message: Callable[[int, int], str]) -> None:
+    """At run time: `ValueError(message(row, value))` for the first row whose value is over `bound`."""
+    first = jnp.argmax(per_row > bound).astype(jnp.int32)  # the first row over the bound, if any
+    value = per_row[first]
+    row = jnp.where(value > bound, first, -1)
+    jax.debug.callback(functools.partial(_raise_if_over, message), row, value)
 
 
 def check_segment_bound(segment_ids: jax.Array, max_segments: int, argname: str = "segment_ids") -> None:
@@ -245,7 +267,15 @@ def check_segment_bound(segment_ids: jax.Array, max_segments: int, argname: str 
     if 0 in segment_ids.shape:
         return
     counts = jnp.sum(_run_edges(segment_ids)[0], axis=1, dtype=jnp.int32)
-    first = jnp.argmax(counts > bound).astype(jnp.int32)  # the first row over the bound, if any
-    count = counts[first]
-    row = jnp.where(count > bound, first, -1)
-    jax.debug.callback(functools.partial(_raise_if_over, argname, bound), row, count)
+    _check_rows(counts, bound, functools.partial(segment_overflow_message, argname, bound=bound))
+
+
+def check_segment_lengths(segment_ids: jax.Array, bound: int, argname: str, hint_name: str) -> None:
+    """Raise `ValueError` at run time when a segment of (traced) `segment_ids` is longer than `bound`
+    (the `max_seqlen_q` / `max_seqlen_kv` hint `hint_name`): as `check_segment_bound`, and switched
+    off with it."""
+    _check_segment_ids(segment_ids)
+    if 0 in segment_ids.shape:
+        return
+    longest = jnp.max(jnp.where(segment_ids != 0, segment_positions(segment_ids) + 1, 0), axis=1)
+    _check_rows(longest, bound, functools.partial(segment_length_message, argname, hint_name, bound=bound))

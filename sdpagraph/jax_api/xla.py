@@ -25,7 +25,7 @@ from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.ir_eval import evaluate
 from sdpagraph.graphs.jnp_mods import apply_jnp_mask_mod, apply_jnp_score_mod
 from sdpagraph.jax_api.call import RuntimeInputs
-from sdpagraph.jax_api.segments import segment_metadata, segment_positions, segment_run_ids
+from sdpagraph.jax_api.segments import at_runs, segment_metadata, segment_positions, segment_run_ids
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
 
 
@@ -42,13 +42,6 @@ class _Layout:
     diag_offset: Any  # broadcastable to (B, T, S): kv_len - q_len for bottom-right, else 0
 
 
-def _token_lengths(run_ids: Any, max_segments: int, segment_ids: Any) -> Any:
-    """Length of the segment each token belongs to (0 for padding), in O(T)."""
-    lens = segment_metadata(segment_ids, max_segments).seq_lens
-    lens = jnp.concatenate([jnp.zeros_like(lens[:, :1]), lens], axis=1)
-    return jnp.take_along_axis(lens, jnp.minimum(run_ids, max_segments), axis=1)
-
-
 def _segment_layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
     q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
     q_run, kv_run = segment_run_ids(q_ids), segment_run_ids(kv_ids)
@@ -57,8 +50,8 @@ def _segment_layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
     kv_valid = (kv_run > 0) & (kv_run <= spec.max_segments)
     offset = 0
     if spec.causal_alignment == "bottom_right" and spec.segments == "cross":
-        q_len = _token_lengths(q_run, spec.max_segments, q_ids)
-        kv_len = _token_lengths(kv_run, spec.max_segments, kv_ids)
+        q_len = at_runs(segment_metadata(q_ids, spec.max_segments).seq_lens, q_run)
+        kv_len = at_runs(segment_metadata(kv_ids, spec.max_segments).seq_lens, kv_run)
         offset = kv_len[:, None, :] - q_len[:, :, None]
     return _Layout(segment_positions(q_ids), segment_positions(kv_ids), q_valid, kv_valid, q_run, kv_run, offset)
 
@@ -79,13 +72,12 @@ def _layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
     return _segment_layout(spec, inputs) if spec.segments else _dense_layout(spec, inputs)
 
 
-def allowed_mask(spec: AttentionSpec, inputs: RuntimeInputs, layout: _Layout) -> Any:
-    """Boolean (B|1, N|1, T, S): True where a query may attend to a key."""
-    allowed = layout.q_valid[:, :, None] & layout.kv_valid[:, None, :]
-    if layout.q_group is not None:
-        allowed &= layout.q_group[:, :, None] == layout.kv_group[:, None, :]
-    diag = layout.q_pos[:, :, None] + layout.diag_offset  # aligned query position, (B, T, 1|S)
-    kv = layout.kv_pos[:, None, :]
+def position_allowed(spec: AttentionSpec, diag: Any, kv: Any) -> Any:
+    """Boolean (`diag` and `kv` broadcast together): where the key at position `kv` passes the spec's
+    causal, window and chunk masks around the aligned query position `diag`; None without them."""
+    if not spec.has_position_mask:
+        return None
+    allowed = jnp.ones(jnp.broadcast_shapes(jnp.shape(diag), jnp.shape(kv)), jnp.bool_)
     left, right = spec.window
     if spec.is_causal:
         allowed &= kv <= diag
@@ -95,6 +87,18 @@ def allowed_mask(spec: AttentionSpec, inputs: RuntimeInputs, layout: _Layout) ->
         allowed &= kv <= diag + right
     if spec.chunk_size is not None:
         allowed &= jnp.floor_divide(diag, spec.chunk_size) == jnp.floor_divide(kv, spec.chunk_size)
+    return allowed
+
+
+def allowed_mask(spec: AttentionSpec, inputs: RuntimeInputs, layout: _Layout) -> Any:
+    """Boolean (B|1, N|1, T, S): True where a query may attend to a key."""
+    allowed = layout.q_valid[:, :, None] & layout.kv_valid[:, None, :]
+    if layout.q_group is not None:
+        allowed &= layout.q_group[:, :, None] == layout.kv_group[:, None, :]
+    diag = layout.q_pos[:, :, None] + layout.diag_offset  # aligned query position, (B, T, 1|S)
+    positions = position_allowed(spec, diag, layout.kv_pos[:, None, :])
+    if positions is not None:
+        allowed &= positions
     allowed = allowed[:, None, :, :]
     if inputs.mask is not None:
         allowed = allowed & inputs.mask
@@ -137,7 +141,7 @@ def _masked_softmax(logits: Any, allowed: Any) -> tuple[Any, Any]:
 def _apply_score_mod(ir: ScoreModIR, score: Any, scalars: dict, arrays: dict, index: tuple) -> Any:
     """The mod's forward; its gradient is the IR's bprop (`grad_output`), so a user's
     `score_mod_bprop` is honoured here as on cuDNN (a derived bprop equals autodiff: use that)."""
-    if ir.grad_output is None or ir.grad_derived:
+    if not ir.user_bprop:
         return evaluate(ir, score, scalars=scalars, arrays=arrays, index=index)[0]
     return _mod_with_bprop(ir, score, scalars, arrays, index)
 
