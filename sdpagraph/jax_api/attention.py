@@ -17,6 +17,7 @@ from sdpagraph.cache import CacheMissError
 from sdpagraph.cache.memory import BoundedMemo
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.support import Support
+from sdpagraph.jax_api import context_parallel
 from sdpagraph.jax_api import cudnn as cudnn_backend
 from sdpagraph.jax_api import dispatch
 from sdpagraph.jax_api.call import PreparedCall, as_4d, prepare_call
@@ -126,6 +127,10 @@ def attention(
     score_mod_bprop: Callable | None = None,
     mask_mod: Callable | None = None,
     training: bool = True,
+    context_parallel_axis: str | None = None,
+    load_balanced: bool = False,
+    context_parallel_strategy: str = "ring",
+    mesh: Any = None,
 ) -> Any:
     r"""Scaled dot-product attention with flex-attention extensions; a drop-in for
     `jax.nn.dot_product_attention`.
@@ -200,6 +205,23 @@ def attention(
         are not yet checked on a GPU).
       training: False selects cuDNN's inference graph (no softmax stats) when no
         gradient is needed.
+      context_parallel_axis: a mesh axis name: q, k, v (and `segment_ids`) are split
+        along the sequence (dim 1) over it, and attention runs without gathering k or v
+        (docs/multi-gpu.md). The mesh is `jax.set_mesh(...)`'s or `mesh=`; inside a
+        `jax.shard_map` that maps the axis, q, k, v are the local blocks. Other mesh
+        axes split the batch when they divide it. Not with `bias`, `mask`, sequence
+        lengths or cross-attention segment ids (use `segment_ids`). Score_mods, masks
+        and windows see global positions. T and S must be divisible by the axis size
+        (twice it when `load_balanced`), else `ValueError`.
+      load_balanced: the sequence is in `sdpagraph.load_balance` order (device i holds
+        chunks i and 2·cp−1−i of 2·cp), which evens out causal work; the output comes
+        back in that order too (`sdpagraph.unload_balance` restores it).
+      context_parallel_strategy: "ring" (K/V blocks pass around the ring with
+        `ppermute`, overlapped with compute; causal blocks in the future are skipped),
+        "all_to_all" (heads <-> sequence with `all_to_all`: each device attends the whole
+        sequence on N/cp heads; N and K must be divisible by cp), or "auto" (all_to_all
+        when the heads divide cp and T <= 16384, else ring; a rule not yet measured).
+      mesh: the mesh of `context_parallel_axis`, when no `jax.set_mesh` is active.
 
     Returns:
       `(B, T, N, H_v)` in the input dtype (and the logsumexp if `return_residual`).
@@ -217,11 +239,25 @@ def attention(
     )
     if call.spec.empty_axes:  # nothing to compute (no graph to build): jax's empty or zero result
         implementation = "xla"
-    if implementation != "xla" and call.inputs.python_mods is None:  # only calls a graph can serve
+    # Only calls a graph can serve; a context-parallel call reports its block graphs itself.
+    if implementation != "xla" and call.inputs.python_mods is None and context_parallel_axis is None:
         _notify_listeners(call, training)
     q, k, v = (as_4d(x, call.unbatched) for x in (query, key, value))
-    backend = _choose_backend(call, implementation, training)
-    if backend == "xla":
+    if context_parallel_axis is None:
+        if load_balanced or context_parallel_strategy != "ring" or mesh is not None:
+            raise ValueError("load_balanced, context_parallel_strategy and mesh apply to context parallelism: "
+                             "pass context_parallel_axis= (the mesh axis the sequence is split over)")
+        backend = _choose_backend(call, implementation, training)
+    elif implementation == "small_seq":
+        raise ValueError("implementation='small_seq' cannot run context-parallel attention "
+                         f"(context_parallel_axis={context_parallel_axis!r}): use None, 'cudnn' or 'xla'")
+    else:
+        backend = "context_parallel"
+    if backend == "context_parallel":
+        out, lse = context_parallel.attention(
+            call, q, k, v, axis=context_parallel_axis, load_balanced=load_balanced,
+            strategy=context_parallel_strategy, mesh=mesh, implementation=implementation, training=training)
+    elif backend == "xla":
         out, lse = xla_attention(call.spec, q, k, v, call.inputs, call.score_mod)
     elif backend == "small_seq":
         out, lse = small_seq_attention(call.spec, q, k, v, call.inputs, call.score_mod)

@@ -30,8 +30,9 @@ from sdpagraph.spec import UNBOUNDED, AttentionSpec
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """Per-token facts shared by the masks and by score_mod's gen_index."""
+class TokenLayout:
+    """Per-token facts shared by the masks and by score_mod's gen_index. A context-parallel block
+    passes its own (`xla_attention(layout=...)`): global positions and segments of its tokens."""
 
     q_pos: Any  # (B, T) position of each query in its sequence / segment
     kv_pos: Any  # (B, S)
@@ -49,7 +50,7 @@ def _token_lengths(run_ids: Any, max_segments: int, segment_ids: Any) -> Any:
     return jnp.take_along_axis(lens, jnp.minimum(run_ids, max_segments), axis=1)
 
 
-def _segment_layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
+def _segment_layout(spec: AttentionSpec, inputs: RuntimeInputs) -> TokenLayout:
     q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
     q_run, kv_run = segment_run_ids(q_ids), segment_run_ids(kv_ids)
     # Segments past max_segments are dropped (treated as padding), as the THD metadata does.
@@ -60,10 +61,10 @@ def _segment_layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
         q_len = _token_lengths(q_run, spec.max_segments, q_ids)
         kv_len = _token_lengths(kv_run, spec.max_segments, kv_ids)
         offset = kv_len[:, None, :] - q_len[:, :, None]
-    return _Layout(segment_positions(q_ids), segment_positions(kv_ids), q_valid, kv_valid, q_run, kv_run, offset)
+    return TokenLayout(segment_positions(q_ids), segment_positions(kv_ids), q_valid, kv_valid, q_run, kv_run, offset)
 
 
-def _dense_layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
+def _dense_layout(spec: AttentionSpec, inputs: RuntimeInputs) -> TokenLayout:
     b, t, s = spec.batch, spec.q_len, spec.kv_len
     q_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     kv_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -72,14 +73,14 @@ def _dense_layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
     offset = 0
     if spec.causal_alignment == "bottom_right":
         offset = (kv_len - q_len)[:, None, None]
-    return _Layout(q_pos, kv_pos, q_pos < q_len[:, None], kv_pos < kv_len[:, None], None, None, offset)
+    return TokenLayout(q_pos, kv_pos, q_pos < q_len[:, None], kv_pos < kv_len[:, None], None, None, offset)
 
 
-def _layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
+def _layout(spec: AttentionSpec, inputs: RuntimeInputs) -> TokenLayout:
     return _segment_layout(spec, inputs) if spec.segments else _dense_layout(spec, inputs)
 
 
-def allowed_mask(spec: AttentionSpec, inputs: RuntimeInputs, layout: _Layout) -> Any:
+def allowed_mask(spec: AttentionSpec, inputs: RuntimeInputs, layout: TokenLayout) -> Any:
     """Boolean (B|1, N|1, T, S): True where a query may attend to a key."""
     allowed = layout.q_valid[:, :, None] & layout.kv_valid[:, None, :]
     if layout.q_group is not None:
@@ -161,8 +162,11 @@ def xla_attention(
     value: Any,
     inputs: RuntimeInputs,
     score_mod: ScoreModIR | None = None,
+    layout: TokenLayout | None = None,
 ) -> tuple[Any, Any]:
-    """Return (output (B, T, N, H_v) in the input dtype, logsumexp (B, N, T) fp32)."""
+    """Return (output (B, T, N, H_v) in the input dtype, logsumexp (B, N, T) fp32).
+
+    `layout` (default: from the spec and `inputs`) says where each query and key token sits."""
     b, t, n, h = query.shape
     s, k = key.shape[1], key.shape[2]
     g = n // k
@@ -171,7 +175,7 @@ def xla_attention(
                         precision=precision, preferred_element_type=jnp.float32)
     logits = logits.reshape(b, n, t, s) * jnp.float32(spec.scale)
 
-    layout = _layout(spec, inputs)
+    layout = _layout(spec, inputs) if layout is None else layout
     index = (
         jnp.arange(b, dtype=jnp.int32)[:, None, None, None],
         jnp.arange(n, dtype=jnp.int32)[None, :, None, None],
