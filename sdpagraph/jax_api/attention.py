@@ -229,6 +229,8 @@ def attention(
       array, or zeros (logsumexp -inf) when S is 0, from the XLA backend whatever
       `implementation` says.
     """
+    if context_parallel_axis is not None and load_balanced and segment_ids is not None:
+        segment_ids = context_parallel.natural_order(segment_ids, context_parallel_axis, mesh)
     call = prepare_call(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,

@@ -137,13 +137,21 @@ def _cudnn_or_xla(specs: list[AttentionSpec], call: PreparedCall, implementation
 
 # ----------------------------------------------------------------------------- the strategies
 
+def natural_order(segment_ids: Any, axis: Any, mesh: Any) -> Any:
+    """Load-balanced segment ids in their natural order (`attention` prepares the call from these):
+    a segment is a contiguous run of the natural sequence, and `max_segments_per_seq` counts those."""
+    if isinstance(segment_ids, (tuple, list)):
+        return type(segment_ids)(natural_order(ids, axis, mesh) for ids in segment_ids)
+    shape, _ = _mesh_shape(axis, mesh)
+    return unload_balance(segment_ids, shape[axis])
+
+
 def _token_facts(ids: Any, cp: int, load_balanced: bool, max_segments: int) -> Any:
-    """(position in its segment, valid, segment number) per token of the WHOLE sequence (they need
-    every earlier token), in the caller's (maybe load-balanced) order. Segments past `max_segments`
-    are padding, as on one device."""
-    natural = unload_balance(ids, cp) if load_balanced else ids
-    run = segment_run_ids(natural)
-    facts = (segment_positions(natural), (run > 0) & (run <= max_segments), run)
+    """(position in its segment, valid, segment number) per token of the WHOLE sequence (natural
+    order: they need every earlier token), then in the order of q, k, v. Segments past
+    `max_segments` are padding, as on one device."""
+    run = segment_run_ids(ids)
+    facts = (segment_positions(ids), (run > 0) & (run <= max_segments), run)
     return tuple(load_balance(x, cp) for x in facts) if load_balanced else facts
 
 
@@ -166,8 +174,7 @@ def _all_to_all(call, local: AttentionSpec, axis, cp, load_balanced, backend, tr
     heads = lambda x: x if x.shape[1] == 1 else jax.lax.dynamic_slice_in_dim(x, me * spec.num_heads, spec.num_heads, 1)  # noqa: E731
     inputs = dataclasses.replace(call.inputs, mod_arrays={n: heads(x) for n, x in arrays.items()})
     if ids is not None:
-        ids = jax.lax.all_gather(ids, axis, axis=1, tiled=True)
-        ids = unload_balance(ids, cp) if load_balanced else ids
+        ids = jax.lax.all_gather(ids, axis, axis=1, tiled=True)  # natural order (`natural_order`)
         inputs = dataclasses.replace(inputs, q_segment_ids=ids, kv_segment_ids=ids)
     if backend == "xla":
         out, lse = xla_attention(spec, q, k, v, inputs, ir)

@@ -145,22 +145,26 @@ def _cudnn_static(plan: RingPlan, causal: bool) -> Any:
     return cudnn_backend.block_static(plan.block_spec(causal), plan.score_mod, dict(plan.scalars))
 
 
-def _skipped_forward(plan: RingPlan, q, v) -> tuple[Any, Any]:
+def _skipped_forward(q, v) -> tuple[Any, Any]:
+    """Nothing attended: output 0, logsumexp -inf. Made from q (`*_like`), so that inside a user's
+    shard_map they vary over its axes as the computed branches' results do."""
     b, t, n, _ = q.shape
-    return jnp.zeros((b, t, n, v.shape[-1]), q.dtype), jnp.full((b, n, t), -jnp.inf, jnp.float32)
+    rows = jnp.zeros_like(q[..., :1])
+    return (jnp.broadcast_to(rows, (b, t, n, v.shape[-1])),
+            jnp.swapaxes(jnp.full_like(rows[..., 0], -jnp.inf, jnp.float32), 1, 2))
 
 
 def _pair_forward(plan: RingPlan, arrays, q, k, v, q_start, kv_start, q_tok, kv_tok) -> tuple[Any, Any]:
     """(output, logsumexp (B, N, T)) of the local query chunk over one key chunk."""
     status = _pair_status(plan, q_start, kv_start)
-    skip = lambda q, k, v: _skipped_forward(plan, q, v)  # noqa: E731
+    skip = lambda q, k, v: _skipped_forward(q, v)  # noqa: E731
     if plan.backend == "xla":
         layout = _layout(plan, q_start, kv_start, q_tok, kv_tok)
         run = lambda q, k, v: _xla_pair(plan, arrays, q, k, v, layout)  # noqa: E731
         return jax.lax.switch(status, (skip, run, run), q, k, v)
     aux = cudnn_backend.block_operands(RuntimeInputs(mod_arrays=arrays))
     graph = lambda causal: lambda q, k, v: cudnn_backend.block_forward(_cudnn_static(plan, causal), q, k, v, aux)  # noqa: E731
-    return jax.lax.switch(status, (skip, graph(False), graph(True)), q, k, v)
+    return jax.lax.switch(status, (skip, graph(False), graph(plan.spec.is_causal)), q, k, v)
 
 
 def _xla_pair_backward(plan, arrays, q, k, v, layout, o, lse, d_o, d_rows) -> tuple[Any, Any, Any]:
@@ -188,7 +192,7 @@ def _pair_backward(plan, arrays, q, k, v, q_start, kv_start, q_tok, kv_tok, o, l
     def graph(causal):
         return lambda q, k, v: cudnn_backend.block_backward(_cudnn_static(plan, causal), q, k, v, aux, o_io, lse, d_o)
 
-    return jax.lax.switch(status, (skip, graph(False), graph(True)), q, k, v)
+    return jax.lax.switch(status, (skip, graph(False), graph(plan.spec.is_causal)), q, k, v)
 
 
 # ----------------------------------------------------------------------------- the ring

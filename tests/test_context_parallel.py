@@ -1,0 +1,322 @@
+"""Context parallelism (`attention(..., context_parallel_axis=...)`) on 8 CPU devices.
+
+As in tests/test_sharding.py, the first test runs this file again in a subprocess with
+`--xla_force_host_platform_device_count=8`, where the other device tests run.
+
+The XLA backend runs as it is. The cuDNN path runs its own ring code (`jax_api.ring`, the cuDNN
+block graphs of `jax_api.cudnn`, the partitioning around them) with test_sharding's stand-ins for
+the graph builder and the FFI executor, except that the backward stand-in here computes what
+cuDNN's backward graph computes from the o and stats operands it is given (P = exp(S - stats),
+dS = P * (dP - rowsum(dO * o))): the ring feeds each block the final o and logsumexp, and only a
+stand-in that reads them checks that this is exact.
+"""
+import logging
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import sdpagraph
+from sdpagraph import mods
+from sdpagraph.graphs.ir_eval import evaluate
+from sdpagraph.graphs.operands import ARRAY_PREFIX
+from sdpagraph.jax_api import cudnn as cudnn_backend
+from tests.test_sharding import cudnn_on_cpu, fake_executor, random_ids  # noqa: F401 (a fixture)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEVICES = 8
+HERE_WITH_DEVICES = jax.default_backend() == "cpu" and jax.device_count() >= DEVICES
+needs_devices = pytest.mark.skipif(not HERE_WITH_DEVICES, reason=f"runs in the {DEVICES}-device subprocess")
+CP = 4
+B, T, N, H = 2, 32, 8, 8
+
+
+def test_in_a_process_with_eight_cpu_devices():
+    if HERE_WITH_DEVICES:
+        pytest.skip("this process has the devices: the tests below run here")
+    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+# ----------------------------------------------------------------------------- load balancing
+
+def test_load_balance_round_trip_and_order():
+    x = np.arange(8)[None, :, None]
+    assert sdpagraph.load_balance(x, 2)[0, :, 0].tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    y = np.random.default_rng(0).standard_normal((2, 48, 3, 5)).astype(np.float32)
+    for cp in (1, 2, 3, 4):
+        balanced = sdpagraph.load_balance(y, cp)
+        assert not cp > 1 or not np.array_equal(balanced, y)
+        np.testing.assert_array_equal(sdpagraph.unload_balance(balanced, cp), y)
+    lse = np.random.default_rng(1).standard_normal((2, 3, 48)).astype(np.float32)
+    np.testing.assert_array_equal(sdpagraph.unload_balance(sdpagraph.load_balance(lse, 4, seq_axis=-1), 4, -1), lse)
+
+
+def test_load_balance_errors_name_the_numbers():
+    with pytest.raises(ValueError, match=r"load_balance: the sequence length 30 .* 2 \* cp_size = 8"):
+        sdpagraph.load_balance(np.zeros((1, 30, 2, 2)), 4)
+    with pytest.raises(ValueError, match="cp_size must be a positive int"):
+        sdpagraph.unload_balance(np.zeros((1, 32)), 0)
+
+
+# ----------------------------------------------------------------------------- cases
+
+def mesh(shape=(CP,), names=("cp",)):
+    return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+
+
+def case(name, rng):
+    """(attention kwargs, K) of one case; fresh random inputs come from `inputs`."""
+    K = {"gqa": 4, "mqa": 1}.get(name.split("_")[0], N)
+    slopes = rng.random(N).astype(np.float32)
+    return {
+        "causal": dict(is_causal=True),
+        "plain": dict(),
+        "gqa_causal": dict(is_causal=True),
+        "mqa_causal": dict(is_causal=True),
+        "softcap_causal": dict(is_causal=True, score_mod=mods.softcap(3.0)),
+        "alibi_causal": dict(is_causal=True, score_mod=mods.alibi(slopes)),
+        "relative_jnp": dict(score_mod=lambda s, b, h, q, kv: s - 0.05 * jnp.abs(q - kv).astype(s.dtype)),
+        "window": dict(local_window_size=(6, 3)),
+        "causal_window": dict(is_causal=True, local_window_size=(9, 0)),
+        "packed_causal": dict(is_causal=True, segment_ids=random_ids(rng, B, T, 4), max_segments_per_seq=4),
+    }[name], K
+
+
+def inputs(rng, K, dtype=np.float32):
+    q = rng.standard_normal((B, T, N, H)).astype(dtype)
+    k, v = (rng.standard_normal((B, T, K, H)).astype(dtype) for _ in range(2))
+    cotangent = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    return q, k, v, cotangent
+
+
+def value_and_grads(attn):
+    def loss(q, k, v, cotangent):
+        out = attn(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+
+
+def cp_step(kwargs, strategy, load_balanced, impl):
+    """The context-parallel call; with load balancing its q, k, v, segment ids and output are in
+    `load_balance` order (`run` reorders them on the host, as a data loader would)."""
+    kwargs = dict(kwargs)
+    if load_balanced and "segment_ids" in kwargs:
+        kwargs["segment_ids"] = sdpagraph.load_balance(kwargs["segment_ids"], CP)
+    return value_and_grads(lambda q, k, v: sdpagraph.attention(
+        q, k, v, implementation=impl, context_parallel_axis="cp", load_balanced=load_balanced,
+        context_parallel_strategy=strategy, **kwargs))
+
+
+def reference(kwargs):
+    return value_and_grads(lambda q, k, v: sdpagraph.attention(q, k, v, implementation="xla", **kwargs))
+
+
+def assert_same(ours, ref, tol=2e-5):
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
+
+
+def place(m, *xs, spec=P(None, "cp")):
+    return tuple(jax.device_put(jnp.asarray(x), NamedSharding(m, spec)) for x in xs)
+
+
+def run(name, strategy, load_balanced, impl, seed, ref=reference):
+    rng = np.random.default_rng(seed)
+    kwargs, K = case(name, rng)
+    q, k, v, cot = inputs(rng, K)
+    m = mesh()
+    order = (lambda x: sdpagraph.load_balance(x, CP)) if load_balanced else (lambda x: x)  # noqa: E731
+    back = (lambda x: sdpagraph.unload_balance(x, CP)) if load_balanced else (lambda x: x)  # noqa: E731
+    with jax.set_mesh(m):
+        step = jax.jit(cp_step(kwargs, strategy, load_balanced, impl))
+        args = place(m, *(order(x) for x in (q, k, v, cot)))
+        compiled = step.lower(*args).compile()
+        ours = jax.tree.map(lambda x: back(x) if x.ndim > 1 else x, compiled(*args))  # all but the loss: (B, T, ...)
+    return ours, ref(kwargs)(q, k, v, cot), compiled.as_text()
+
+
+XLA_CASES = ["causal", "plain", "gqa_causal", "mqa_causal", "softcap_causal", "alibi_causal", "relative_jnp", "window",
+             "causal_window", "packed_causal"]
+
+
+@needs_devices
+@pytest.mark.parametrize("load_balanced", [False, True])
+@pytest.mark.parametrize("name", XLA_CASES)
+def test_ring_on_xla_equals_one_device(name, load_balanced):
+    ours, ref, hlo = run(name, "ring", load_balanced, "xla", seed=XLA_CASES.index(name))
+    assert_same(ours, ref)
+    assert "collective-permute" in hlo
+
+
+@needs_devices
+@pytest.mark.parametrize("load_balanced", [False, True])
+@pytest.mark.parametrize("name", ["causal", "gqa_causal", "alibi_causal", "window", "packed_causal"])
+def test_all_to_all_on_xla_equals_one_device(name, load_balanced):
+    ours, ref, hlo = run(name, "all_to_all", load_balanced, "xla", seed=100 + len(name))
+    assert_same(ours, ref)
+    assert "all-to-all" in hlo
+
+
+@needs_devices
+@pytest.mark.parametrize("name", ["causal", "plain", "gqa_causal", "window"])
+def test_equal_to_jax_dot_product_attention(name):
+    jax_ref = lambda kwargs: value_and_grads(  # noqa: E731
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs))
+    ours, ref, _ = run(name, "ring", True, None, 7, ref=jax_ref)
+    assert_same(ours, ref, tol=5e-5)
+
+
+# ----------------------------------------------------------------------------- the cuDNN path's ring
+
+def logits_on_xla(static, operands):
+    """(q, k) -> the masked scores of the graph (what cuDNN computes before the softmax)."""
+    spec = static.graph_spec
+    arrays = {name[len(ARRAY_PREFIX):]: x for name, x in operands.items() if name.startswith(ARRAY_PREFIX)}
+
+    def logits(q, k):
+        b, t, n, h = q.shape
+        s, kh = k.shape[1], k.shape[2]
+        x = jnp.einsum("btkgh,bskh->bkgts", q.reshape(b, t, kh, n // kh, h), k).reshape(b, n, t, s) * spec.scale
+        index = (None, jnp.arange(n)[None, :, None, None], jnp.arange(t)[None, None, :, None],
+                 jnp.arange(s)[None, None, None, :])
+        if static.ir is not None:
+            x = evaluate(static.ir, x, scalars=dict(static.scalars), arrays=arrays, index=index)[0]
+        if spec.is_causal:
+            x = jnp.where(index[3] <= index[2], x, -jnp.inf)
+        return x
+
+    return logits
+
+
+def cudnn_like_executor(static, graph, operands, results):
+    """Forward: test_sharding's stand-in. Backward: from the o and stats operands, as cuDNN does."""
+    if "dq" not in results:
+        return fake_executor(static, graph, operands, results)
+    q, k, v, o, d_o, stats = (operands[r] for r in ("q", "k", "v", "o", "dO", "stats"))
+    scores, pullback = jax.vjp(logits_on_xla(static, operands), q, k)
+    p = jnp.exp(scores - stats[..., None])  # stats: (B, N, T)
+    g = q.shape[2] // k.shape[2]
+    v_heads = jnp.repeat(v, g, axis=2)
+    dv = jnp.einsum("bnts,btnh->bsnh", p, d_o.astype(jnp.float32))
+    dv = dv.reshape(*dv.shape[:2], k.shape[2], g, -1).sum(axis=3)
+    d_p = jnp.einsum("btnh,bsnh->bnts", d_o.astype(jnp.float32), v_heads)
+    d_rows = jnp.swapaxes(jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1), 1, 2)[..., None]
+    dq, dk = pullback(p * (d_p - d_rows))
+    return {"dq": dq.astype(q.dtype), "dk": dk.astype(k.dtype), "dv": dv.astype(v.dtype)}
+
+
+@pytest.fixture
+def cudnn_ring(cudnn_on_cpu, monkeypatch):
+    monkeypatch.setattr(cudnn_backend, "_call_executor", cudnn_like_executor)
+    return cudnn_on_cpu[0]
+
+
+@needs_devices
+@pytest.mark.parametrize("load_balanced", [False, True])
+@pytest.mark.parametrize("name", ["causal", "plain", "gqa_causal", "mqa_causal", "softcap_causal"])
+def test_ring_on_the_cudnn_path(name, load_balanced, cudnn_ring):
+    built = cudnn_ring
+    seed = int(np.random.default_rng().integers(2**31))
+    ours, ref, hlo = run(name, "ring", load_balanced, "cudnn", seed)
+    assert_same(ours, ref, tol=3e-5)
+    assert "collective-permute" in hlo, f"seed {seed}"
+    K = case(name, np.random.default_rng(0))[1]
+    assert not re.search(r"\ball-gather(?:-start)?\(", hlo), f"the ring gathers nothing (seed {seed})"
+    # One graph per block kind, whatever the step: (T / chunks) blocks, unmasked and (causal) diagonal.
+    chunk = T // (CP * (2 if load_balanced else 1))
+    specs = {(s.q_len, s.kv_len, s.is_causal, d) for s, _, d in built}
+    want = {(chunk, chunk, c, d) for c in {False, "causal" in name} for d in ("forward", "backward")}
+    assert specs == want, specs
+
+
+@needs_devices
+def test_all_to_all_on_the_cudnn_path(cudnn_ring):
+    built = cudnn_ring
+    ours, ref, hlo = run("gqa_causal", "all_to_all", True, "cudnn", 5)
+    assert_same(ours, ref, tol=3e-5)
+    assert "all-to-all" in hlo
+    assert {(s.q_len, s.num_heads, s.num_kv_heads) for s, _, _ in built} == {(T, N // CP, 4 // CP)}
+
+
+@needs_devices
+def test_position_reading_mod_runs_xla_blocks_and_says_why(cudnn_ring, caplog):
+    caplog.set_level(logging.INFO, logger="sdpagraph")
+    ours, ref, _ = run("alibi_causal", "ring", True, None, 11)
+    assert_same(ours, ref)
+    assert any("reads positions" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="implementation='cudnn' cannot run context-parallel.*reads positions"):
+        run("alibi_causal", "ring", True, "cudnn", 11)
+
+
+@needs_devices
+def test_mesh_argument_batch_axis_and_shard_map(cudnn_ring):
+    rng = np.random.default_rng(12)
+    q, k, v, cot = inputs(rng, N)
+    ref = reference(dict(is_causal=True))(q, k, v, cot)
+    m = mesh((2, CP), ("data", "cp"))  # the batch over "data", the sequence over "cp"; mesh= without set_mesh
+    args = place(m, q, k, v, cot, spec=P("data", "cp"))
+
+    def attn(q, k, v):
+        return sdpagraph.attention(q, k, v, is_causal=True, context_parallel_axis="cp", mesh=m)
+
+    assert_same(jax.jit(value_and_grads(attn))(*args), ref, tol=3e-5)
+    assert {s.batch for s, _, _ in cudnn_ring} == {B // 2}
+
+    # Inside a user's shard_map over the axis, q, k, v are the local blocks.
+    inner = jax.shard_map(lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=True, context_parallel_axis="cp"),
+                          mesh=m, in_specs=P("data", "cp"), out_specs=P("data", "cp"))
+    assert_same(jax.jit(value_and_grads(inner))(*args), ref, tol=3e-5)
+
+
+# ----------------------------------------------------------------------------- errors
+
+@needs_devices
+def test_errors_name_the_argument_and_the_numbers():
+    rng = np.random.default_rng(13)
+    q, k, v, _ = inputs(rng, 4)
+    m = mesh()
+    cp = dict(context_parallel_axis="cp")
+    with pytest.raises(ValueError, match=r"context_parallel_axis='cp': needs a mesh.*jax.set_mesh.*mesh="):
+        sdpagraph.attention(q, k, v, **cp)
+    with pytest.raises(ValueError, match=r"context_parallel_axis='sp': is not an axis of the mesh.*\('cp',\)"):
+        sdpagraph.attention(q, k, v, context_parallel_axis="sp", mesh=m)
+    with pytest.raises(ValueError, match=r"context_parallel_axis='cp': the query sequence length 30 must be "
+                                         r"divisible by 4 .*cp=4"):
+        sdpagraph.attention(q[:, :30], k, v, mesh=m, **cp)
+    with pytest.raises(ValueError, match=r"key/value sequence length 36 must be divisible by 8 \(2 \* cp"):
+        sdpagraph.attention(q, jnp.concatenate([k, k[:, :4]], 1), jnp.concatenate([v, v[:, :4]], 1), mesh=m,
+                            load_balanced=True, **cp)
+    with pytest.raises(ValueError, match=r"'all_to_all' needs .* N=8 and key/value heads K=2 divisible by cp=4"):
+        sdpagraph.attention(q, k[:, :, :2], v[:, :, :2], mesh=m, context_parallel_strategy="all_to_all", **cp)
+    with pytest.raises(ValueError, match="context_parallel_axis='cp': context parallelism does not take bias"):
+        sdpagraph.attention(q, k, v, jnp.ones((T, T)), mesh=m, **cp)
+    with pytest.raises(ValueError, match="context_parallel_strategy must be one of"):
+        sdpagraph.attention(q, k, v, mesh=m, context_parallel_strategy="ulysses", **cp)
+    with pytest.raises(ValueError, match="pass context_parallel_axis="):
+        sdpagraph.attention(q, k, v, load_balanced=True)
+    with pytest.raises(TypeError, match="load_balanced must be a bool"):
+        sdpagraph.attention(q, k, v, mesh=m, load_balanced="yes", **cp)
+
+
+def test_auto_rule():
+    from sdpagraph.jax_api.context_parallel import choose_strategy
+    from sdpagraph.spec import AttentionSpec
+
+    spec = lambda t, n, k: AttentionSpec(1, t, t, n, k, 128, 128, "bfloat16", 0.1)  # noqa: E731
+    assert choose_strategy(spec(16384, 16, 16), 2, "auto") == "all_to_all"
+    assert choose_strategy(spec(65536, 16, 16), 2, "auto") == "ring"
+    assert choose_strategy(spec(4096, 16, 1), 2, "auto") == "ring"  # one key/value head does not split
+    assert choose_strategy(spec(4096, 16, 16), 2, "ring") == "ring"
