@@ -257,8 +257,16 @@ def test_position_reading_mod_runs_xla_blocks_and_says_why(cudnn_ring, caplog):
     ours, ref, _ = run("alibi_causal", "ring", True, None, 11)
     assert_same(ours, ref)
     assert any("reads positions" in r.getMessage() for r in caplog.records)
-    with pytest.raises(ValueError, match="implementation='cudnn' cannot run context-parallel.*reads positions"):
+    with pytest.raises(ValueError, match="implementation='cudnn' cannot run .*context parallel.*reads positions"):
         run("alibi_causal", "ring", True, "cudnn", 11)
+    q, k, v, _ = inputs(np.random.default_rng(11), N)
+    with jax.set_mesh(mesh()):
+        answer = sdpagraph.check_support(q, k, v, is_causal=True, score_mod=mods.alibi(np.ones(N, np.float32)),
+                                         context_parallel_axis="cp", load_balanced=True)
+        assert (answer.supported, answer.backend) == (False, "xla") and "reads positions" in answer.reason
+        answer = sdpagraph.check_support(q, k, v, is_causal=True, score_mod=mods.softcap(2.0),
+                                         context_parallel_axis="cp", context_parallel_strategy="auto")
+        assert (answer.supported, answer.backend) == (True, "cudnn") and "all_to_all over 'cp', cp=4" in answer.reason
 
 
 @needs_devices

@@ -258,7 +258,7 @@ def attention(
     if backend == "context_parallel":
         out, lse = context_parallel.attention(
             call, q, k, v, axis=context_parallel_axis, load_balanced=load_balanced,
-            strategy=context_parallel_strategy, mesh=mesh, implementation=implementation, training=training)
+            strategy=context_parallel_strategy, mesh=mesh, implementation=implementation)
     elif backend == "xla":
         out, lse = xla_attention(call.spec, q, k, v, call.inputs, call.score_mod)
     elif backend == "small_seq":
@@ -282,11 +282,21 @@ def check_support(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
     times when the choice was made by speed. Takes the same arguments as `attention` (arrays or `jax.ShapeDtypeStruct`s) and
     normalizes them with the same code. Invalid arguments raise the same errors
     `attention` raises. `training=True` checks the backward graph too. A supported
-    answer leaves the graphs in the cache, so the later call builds nothing.
+    answer leaves the graphs in the cache, so the later call builds nothing. With
+    `context_parallel_axis`, the answer is about the graphs of one device's blocks.
     """
     kwargs.pop("return_residual", None)
     implementation = kwargs.get("implementation")
+    parallel = {name: kwargs.pop(name) for name in ("context_parallel_axis", "load_balanced",
+                                                    "context_parallel_strategy", "mesh") if name in kwargs}
+    axis = parallel.get("context_parallel_axis")
+    if axis is not None and parallel.get("load_balanced") and kwargs.get("segment_ids") is not None:
+        kwargs["segment_ids"] = context_parallel.natural_order(kwargs["segment_ids"], axis, parallel.get("mesh"))
     call = prepare_call(query, key, value, bias, mask, **kwargs)
+    if axis is not None:
+        return context_parallel.support(call, axis, parallel.get("load_balanced", False),
+                                        parallel.get("context_parallel_strategy", "ring"), parallel.get("mesh"),
+                                        implementation)
     if implementation == "xla":
         return Support(False, "xla", "implementation='xla' was requested")
     if call.spec.empty_axes:

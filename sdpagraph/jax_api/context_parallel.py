@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -26,6 +27,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sdpagraph.cache.memory import BoundedMemo
+from sdpagraph.graphs.support import Support
 from sdpagraph.jax_api import cudnn as cudnn_backend
 from sdpagraph.jax_api import numerics, ring
 from sdpagraph.jax_api.call import PreparedCall, RuntimeInputs
@@ -109,30 +111,68 @@ def choose_strategy(spec: AttentionSpec, cp: int, strategy: str) -> str:
     return "all_to_all" if heads_divide and spec.q_len <= AUTO_ALL_TO_ALL_MAX_LEN else "ring"
 
 
-def _log_once(message: str) -> None:
-    if _logged.add(message):
-        logger.info(message)
-
-
-def _cudnn_or_xla(specs: list[AttentionSpec], call: PreparedCall, implementation: str | None, training: bool,
-                  reason: str | None) -> str:
-    """'cudnn' when every graph spec runs there, else 'xla' (implementation='cudnn' raises instead)."""
+def _cudnn_reason(specs: list[AttentionSpec], call: PreparedCall, implementation: str | None,
+                  reason: str | None) -> str | None:
+    """Why the graphs of `specs` cannot run on cuDNN (None: they can). Both strategies run graphs
+    with softmax stats (the ring merges by them), so the training graphs are asked for."""
     if implementation == "xla":
-        return "xla"
+        return "implementation='xla' was requested"
     if reason is None:
         for spec in specs:
-            notify_trace_listeners(spec, call.score_mod, training)
-            answer = cudnn_backend.support(spec, call.score_mod, training=training, verify=numerics.check_numerics)
+            notify_trace_listeners(spec, call.score_mod, True)
+            answer = cudnn_backend.support(spec, call.score_mod, training=True, verify=numerics.check_numerics)
             if not answer.supported:
-                reason = answer.reason
-                break
-    if reason is None:
-        return "cudnn"
-    message = f"context-parallel attention {call.spec.summary()} runs on the XLA backend: {reason}"
-    if implementation == "cudnn":
-        raise ValueError(f"implementation='cudnn' cannot run {message}")
-    _log_once("sdpagraph: " + message)
-    return "xla"
+                return answer.reason
+    return reason
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a context-parallel call runs."""
+
+    axis: str
+    cp: int
+    strategy: str  # "ring" or "all_to_all"
+    manual: bool  # inside a shard_map over the axis: q, k, v are the local blocks
+    batch_axes: tuple[str, ...]  # the other mesh axes, splitting the batch
+    local: AttentionSpec  # one device's batch, the global sequence lengths
+    backend: str  # the blocks': "cudnn" or "xla"
+    reason: str  # why that backend
+
+
+def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh: Any,
+         implementation: str | None) -> Plan:
+    shape, manual = check(call, axis, load_balanced, strategy, mesh)
+    spec, cp = call.spec, shape[axis]
+    strategy = choose_strategy(spec, cp, strategy)
+    # The batch splits over the other mesh axes when they divide it. Inside a shard_map the prepared
+    # spec already holds the local batch and sequence blocks: the global lengths are cp times those.
+    others = () if manual else tuple(a for a in shape if a != axis)
+    if others and spec.batch % math.prod(shape[a] for a in others):
+        others = ()
+    if manual:
+        local = dataclasses.replace(spec, q_len=spec.q_len * cp, kv_len=spec.kv_len * cp)
+    else:
+        local = dataclasses.replace(spec, batch=spec.batch // math.prod(shape[a] for a in others))
+    if strategy == "ring":
+        blocks = ring.RingPlan(local, axis, cp, load_balanced, "cudnn", call.score_mod, ())
+        specs = [blocks.block_spec(causal) for causal in sorted({False, spec.is_causal})]
+        reason = ring.cudnn_reason(spec, call.score_mod, call.inputs.python_mods)
+    else:
+        specs = [local_spec(local, Split(head_axes=(axis,), heads=cp, kv_heads=cp))]
+        reason = call.inputs.python_mods.reason if call.inputs.python_mods is not None else None
+    reason = _cudnn_reason(specs, call, implementation, reason)
+    backend = "cudnn" if reason is None else "xla"
+    where = f"context parallel ({strategy} over {axis!r}, cp={cp})"
+    reason = f"{where}: blocks run on cuDNN" if reason is None else f"{where}: blocks run on the XLA backend: {reason}"
+    return Plan(axis, cp, strategy, manual, others, local, backend, reason)
+
+
+def support(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh: Any,
+            implementation: str | None) -> Support:
+    """`check_support`'s answer for a context-parallel call: which backend its blocks run, and why."""
+    how = plan(call, axis, load_balanced, strategy, mesh, implementation)
+    return Support(how.backend == "cudnn", how.backend, how.reason)
 
 
 # ----------------------------------------------------------------------------- the strategies
@@ -161,7 +201,7 @@ def _ring(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v,
     return ring.ring_attention(plan, q, k, v, {"arrays": arrays, "q_tok": tok, "kv_tok": tok})
 
 
-def _all_to_all(call, local: AttentionSpec, axis, cp, load_balanced, backend, training, q, k, v, arrays, ids):
+def _all_to_all(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, ids):
     """Heads <-> sequence: each device gets the whole sequence of N/cp heads, runs one call, and
     sends the output (and logsumexp) back to the sequence split."""
     me = jax.lax.axis_index(axis)
@@ -188,43 +228,28 @@ def _all_to_all(call, local: AttentionSpec, axis, cp, load_balanced, backend, tr
 # ----------------------------------------------------------------------------- entry
 
 def attention(call: PreparedCall, q: Any, k: Any, v: Any, *, axis: str, load_balanced: bool, strategy: str,
-              mesh: Any, implementation: str | None, training: bool) -> tuple[Any, Any]:
+              mesh: Any, implementation: str | None) -> tuple[Any, Any]:
     """(output (B, T, N, Hv), logsumexp (B, N, T)) of a context-parallel call, q, k, v 4-D."""
-    shape, manual = check(call, axis, load_balanced, strategy, mesh)
-    spec, cp = call.spec, shape[axis]
-    strategy = choose_strategy(spec, cp, strategy)
-    # The batch splits over the other mesh axes when they divide it. Inside a shard_map the prepared
-    # spec already holds the local batch and sequence blocks: the global lengths are cp times those.
-    others = () if manual else tuple(a for a in shape if a != axis)
-    if others and spec.batch % math.prod(shape[a] for a in others):
-        others = ()
-    if manual:
-        local = dataclasses.replace(spec, q_len=spec.q_len * cp, kv_len=spec.kv_len * cp)
-    else:
-        local = dataclasses.replace(spec, batch=spec.batch // math.prod(shape[a] for a in others))
-    if strategy == "ring":
-        blocks = ring.RingPlan(local, axis, cp, load_balanced, "cudnn", call.score_mod, ())
-        specs = [blocks.block_spec(causal) for causal in sorted({False, spec.is_causal})]
-        reason = ring.cudnn_reason(spec, call.score_mod, call.inputs.python_mods)
-    else:
-        specs = [local_spec(local, Split(head_axes=(axis,), heads=cp, kv_heads=cp))]
-        reason = call.inputs.python_mods.reason if call.inputs.python_mods is not None else None
-    backend = _cudnn_or_xla(specs, call, implementation, training, reason)
-
+    how = plan(call, axis, load_balanced, strategy, mesh, implementation)
+    if how.backend == "xla" and implementation == "cudnn":
+        raise ValueError(f"implementation='cudnn' cannot run {call.spec.summary()}: {how.reason}")
+    if how.backend == "xla" and implementation is None and _logged.add(how.reason):
+        logger.info(f"sdpagraph: {call.spec.summary()}: {how.reason}")
+    cp, local, backend, strategy = how.cp, how.local, how.backend, how.strategy
     arrays = dict(call.inputs.mod_arrays or {})
     ids = call.inputs.q_segment_ids
 
     def body(q, k, v, arrays, ids):
         if strategy == "all_to_all":
-            return _all_to_all(call, local, axis, cp, load_balanced, backend, training, q, k, v, arrays, ids)
+            return _all_to_all(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, ids)
         tok = None if ids is None else tuple(jnp.asarray(x) for x in ids)
         return _ring(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, tok)
 
     if strategy == "ring" and ids is not None:  # per-token facts over the whole sequence
         ids = _token_facts(jnp.asarray(ids), cp, load_balanced, spec.max_segments)
-    if manual:
+    if how.manual:
         return body(q, k, v, arrays, ids)
-    batch = others or None
+    batch = how.batch_axes or None
     qkv = P(batch, axis)
     array_spec = {n: P(batch if x.shape[0] > 1 else None) for n, x in arrays.items()}
     ids_spec = None if ids is None else (P(batch, axis) if strategy == "all_to_all" else (P(batch, axis),) * 3)
