@@ -11,10 +11,7 @@ dS = P * (dP - rowsum(dO * o))): the ring feeds each block the final o and logsu
 stand-in that reads them checks that this is exact.
 """
 import logging
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,11 +24,11 @@ from sdpagraph import mods
 from sdpagraph.graphs.ir_eval import evaluate
 from sdpagraph.graphs.operands import ARRAY_PREFIX
 from sdpagraph.jax_api import cudnn as cudnn_backend
+from tests.devices import has_cpu_devices, rerun_with_cpu_devices
 from tests.test_sharding import cudnn_on_cpu, fake_executor, random_ids  # noqa: F401 (a fixture)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 8
-HERE_WITH_DEVICES = jax.default_backend() == "cpu" and jax.device_count() >= DEVICES
+HERE_WITH_DEVICES = has_cpu_devices(DEVICES)
 needs_devices = pytest.mark.skipif(not HERE_WITH_DEVICES, reason=f"runs in the {DEVICES}-device subprocess")
 CP = 4
 B, T, N, H = 2, 32, 8, 8
@@ -40,13 +37,7 @@ B, T, N, H = 2, 32, 8, 8
 def test_in_a_process_with_eight_cpu_devices():
     if HERE_WITH_DEVICES:
         pytest.skip("this process has the devices: the tests below run here")
-    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
-    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    rerun_with_cpu_devices(__file__, DEVICES, timeout=1200)
 
 
 # ----------------------------------------------------------------------------- load balancing

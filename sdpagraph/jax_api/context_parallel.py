@@ -23,14 +23,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sdpagraph.cache.memory import BoundedMemo
 from sdpagraph.graphs.support import Support
 from sdpagraph.jax_api import cudnn as cudnn_backend
 from sdpagraph.jax_api import numerics, ring
-from sdpagraph.jax_api.call import PreparedCall, RuntimeInputs
+from sdpagraph.jax_api.call import PreparedCall
 from sdpagraph.jax_api.listeners import notify_trace_listeners
 from sdpagraph.jax_api.load_balance import load_balance, unload_balance
 from sdpagraph.jax_api.segments import segment_positions, segment_run_ids
