@@ -210,8 +210,10 @@ def _all_to_all(call, local: AttentionSpec, axis, cp, load_balanced, backend, q,
         q, k, v = (unload_balance(x, cp) for x in (q, k, v))
     split = Split(head_axes=(axis,), heads=cp, kv_heads=cp)
     spec, ir = local_spec(local, split), local_ir(call.score_mod, local, split)
-    heads = lambda x: x if x.shape[1] == 1 else jax.lax.dynamic_slice_in_dim(x, me * spec.num_heads, spec.num_heads, 1)  # noqa: E731
-    inputs = dataclasses.replace(call.inputs, mod_arrays={n: heads(x) for n, x in arrays.items()})
+    # Score_mod arrays with a head axis (ALiBi slopes): this device's heads.
+    arrays = {n: x if x.shape[1] == 1 else jax.lax.dynamic_slice_in_dim(x, me * spec.num_heads, spec.num_heads, 1)
+              for n, x in arrays.items()}
+    inputs = dataclasses.replace(call.inputs, mod_arrays=arrays)
     if ids is not None:
         ids = jax.lax.all_gather(ids, axis, axis=1, tiled=True)  # natural order (`natural_order`)
         inputs = dataclasses.replace(inputs, q_segment_ids=ids, kv_segment_ids=ids)

@@ -163,7 +163,11 @@ def _pair_forward(plan: RingPlan, arrays, q, k, v, q_start, kv_start, q_tok, kv_
         run = lambda q, k, v: _xla_pair(plan, arrays, q, k, v, layout)  # noqa: E731
         return jax.lax.switch(status, (skip, run, run), q, k, v)
     aux = cudnn_backend.block_operands(RuntimeInputs(mod_arrays=arrays))
-    graph = lambda causal: lambda q, k, v: cudnn_backend.block_forward(_cudnn_static(plan, causal), q, k, v, aux)  # noqa: E731
+
+    def graph(causal):
+        return lambda q, k, v: cudnn_backend.block_forward(_cudnn_static(plan, causal), q, k, v, aux)
+
+    # MASKED on cuDNN is only ever the diagonal pair of a causal call (`cudnn_reason`): the causal graph.
     return jax.lax.switch(status, (skip, graph(False), graph(plan.spec.is_causal)), q, k, v)
 
 
