@@ -82,6 +82,7 @@ def case(name, rng):
         "window": dict(local_window_size=(6, 3)),
         "causal_window": dict(is_causal=True, local_window_size=(9, 0)),
         "packed_causal": dict(is_causal=True, segment_ids=random_ids(rng, B, T, 4), max_segments_per_seq=4),
+        "near_mask_mod": dict(mask_mod=lambda b, h, q, kv: jnp.abs(q - kv) < 10),
     }[name], K
 
 
@@ -140,7 +141,7 @@ def run(name, strategy, load_balanced, impl, seed, ref=reference):
 
 
 XLA_CASES = ["causal", "plain", "gqa_causal", "mqa_causal", "softcap_causal", "alibi_causal", "relative_jnp", "window",
-             "causal_window", "packed_causal"]
+             "causal_window", "packed_causal", "near_mask_mod"]
 
 
 @needs_devices
@@ -217,7 +218,8 @@ def cudnn_ring(cudnn_on_cpu, monkeypatch):
 
 @needs_devices
 @pytest.mark.parametrize("load_balanced", [False, True])
-@pytest.mark.parametrize("name", ["causal", "plain", "gqa_causal", "mqa_causal", "softcap_causal"])
+@pytest.mark.parametrize("name", ["causal", "plain", "gqa_causal", "mqa_causal", "softcap_causal", "alibi_causal",
+                                  "relative_jnp"])
 def test_ring_on_the_cudnn_path(name, load_balanced, cudnn_ring):
     built = cudnn_ring
     seed = int(np.random.default_rng().integers(2**31))
@@ -231,6 +233,9 @@ def test_ring_on_the_cudnn_path(name, load_balanced, cudnn_ring):
     specs = {(s.q_len, s.kv_len, s.is_causal, d) for s, _, d in built}
     want = {(chunk, chunk, c, d) for c in {False, "causal" in name} for d in ("forward", "backward")}
     assert specs == want, specs
+    if name in ("alibi_causal", "relative_jnp"):  # global positions: the pair's offsets are operands
+        assert all({"__cp_q_offset", "__cp_kv_offset"} <= set(ir.array_names) for _, ir, _ in built)
+        assert len({ir.digest for _, ir, _ in built}) == 1
 
 
 @needs_devices
@@ -243,19 +248,19 @@ def test_all_to_all_on_the_cudnn_path(cudnn_ring):
 
 
 @needs_devices
-def test_position_reading_mod_runs_xla_blocks_and_says_why(cudnn_ring, caplog):
+def test_position_selecting_mod_runs_xla_blocks_and_says_why(cudnn_ring, caplog):
     caplog.set_level(logging.INFO, logger="sdpagraph")
-    ours, ref, _ = run("alibi_causal", "ring", True, None, 11)
+    ours, ref, _ = run("near_mask_mod", "ring", True, None, 11)
     assert_same(ours, ref)
-    assert any("reads positions" in r.getMessage() for r in caplog.records)
-    with pytest.raises(ValueError, match="implementation='cudnn' cannot run .*context parallel.*reads positions"):
-        run("alibi_causal", "ring", True, "cudnn", 11)
+    assert any("select by position" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="implementation='cudnn' cannot run .*context parallel.*select by position"):
+        run("near_mask_mod", "ring", True, "cudnn", 11)
     q, k, v, _ = inputs(np.random.default_rng(11), N)
     with jax.set_mesh(mesh()):
-        answer = sdpagraph.check_support(q, k, v, is_causal=True, score_mod=mods.alibi(np.ones(N, np.float32)),
+        answer = sdpagraph.check_support(q, k, v, mask_mod=case("near_mask_mod", np.random.default_rng(0))[0]["mask_mod"],
                                          context_parallel_axis="cp", load_balanced=True)
-        assert (answer.supported, answer.backend) == (False, "xla") and "reads positions" in answer.reason
-        answer = sdpagraph.check_support(q, k, v, is_causal=True, score_mod=mods.softcap(2.0),
+        assert (answer.supported, answer.backend) == (False, "xla") and "select by position" in answer.reason
+        answer = sdpagraph.check_support(q, k, v, is_causal=True, score_mod=mods.alibi(np.ones(N, np.float32)),
                                          context_parallel_axis="cp", context_parallel_strategy="auto")
         assert (answer.supported, answer.backend) == (True, "cudnn") and "all_to_all over 'cp', cp=4" in answer.reason
 
@@ -319,3 +324,23 @@ def test_auto_rule():
     assert choose_strategy(spec(65536, 16, 16), 2, "auto") == "ring"
     assert choose_strategy(spec(4096, 16, 1), 2, "auto") == "ring"  # one key/value head does not split
     assert choose_strategy(spec(4096, 16, 16), 2, "ring") == "ring"
+
+
+def test_position_offsets_shift_what_the_mod_sees():
+    from sdpagraph.graphs.ir import with_position_offsets
+    from sdpagraph.jax_api.call import prepare_call
+
+    rng = np.random.default_rng(14)
+    q = jax.ShapeDtypeStruct((1, 8, 2, 4), jnp.float32)
+    slopes = rng.random(2).astype(np.float32)
+    ir = prepare_call(q, q, q, score_mod=mods.alibi(slopes)).score_mod
+    shifted = with_position_offsets(ir, {2: "qo", 3: "ko"})
+    assert shifted.array_names == ir.array_names + ("qo", "ko") and shifted.grad_derived == ir.grad_derived
+    score = jnp.asarray(rng.standard_normal((1, 2, 8, 8)), jnp.float32)
+    local = (None, jnp.arange(2)[None, :, None, None], jnp.arange(8)[None, None, :, None],
+             jnp.arange(8)[None, None, None, :])
+    at = lambda qo, ko: (local[0], local[1], local[2] + qo, local[3] + ko)  # noqa: E731
+    arrays = {"slopes": slopes.reshape(1, 2, 1, 1)}
+    offsets = {"qo": np.full((1, 1, 1, 1), 24, np.int32), "ko": np.full((1, 1, 1, 1), 8, np.int32)}
+    ours = evaluate(shifted, score, scalars={}, arrays={**arrays, **offsets}, index=local)[0]
+    np.testing.assert_allclose(ours, evaluate(ir, score, scalars={}, arrays=arrays, index=at(24, 8))[0], rtol=1e-6)

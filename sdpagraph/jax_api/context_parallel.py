@@ -110,16 +110,16 @@ def choose_strategy(spec: AttentionSpec, cp: int, strategy: str) -> str:
     return "all_to_all" if heads_divide and spec.q_len <= AUTO_ALL_TO_ALL_MAX_LEN else "ring"
 
 
-def _cudnn_reason(specs: list[AttentionSpec], call: PreparedCall, implementation: str | None,
+def _cudnn_reason(graphs: list[tuple[AttentionSpec, Any]], implementation: str | None,
                   reason: str | None) -> str | None:
-    """Why the graphs of `specs` cannot run on cuDNN (None: they can). Both strategies run graphs
-    with softmax stats (the ring merges by them), so the training graphs are asked for."""
+    """Why the (spec, score_mod IR) graphs cannot run on cuDNN (None: they can). Both strategies run
+    graphs with softmax stats (the ring merges by them), so the training graphs are asked for."""
     if implementation == "xla":
         return "implementation='xla' was requested"
     if reason is None:
-        for spec in specs:
-            notify_trace_listeners(spec, call.score_mod, True)
-            answer = cudnn_backend.support(spec, call.score_mod, training=True, verify=numerics.check_numerics)
+        for spec, ir in graphs:
+            notify_trace_listeners(spec, ir, True)
+            answer = cudnn_backend.support(spec, ir, training=True, verify=numerics.check_numerics)
             if not answer.supported:
                 return answer.reason
     return reason
@@ -155,12 +155,13 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
         local = dataclasses.replace(spec, batch=spec.batch // math.prod(shape[a] for a in others))
     if strategy == "ring":
         blocks = ring.RingPlan(local, axis, cp, load_balanced, "cudnn", call.score_mod, ())
-        specs = [blocks.block_spec(causal) for causal in sorted({False, spec.is_causal})]
+        graphs = [(blocks.block_spec(causal), blocks.block_ir) for causal in sorted({False, spec.is_causal})]
         reason = ring.cudnn_reason(spec, call.score_mod, call.inputs.python_mods)
     else:
-        specs = [local_spec(local, Split(head_axes=(axis,), heads=cp, kv_heads=cp))]
+        split = Split(head_axes=(axis,), heads=cp, kv_heads=cp)
+        graphs = [(local_spec(local, split), local_ir(call.score_mod, local, split))]
         reason = call.inputs.python_mods.reason if call.inputs.python_mods is not None else None
-    reason = _cudnn_reason(specs, call, implementation, reason)
+    reason = _cudnn_reason(graphs, implementation, reason)
     backend = "cudnn" if reason is None else "xla"
     where = f"context parallel ({strategy} over {axis!r}, cp={cp})"
     reason = f"{where}: blocks run on cuDNN" if reason is None else f"{where}: blocks run on the XLA backend: {reason}"

@@ -32,7 +32,8 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from sdpagraph.graphs.ir import ScoreModIR
+from sdpagraph.graphs.ir import ScoreModIR, with_position_offsets
+from sdpagraph.graphs.masks import KEY_AXIS, QUERY_AXIS
 from sdpagraph.jax_api import cudnn as cudnn_backend
 from sdpagraph.jax_api.call import RuntimeInputs
 from sdpagraph.jax_api.flex_mods import PythonMods
@@ -41,6 +42,7 @@ from sdpagraph.jax_api.xla import TokenLayout, xla_attention
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
 
 SKIP, FULL, MASKED = 0, 1, 2
+OFFSETS = {QUERY_AXIS: "__cp_q_offset", KEY_AXIS: "__cp_kv_offset"}  # gen_index axis -> operand name
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,14 @@ class RingPlan:
         table = jnp.asarray(device_chunks(self.size, self.load_balanced), jnp.int32)
         return [table[device, c] * length for c in range(self.chunks)]
 
+    @property
+    def block_ir(self) -> ScoreModIR | None:
+        """The score_mod of the cuDNN block graphs: positions shifted by the pair's global offsets,
+        int32 operands (`OFFSETS`), so one graph serves every pair."""
+        if self.score_mod is None or not self.score_mod.reads_positions:
+            return self.score_mod
+        return with_position_offsets(self.score_mod, OFFSETS)
+
     def block_spec(self, causal: bool) -> AttentionSpec:
         """The spec of one (query chunk, key chunk) pair on the cuDNN path."""
         return dataclasses.replace(self.spec, q_len=self.q_chunk, kv_len=self.kv_chunk, is_causal=causal,
@@ -90,8 +100,9 @@ def cudnn_reason(spec: AttentionSpec, score_mod: ScoreModIR | None, python_mods:
     """Why a ring of this call cannot run cuDNN blocks (None: it can)."""
     if python_mods is not None:
         return python_mods.reason
-    if score_mod is not None and score_mod.reads_positions:
-        return "its score_mod reads positions, which must be global (the XLA blocks pass them; cuDNN blocks do not yet)"
+    if score_mod is not None and score_mod.reads_positions and any(n.op == "binary_select" for n in score_mod.nodes):
+        return ("its mods select by position (a mask_mod, or jnp.where in a score_mod): a block can leave a row "
+                "with nothing to attend, which the XLA blocks handle")
     if spec.segments:
         return "packed segments span blocks (the XLA blocks take each token's global segment and position)"
     if spec.has_window or spec.chunk_size is not None:
@@ -142,7 +153,15 @@ def _xla_pair(plan: RingPlan, arrays: Mapping[str, Any], q, k, v, layout: TokenL
 
 
 def _cudnn_static(plan: RingPlan, causal: bool) -> Any:
-    return cudnn_backend.block_static(plan.block_spec(causal), plan.score_mod, dict(plan.scalars))
+    return cudnn_backend.block_static(plan.block_spec(causal), plan.block_ir, dict(plan.scalars))
+
+
+def _cudnn_operands(plan: RingPlan, arrays: Mapping[str, Any], q_start: Any, kv_start: Any) -> dict[str, Any]:
+    """The block graph's array operands: the score_mod's, and the pair's global offsets when it reads positions."""
+    if plan.block_ir is not plan.score_mod:
+        offset = lambda start: jnp.reshape(start, (1, 1, 1, 1)).astype(jnp.int32)  # noqa: E731
+        arrays = {**arrays, OFFSETS[QUERY_AXIS]: offset(q_start), OFFSETS[KEY_AXIS]: offset(kv_start)}
+    return cudnn_backend.block_operands(RuntimeInputs(mod_arrays=arrays))
 
 
 def _skipped_forward(q, v) -> tuple[Any, Any]:
@@ -162,7 +181,7 @@ def _pair_forward(plan: RingPlan, arrays, q, k, v, q_start, kv_start, q_tok, kv_
         layout = _layout(plan, q_start, kv_start, q_tok, kv_tok)
         run = lambda q, k, v: _xla_pair(plan, arrays, q, k, v, layout)  # noqa: E731
         return jax.lax.switch(status, (skip, run, run), q, k, v)
-    aux = cudnn_backend.block_operands(RuntimeInputs(mod_arrays=arrays))
+    aux = _cudnn_operands(plan, arrays, q_start, kv_start)
 
     def graph(causal):
         return lambda q, k, v: cudnn_backend.block_forward(_cudnn_static(plan, causal), q, k, v, aux)
@@ -190,7 +209,7 @@ def _pair_backward(plan, arrays, q, k, v, q_start, kv_start, q_tok, kv_tok, o, l
         layout = _layout(plan, q_start, kv_start, q_tok, kv_tok)
         run = lambda q, k, v: _xla_pair_backward(plan, arrays, q, k, v, layout, o, lse, d_o, d_rows)  # noqa: E731
         return jax.lax.switch(status, (skip, run, run), q, k, v)
-    aux = cudnn_backend.block_operands(RuntimeInputs(mod_arrays=arrays))
+    aux = _cudnn_operands(plan, arrays, q_start, kv_start)
     o_io = o.astype(q.dtype)
 
     def graph(causal):
