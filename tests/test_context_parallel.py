@@ -257,8 +257,8 @@ def test_position_selecting_mod_runs_xla_blocks_and_says_why(cudnn_ring, caplog)
         run("near_mask_mod", "ring", True, "cudnn", 11)
     q, k, v, _ = inputs(np.random.default_rng(11), N)
     with jax.set_mesh(mesh()):
-        answer = sdpagraph.check_support(q, k, v, mask_mod=case("near_mask_mod", np.random.default_rng(0))[0]["mask_mod"],
-                                         context_parallel_axis="cp", load_balanced=True)
+        near = case("near_mask_mod", np.random.default_rng(0))[0]["mask_mod"]
+        answer = sdpagraph.check_support(q, k, v, mask_mod=near, context_parallel_axis="cp", load_balanced=True)
         assert (answer.supported, answer.backend) == (False, "xla") and "select by position" in answer.reason
         answer = sdpagraph.check_support(q, k, v, is_causal=True, score_mod=mods.alibi(np.ones(N, np.float32)),
                                          context_parallel_axis="cp", context_parallel_strategy="auto")

@@ -17,7 +17,8 @@ whatever the step and device.
 
 Block backends: "cudnn" runs the cuDNN path's forward and backward graphs (`cudnn.block_*`): the
 unmasked graph, and for the diagonal pair the causal one (equal offsets: local causal is global
-causal); a score_mod that does not read positions (softcap) runs in both. "xla" runs the XLA backend
+causal); a score_mod runs in both, and one that reads positions gets the pair's global offsets as
+int32 operands (`RingPlan.block_ir`), so the graphs stay the same at every step. "xla" runs the XLA backend
 with each token's global position (`xla.TokenLayout`), so masks, windows, chunks, packed segments and
 score_mods that read positions see global positions; its backward is jax's vjp of the block with
 the final output and logsumexp folded in (`_xla_pair_backward`).
