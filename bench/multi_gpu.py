@@ -216,6 +216,16 @@ def run(quick, part, cpu):
     return {"environment": environment(), "rows": rows, "summary": summary, "quick": quick, "cpu": cpu}
 
 
+def _table(rows, caption, columns):
+    """Markdown lines of one table (none without rows): row name, shape, then `columns` (header, cell)."""
+    if not rows:
+        return []
+    lines = ["", caption, "", "| row | shape | " + " | ".join(h for h, _ in columns) + " |",
+             "|---|---|" + "".join("---:|" for _ in columns)]
+    return lines + [f"| {r['name']} | {r['shape']} | " + " | ".join(cell(r) for _, cell in columns) + " |"
+                    for r in rows]
+
+
 def markdown(results):
     env = results["environment"]
     lines = [f"# Multi-GPU: causal fwd+bwd bf16 ({env['date']})", "",
@@ -224,26 +234,20 @@ def markdown(results):
              + (" (quick)" if results["quick"] else "") + (" (CPU devices: checks the code, times mean nothing)"
                                                            if results["cpu"] else "") + ". Collectives: "
              "instructions in the compiled HLO (async starts counted once)."]
-    dp = [r for r in results["rows"] if "impl" in r]
-    if dp:
-        lines += ["", "Data and head parallelism, B8 T4096 N16 H128. Ratio: step time over the per-device shape on "
-                  "one GPU (the row above it of the same implementation).", "",
-                  "| row | shape | ms | ratio | all-gathers | all-to-alls | dq sharding |",
-                  "|---|---|---:|---:|---:|---:|---|"]
-        for r in dp:
-            ratio = f"{r['ratio']:.3f}" if "ratio" in r else ""
-            lines.append(f"| {r['name']} | {r['shape']} | {r['ms']:.3f} | {ratio} | {r['all_gathers']} | "
-                         f"{r['all_to_alls']} | {r['dq_sharding']} |")
-    cp = [r for r in results["rows"] if "permutes" in r]
-    if cp:
-        lines += ["", "Context parallelism. Speedup: the reference row's time over this row's (1 GPU for the ring "
-                  "rows, the ring at the same T for the all-to-all rows).", "",
-                  "| row | shape | ms | speedup | collective-permutes | all-gathers | all-to-alls |",
-                  "|---|---|---:|---:|---:|---:|---:|"]
-        for r in cp:
-            speedup = f"{r['speedup']:.3f}" if "speedup" in r else ""
-            lines.append(f"| {r['name']} | {r['shape']} | {r['ms']:.3f} | {speedup} | {r['permutes']} | "
-                         f"{r['all_gathers']} | {r['all_to_alls']} |")
+    number = lambda key: lambda r: f"{r[key]:.3f}" if key in r else ""  # noqa: E731
+    count = lambda key: lambda r: str(r[key])  # noqa: E731
+    lines += _table(
+        [r for r in results["rows"] if "impl" in r],
+        "Data and head parallelism, B8 T4096 N16 H128. Ratio: step time over the per-device shape on one GPU "
+        "(the row above it of the same implementation).",
+        [("ms", number("ms")), ("ratio", number("ratio")), ("all-gathers", count("all_gathers")),
+         ("all-to-alls", count("all_to_alls")), ("dq sharding", count("dq_sharding"))])
+    lines += _table(
+        [r for r in results["rows"] if "permutes" in r],
+        "Context parallelism. Speedup: the reference row's time over this row's (1 GPU for the ring rows, the "
+        "ring at the same T for the all-to-all rows).",
+        [("ms", number("ms")), ("speedup", number("speedup")), ("collective-permutes", count("permutes")),
+         ("all-gathers", count("all_gathers")), ("all-to-alls", count("all_to_alls"))])
     lines += [""] + [f"- {name}: {value:.3f}" for name, value in results["summary"].items()]
     return "\n".join(lines) + "\n"
 
