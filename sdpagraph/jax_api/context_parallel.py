@@ -248,7 +248,7 @@ def attention(call: PreparedCall, q: Any, k: Any, v: Any, *, axis: str, load_bal
         return _ring(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, tok)
 
     if strategy == "ring" and ids is not None:  # per-token facts over the whole sequence
-        ids = _token_facts(jnp.asarray(ids), cp, load_balanced, spec.max_segments)
+        ids = _token_facts(jnp.asarray(ids), cp, load_balanced, call.spec.max_segments)
     if how.manual:
         return body(q, k, v, arrays, ids)
     batch = how.batch_axes or None
