@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sdpagraph
 from sdpagraph import mods
+from sdpagraph.deploy.specfile import load_specs
 from sdpagraph.graphs.ir_eval import evaluate
 from sdpagraph.graphs.operands import ARRAY_PREFIX
 from sdpagraph.jax_api import cudnn as cudnn_backend
@@ -344,3 +345,18 @@ def test_position_offsets_shift_what_the_mod_sees():
     offsets = {"qo": np.full((1, 1, 1, 1), 24, np.int32), "ko": np.full((1, 1, 1, 1), 8, np.int32)}
     ours = evaluate(shifted, score, scalars={}, arrays={**arrays, **offsets}, index=local)[0]
     np.testing.assert_allclose(ours, evaluate(ir, score, scalars={}, arrays=arrays, index=at(24, 8))[0], rtol=1e-6)
+
+
+@needs_devices
+def test_logsumexp_and_recorded_block_specs(cudnn_ring, tmp_path):
+    rng = np.random.default_rng(15)
+    q, k, v, _ = inputs(rng, N)
+    ref_out, ref_lse = sdpagraph.attention(q, k, v, is_causal=True, return_residual=True, implementation="xla")
+    m = mesh()
+    path = tmp_path / "specs.json"
+    with jax.set_mesh(m), sdpagraph.record(str(path)):
+        out, lse = jax.jit(lambda q, k, v: sdpagraph.attention(
+            q, k, v, is_causal=True, return_residual=True, context_parallel_axis="cp"))(*place(m, q, k, v))
+    assert_same((out, lse), (ref_out, ref_lse), tol=3e-5)
+    recorded = {(e.spec.q_len, e.spec.is_causal) for e in load_specs(path)}
+    assert recorded == {(T // CP, False), (T // CP, True)}  # the block graphs, not the global call's

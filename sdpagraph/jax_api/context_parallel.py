@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from sdpagraph.cache import CacheMissError
 from sdpagraph.cache.memory import BoundedMemo
 from sdpagraph.graphs.support import Support
 from sdpagraph.jax_api import cudnn as cudnn_backend
@@ -110,19 +111,31 @@ def choose_strategy(spec: AttentionSpec, cp: int, strategy: str) -> str:
     return "all_to_all" if heads_divide and spec.q_len <= AUTO_ALL_TO_ALL_MAX_LEN else "ring"
 
 
-def _cudnn_reason(graphs: list[tuple[AttentionSpec, Any]], implementation: str | None,
-                  reason: str | None) -> str | None:
+def _cudnn_reason(graphs: list[tuple[AttentionSpec, Any]], implementation: str | None, reason: str | None,
+                  running: bool) -> str | None:
     """Why the (spec, score_mod IR) graphs cannot run on cuDNN (None: they can). Both strategies run
-    graphs with softmax stats (the ring merges by them), so the training graphs are asked for."""
+    graphs with softmax stats (the ring merges by them), so the training graphs are asked for. When
+    `running` (not a support query), the graphs are reported to the trace listeners (spec recording)
+    and a strict cache's miss raises, saying how to precompile them."""
     if implementation == "xla":
         return "implementation='xla' was requested"
-    if reason is None:
-        for spec, ir in graphs:
+    if reason is not None:
+        return reason
+    for spec, ir in graphs:
+        if running:
             notify_trace_listeners(spec, ir, True)
+        try:
             answer = cudnn_backend.support(spec, ir, training=True, verify=numerics.check_numerics)
-            if not answer.supported:
-                return answer.reason
-    return reason
+        except CacheMissError as miss:
+            message = (f"{miss} It is a block graph of a context-parallel call ({spec.summary()}). Record the run "
+                       "(SDPAGRAPH_RECORD=specs.json records block graphs) and run `sdpagraph precompile specs.json` "
+                       "on this GPU type.")
+            if running:
+                raise CacheMissError(message) from None
+            return message
+        if not answer.supported:
+            return answer.reason
+    return None
 
 
 @dataclass(frozen=True)
@@ -140,7 +153,7 @@ class Plan:
 
 
 def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh: Any,
-         implementation: str | None) -> Plan:
+         implementation: str | None, running: bool = True) -> Plan:
     shape, manual = check(call, axis, load_balanced, strategy, mesh)
     spec, cp = call.spec, shape[axis]
     strategy = choose_strategy(spec, cp, strategy)
@@ -161,7 +174,7 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
         split = Split(head_axes=(axis,), heads=cp, kv_heads=cp)
         graphs = [(local_spec(local, split), local_ir(call.score_mod, local, split))]
         reason = call.inputs.python_mods.reason if call.inputs.python_mods is not None else None
-    reason = _cudnn_reason(graphs, implementation, reason)
+    reason = _cudnn_reason(graphs, implementation, reason, running)
     backend = "cudnn" if reason is None else "xla"
     where = f"context parallel ({strategy} over {axis!r}, cp={cp})"
     reason = f"{where}: blocks run on cuDNN" if reason is None else f"{where}: blocks run on the XLA backend: {reason}"
@@ -171,7 +184,7 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
 def support(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh: Any,
             implementation: str | None) -> Support:
     """`check_support`'s answer for a context-parallel call: which backend its blocks run, and why."""
-    how = plan(call, axis, load_balanced, strategy, mesh, implementation)
+    how = plan(call, axis, load_balanced, strategy, mesh, implementation, running=False)
     return Support(how.backend == "cudnn", how.backend, how.reason)
 
 
