@@ -165,30 +165,23 @@ def _cudnn_operands(plan: RingPlan, arrays: Mapping[str, Any], q_start: Any, kv_
     return cudnn_backend.block_operands(RuntimeInputs(mod_arrays=arrays))
 
 
-def _skipped_forward(q, v) -> tuple[Any, Any]:
-    """Nothing attended: output 0, logsumexp -inf. Made from q (`*_like`), so that inside a user's
-    shard_map they vary over its axes as the computed branches' results do."""
-    b, t, n, _ = q.shape
-    rows = jnp.zeros_like(q[..., :1])
-    return (jnp.broadcast_to(rows, (b, t, n, v.shape[-1])),
-            jnp.swapaxes(jnp.full_like(rows[..., 0], -jnp.inf, jnp.float32), 1, 2))
-
-
-def _pair_forward(plan: RingPlan, arrays, q, k, v, q_start, kv_start, q_tok, kv_tok) -> tuple[Any, Any]:
-    """(output, logsumexp (B, N, T)) of the local query chunk over one key chunk."""
+def _pair_forward(plan: RingPlan, arrays, acc, q, k, v, q_start, kv_start, q_tok, kv_tok) -> tuple[Any, Any]:
+    """`acc` (output fp32, logsumexp (B, N, T)) of the local query chunk, merged with one key chunk's;
+    a skipped pair leaves it as it is (no merge pass)."""
     status = _pair_status(plan, q_start, kv_start)
-    skip = lambda q, k, v: _skipped_forward(q, v)  # noqa: E731
+    skip = lambda acc, q, k, v: acc  # noqa: E731
     if plan.backend == "xla":
         layout = _layout(plan, q_start, kv_start, q_tok, kv_tok)
-        run = lambda q, k, v: _xla_pair(plan, arrays, q, k, v, layout)  # noqa: E731
-        return jax.lax.switch(status, (skip, run, run), q, k, v)
+        run = lambda acc, q, k, v: _merge(acc, _xla_pair(plan, arrays, q, k, v, layout))  # noqa: E731
+        return jax.lax.switch(status, (skip, run, run), acc, q, k, v)
     aux = _cudnn_operands(plan, arrays, q_start, kv_start)
 
     def graph(causal):
-        return lambda q, k, v: cudnn_backend.block_forward(_cudnn_static(plan, causal), q, k, v, aux)
+        static = _cudnn_static(plan, causal)
+        return lambda acc, q, k, v: _merge(acc, cudnn_backend.block_forward(static, q, k, v, aux))
 
     # MASKED on cuDNN is only ever the diagonal pair of a causal call (`cudnn_reason`): the causal graph.
-    return jax.lax.switch(status, (skip, graph(False), graph(plan.spec.is_causal)), q, k, v)
+    return jax.lax.switch(status, (skip, graph(False), graph(plan.spec.is_causal)), acc, q, k, v)
 
 
 def _xla_pair_backward(plan, arrays, q, k, v, layout, o, lse, d_o, d_rows) -> tuple[Any, Any, Any]:
@@ -203,20 +196,24 @@ def _xla_pair_backward(plan, arrays, q, k, v, layout, o, lse, d_o, d_rows) -> tu
     return pullback((d_out, w * (mine - d_rows)))
 
 
-def _pair_backward(plan, arrays, q, k, v, q_start, kv_start, q_tok, kv_tok, o, lse, d_o, d_rows):
+def _pair_backward(plan, arrays, grads, q, k, v, q_start, kv_start, q_tok, kv_tok, o, lse, d_o, d_rows):
+    """`grads` (dq, dk, dv, fp32) plus one pair's; a skipped pair leaves them as they are."""
     status = _pair_status(plan, q_start, kv_start)
-    skip = lambda q, k, v: (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))  # noqa: E731
+    skip = lambda grads, q, k, v: grads  # noqa: E731
+    add = lambda grads, new: tuple(g + x.astype(jnp.float32) for g, x in zip(grads, new))  # noqa: E731
     if plan.backend == "xla":
         layout = _layout(plan, q_start, kv_start, q_tok, kv_tok)
-        run = lambda q, k, v: _xla_pair_backward(plan, arrays, q, k, v, layout, o, lse, d_o, d_rows)  # noqa: E731
-        return jax.lax.switch(status, (skip, run, run), q, k, v)
+        run = lambda grads, q, k, v: add(grads, _xla_pair_backward(  # noqa: E731
+            plan, arrays, q, k, v, layout, o, lse, d_o, d_rows))
+        return jax.lax.switch(status, (skip, run, run), grads, q, k, v)
     aux = _cudnn_operands(plan, arrays, q_start, kv_start)
     o_io = o.astype(q.dtype)
 
     def graph(causal):
-        return lambda q, k, v: cudnn_backend.block_backward(_cudnn_static(plan, causal), q, k, v, aux, o_io, lse, d_o)
+        static = _cudnn_static(plan, causal)
+        return lambda grads, q, k, v: add(grads, cudnn_backend.block_backward(static, q, k, v, aux, o_io, lse, d_o))
 
-    return jax.lax.switch(status, (skip, graph(False), graph(plan.spec.is_causal)), q, k, v)
+    return jax.lax.switch(status, (skip, graph(False), graph(plan.spec.is_causal)), grads, q, k, v)
 
 
 # ----------------------------------------------------------------------------- the ring
@@ -256,8 +253,11 @@ def _ring_forward(plan: RingPlan, q, k, v, extras) -> tuple[Any, Any]:
     q_starts = plan.offsets(me, plan.q_chunk)
     qs, q_toks = _split(q, c), _tok_chunks(extras["q_tok"], c)
     b, _, n, _ = q.shape
-    acc = [(jnp.zeros((b, plan.q_chunk, n, v.shape[-1]), jnp.float32),
-            jnp.full((b, n, plan.q_chunk), -jnp.inf, jnp.float32)) for _ in range(c)]
+    # Nothing attended yet: output 0, logsumexp -inf; made from q (`*_like`) so that inside a user's
+    # shard_map they vary over its axes as the computed results do.
+    rows = [jnp.zeros_like(x[..., :1], jnp.float32) for x in qs]
+    acc = [(jnp.broadcast_to(r, (b, plan.q_chunk, n, v.shape[-1])),
+            jnp.swapaxes(jnp.full_like(r[..., 0], -jnp.inf), 1, 2)) for r in rows]
     visiting = (k, v, extras["kv_tok"])
     for step in range(plan.size):
         arriving = _pass(plan, visiting) if step < plan.size - 1 else None  # in flight during this step
@@ -265,9 +265,8 @@ def _ring_forward(plan: RingPlan, q, k, v, extras) -> tuple[Any, Any]:
         ks, vs, kv_toks = _split(visiting[0], c), _split(visiting[1], c), _tok_chunks(visiting[2], c)
         for a in range(c):
             for j in range(c):
-                new = _pair_forward(plan, extras["arrays"], qs[a], ks[j], vs[j], q_starts[a], kv_starts[j],
-                                    q_toks[a], kv_toks[j])
-                acc[a] = _merge(acc[a], new)
+                acc[a] = _pair_forward(plan, extras["arrays"], acc[a], qs[a], ks[j], vs[j], q_starts[a], kv_starts[j],
+                                       q_toks[a], kv_toks[j])
         visiting = arriving
     out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
     return out, jnp.concatenate([lse for _, lse in acc], axis=-1)
@@ -280,25 +279,20 @@ def _ring_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o) -> tuple[Any, A
     d_rows = jnp.swapaxes(jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1), 1, 2)  # (B, N, T)
     qs, q_toks, os_, dos = _split(q, c), _tok_chunks(extras["q_tok"], c), _split(o, c), _split(d_o, c)
     lses, d_rowss = _split(lse, c, axis=-1), _split(d_rows, c, axis=-1)
-    dq = [jnp.zeros(x.shape, jnp.float32) for x in qs]
+    dq = [jnp.zeros_like(x, jnp.float32) for x in qs]  # `*_like`: varying as the results (see forward)
     visiting = (k, v, extras["kv_tok"])
-    d_kv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    d_kv = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
     for step in range(plan.size):
         arriving = _pass(plan, visiting) if step < plan.size - 1 else None
         kv_starts = plan.offsets((me - step) % plan.size, plan.kv_chunk)
         ks, vs, kv_toks = _split(visiting[0], c), _split(visiting[1], c), _tok_chunks(visiting[2], c)
-        dks, dvs = [], []
+        dks, dvs = _split(d_kv[0], c), _split(d_kv[1], c)
         for j in range(c):
-            dk_j = dv_j = 0.0
             for a in range(c):
-                g_q, g_k, g_v = _pair_backward(plan, extras["arrays"], qs[a], ks[j], vs[j], q_starts[a],
-                                               kv_starts[j], q_toks[a], kv_toks[j], os_[a], lses[a], dos[a],
-                                               d_rowss[a])
-                dq[a] = dq[a] + g_q.astype(jnp.float32)
-                dk_j, dv_j = dk_j + g_k.astype(jnp.float32), dv_j + g_v.astype(jnp.float32)
-            dks.append(dk_j)
-            dvs.append(dv_j)
-        d_kv = (d_kv[0] + jnp.concatenate(dks, axis=1), d_kv[1] + jnp.concatenate(dvs, axis=1))
+                dq[a], dks[j], dvs[j] = _pair_backward(
+                    plan, extras["arrays"], (dq[a], dks[j], dvs[j]), qs[a], ks[j], vs[j], q_starts[a], kv_starts[j],
+                    q_toks[a], kv_toks[j], os_[a], lses[a], dos[a], d_rowss[a])
+        d_kv = (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
         # dk/dv travel with their key/value block; after the last step one more pass brings them home.
         if plan.size > 1:
             d_kv = _pass(plan, d_kv)
