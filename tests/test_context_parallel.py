@@ -325,6 +325,8 @@ def test_auto_rule():
     assert choose_strategy(spec(65536, 16, 16), 2, "auto") == "ring"
     assert choose_strategy(spec(4096, 16, 1), 2, "auto") == "ring"  # one key/value head does not split
     assert choose_strategy(spec(4096, 16, 16), 2, "ring") == "ring"
+    assert choose_strategy(spec(65536, 16, 16), 2, "auto", ring_on_xla=True) == "all_to_all"
+    assert choose_strategy(spec(65536, 16, 1), 2, "auto", ring_on_xla=True) == "ring"
 
 
 def test_position_offsets_shift_what_the_mod_sees():

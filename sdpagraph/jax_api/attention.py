@@ -220,7 +220,8 @@ def attention(
         `ppermute`, overlapped with compute; causal blocks in the future are skipped),
         "all_to_all" (heads <-> sequence with `all_to_all`: each device attends the whole
         sequence on N/cp heads; N and K must be divisible by cp), or "auto" (all_to_all
-        when the heads divide cp and T <= 16384, else ring; a rule not yet measured).
+        when the heads divide cp and T <= 16384 or the ring would run XLA blocks, else
+        ring; a rule not yet measured).
       mesh: the mesh of `context_parallel_axis`, when no `jax.set_mesh` is active.
 
     Returns:

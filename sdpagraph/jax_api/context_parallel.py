@@ -101,14 +101,16 @@ def check(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh
     return shape, manual
 
 
-def choose_strategy(spec: AttentionSpec, cp: int, strategy: str) -> str:
-    """'auto': all_to_all when the heads divide cp and T <= AUTO_ALL_TO_ALL_MAX_LEN, else ring. Not
-    measured yet: the ring's transfers hide behind its blocks' compute only when blocks are long,
-    while all_to_all runs one whole-sequence call per device but moves q, k, v and o unhidden."""
+def choose_strategy(spec: AttentionSpec, cp: int, strategy: str, ring_on_xla: bool = False) -> str:
+    """'auto': all_to_all when the heads divide cp and either T <= AUTO_ALL_TO_ALL_MAX_LEN or the
+    ring would run XLA blocks (`ring_on_xla`: windows, packed segments, mask_mods; all_to_all runs
+    those on cuDNN); else ring. Not measured yet: the ring's transfers hide behind its blocks'
+    compute only when blocks are long, while all_to_all runs one whole-sequence call per device but
+    moves q, k, v and o unhidden."""
     if strategy != "auto":
         return strategy
     heads_divide = spec.num_heads % cp == 0 and spec.num_kv_heads % cp == 0
-    return "all_to_all" if heads_divide and spec.q_len <= AUTO_ALL_TO_ALL_MAX_LEN else "ring"
+    return "all_to_all" if heads_divide and (spec.q_len <= AUTO_ALL_TO_ALL_MAX_LEN or ring_on_xla) else "ring"
 
 
 def _cudnn_reason(graphs: list[tuple[AttentionSpec, Any]], implementation: str | None, reason: str | None,
@@ -156,7 +158,8 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
          implementation: str | None, running: bool = True) -> Plan:
     shape, manual = check(call, axis, load_balanced, strategy, mesh)
     spec, cp = call.spec, shape[axis]
-    strategy = choose_strategy(spec, cp, strategy)
+    ring_reason = ring.cudnn_reason(spec, call.score_mod, call.inputs.python_mods)
+    strategy = choose_strategy(spec, cp, strategy, ring_on_xla=ring_reason is not None and implementation != "xla")
     # The batch splits over the other mesh axes when they divide it. Inside a shard_map the prepared
     # spec already holds the local batch and sequence blocks: the global lengths are cp times those.
     others = () if manual else tuple(a for a in shape if a != axis)
@@ -169,7 +172,7 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
     if strategy == "ring":
         blocks = ring.RingPlan(local, axis, cp, load_balanced, "cudnn", call.score_mod, ())
         graphs = [(blocks.block_spec(causal), blocks.block_ir) for causal in sorted({False, spec.is_causal})]
-        reason = ring.cudnn_reason(spec, call.score_mod, call.inputs.python_mods)
+        reason = ring_reason
     else:
         split = Split(head_axes=(axis,), heads=cp, kv_heads=cp)
         graphs = [(local_spec(local, split), local_ir(call.score_mod, local, split))]
