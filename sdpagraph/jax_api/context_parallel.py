@@ -41,7 +41,7 @@ from sdpagraph.spec import AttentionSpec
 logger = logging.getLogger("sdpagraph")
 STRATEGIES = ("ring", "all_to_all", "auto")
 # "auto" takes all_to_all up to this sequence length when the heads divide the axis (not yet
-# measured on two GPUs: see docs/multi-gpu.md and bench/multi_gpu.py --cp).
+# measured on two GPUs: see docs/multi-gpu.md and bench/multi_gpu.py --part cp).
 AUTO_ALL_TO_ALL_MAX_LEN = 16384
 _logged = BoundedMemo(1024)
 
@@ -272,5 +272,5 @@ def attention(call: PreparedCall, q: Any, k: Any, v: Any, *, axis: str, load_bal
     array_spec = {n: P(batch if x.shape[0] > 1 else None) for n, x in arrays.items()}
     ids_spec = None if ids is None else (P(batch, axis) if strategy == "all_to_all" else (P(batch, axis),) * 3)
     fn = jax.shard_map(body, mesh=mesh, in_specs=(qkv, qkv, qkv, array_spec, ids_spec),
-                       out_specs=(qkv, P(batch, None, axis)), check_vma=False)
-    return fn(q, k, v, arrays, None if ids is None else ids)
+                       out_specs=(qkv, P(batch, None, axis)))
+    return fn(q, k, v, arrays, ids)
