@@ -84,12 +84,14 @@ class RingPlan:
         return [table[device, c] * length for c in range(self.chunks)]
 
     @property
+    def reads_positions(self) -> bool:
+        return self.score_mod is not None and self.score_mod.reads_positions
+
+    @functools.cached_property
     def block_ir(self) -> ScoreModIR | None:
         """The score_mod of the cuDNN block graphs: positions shifted by the pair's global offsets,
         int32 operands (`OFFSETS`), so one graph serves every pair."""
-        if self.score_mod is None or not self.score_mod.reads_positions:
-            return self.score_mod
-        return with_position_offsets(self.score_mod, OFFSETS)
+        return with_position_offsets(self.score_mod, OFFSETS) if self.reads_positions else self.score_mod
 
     def block_spec(self, causal: bool) -> AttentionSpec:
         """The spec of one (query chunk, key chunk) pair on the cuDNN path."""
@@ -159,7 +161,7 @@ def _cudnn_static(plan: RingPlan, causal: bool) -> Any:
 
 def _cudnn_operands(plan: RingPlan, arrays: Mapping[str, Any], q_start: Any, kv_start: Any) -> dict[str, Any]:
     """The block graph's array operands: the score_mod's, and the pair's global offsets when it reads positions."""
-    if plan.block_ir is not plan.score_mod:
+    if plan.reads_positions:
         offset = lambda start: jnp.reshape(start, (1, 1, 1, 1)).astype(jnp.int32)  # noqa: E731
         arrays = {**arrays, OFFSETS[QUERY_AXIS]: offset(q_start), OFFSETS[KEY_AXIS]: offset(kv_start)}
     return cudnn_backend.block_operands(RuntimeInputs(mod_arrays=arrays))
