@@ -246,16 +246,16 @@ def attention(
     if implementation != "xla" and call.inputs.python_mods is None and context_parallel_axis is None:
         _notify_listeners(call, training)
     q, k, v = (as_4d(x, call.unbatched) for x in (query, key, value))
-    if context_parallel_axis is None:
-        if load_balanced or context_parallel_strategy != "ring" or mesh is not None:
-            raise ValueError("load_balanced, context_parallel_strategy and mesh apply to context parallelism: "
-                             "pass context_parallel_axis= (the mesh axis the sequence is split over)")
-        backend = _choose_backend(call, implementation, training)
-    elif implementation == "small_seq":
+    if context_parallel_axis is None and (load_balanced or context_parallel_strategy != "ring" or mesh is not None):
+        raise ValueError("load_balanced, context_parallel_strategy and mesh apply to context parallelism: "
+                         "pass context_parallel_axis= (the mesh axis the sequence is split over)")
+    if context_parallel_axis is not None and implementation == "small_seq":
         raise ValueError("implementation='small_seq' cannot run context-parallel attention "
                          f"(context_parallel_axis={context_parallel_axis!r}): use None, 'cudnn' or 'xla'")
+    if context_parallel_axis is not None:
+        backend = "context_parallel"  # its blocks' backend is context_parallel.plan's choice
     else:
-        backend = "context_parallel"
+        backend = _choose_backend(call, implementation, training)
     if backend == "context_parallel":
         out, lse = context_parallel.attention(
             call, q, k, v, axis=context_parallel_axis, load_balanced=load_balanced,
