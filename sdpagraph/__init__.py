@@ -1,6 +1,6 @@
 """sdpagraph: flex attention for JAX on cuDNN, with compiled graphs cached and shipped.
 
-Public API: `attention`, `check_support`, `precompile`, `record`, `Support`, `mods`, the
+Public API: `attention`, `check_support`, `load_balance` / `unload_balance`, `precompile`, `record`, `Support`, `mods`, the
 `sdpagraph` CLI. The names are loaded on first use, so `import sdpagraph` (and the command
 line's cache and version commands) does not import jax.
 """
@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["attention", "check_support", "precompile", "record", "Support", "mods"]
+__all__ = ["attention", "check_support", "load_balance", "unload_balance", "precompile", "record", "Support",
+           "mods"]
 __version__ = "0.1.0"
 
 # name -> module that defines it. `attention` and `check_support` also load the deployment layer,
@@ -17,6 +18,8 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "attention": "sdpagraph.jax_api.attention",
     "check_support": "sdpagraph.jax_api.attention",
+    "load_balance": "sdpagraph.jax_api.load_balance",
+    "unload_balance": "sdpagraph.jax_api.load_balance",
     "precompile": "sdpagraph.deploy",
     "record": "sdpagraph.deploy",
     "Support": "sdpagraph.graphs.support",

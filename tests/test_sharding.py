@@ -14,10 +14,7 @@ lengths, masks and folded padding from the bias operand, segment bounds, score_m
 import dataclasses
 import json
 import logging
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -40,10 +37,10 @@ from sdpagraph.jax_api import cudnn as cudnn_backend
 from sdpagraph.jax_api import sharding
 from sdpagraph.jax_api.call import RuntimeInputs
 from sdpagraph.jax_api.xla import xla_attention
+from tests.devices import has_cpu_devices, rerun_with_cpu_devices
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 8
-HERE_WITH_DEVICES = jax.default_backend() == "cpu" and jax.device_count() >= DEVICES
+HERE_WITH_DEVICES = has_cpu_devices(DEVICES)
 needs_devices = pytest.mark.skipif(not HERE_WITH_DEVICES, reason=f"runs in the {DEVICES}-device subprocess")
 COLLECTIVE_GATHERS = re.compile(r"\b(all-gather(?:-start)?|all-to-all)\(")
 
@@ -51,13 +48,7 @@ COLLECTIVE_GATHERS = re.compile(r"\b(all-gather(?:-start)?|all-to-all)\(")
 def test_in_a_process_with_eight_cpu_devices():
     if HERE_WITH_DEVICES:
         pytest.skip("this process has the devices: the tests below run here")
-    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
-    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    rerun_with_cpu_devices(__file__, DEVICES)
 
 
 # ----------------------------------------------------------------------------- the stand-in graph

@@ -416,3 +416,29 @@ def _canonicalize(nodes, output, grad_output, leaf_names, scalar_names=(), array
         scalar_names=tuple(names["scalar"]),
         array_names=tuple(names["array"]),
     )
+
+
+def with_position_offsets(ir: ScoreModIR, offsets: Mapping[int, str]) -> ScoreModIR:
+    """`ir` with every `gen_index(axis)` of `offsets` shifted by an int32 (1, 1, 1, 1) array operand
+    named `offsets[axis]`: a graph of one block of a longer sequence sees global positions, and the
+    offsets are operands, so one graph serves every block (context parallelism's ring)."""
+    nodes: list[Node] = []
+    remap: dict[int, int] = {}
+    leaf_names: dict[int, str] = {}
+    offset_leaf: dict[int, int] = {}
+    for old, node in enumerate(ir.nodes):
+        nodes.append(Node(node.op, tuple(remap[a] for a in node.args), node.attrs, node.dtype))
+        remap[old] = len(nodes) - 1
+        axis = node.attr("axis") if node.op == "gen_index" else None
+        if axis not in offsets:
+            continue
+        if axis not in offset_leaf:
+            nodes.append(Node("array", (), (("slot", -1), ("shape", (1, 1, 1, 1))), INT))
+            offset_leaf[axis] = len(nodes) - 1
+            leaf_names[offset_leaf[axis]] = offsets[axis]
+        nodes.append(Node("add", (remap[old], offset_leaf[axis]), (), result_type("add", (node.dtype, INT))))
+        remap[old] = len(nodes) - 1
+    shifted = _canonicalize(nodes, remap[ir.output], None if ir.grad_output is None else remap[ir.grad_output],
+                            leaf_names, ir.scalar_names, ir.array_names)
+    return ScoreModIR(shifted.nodes, shifted.output, shifted.grad_output, shifted.scalar_names, shifted.array_names,
+                      ir.grad_derived)

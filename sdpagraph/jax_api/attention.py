@@ -18,6 +18,7 @@ from sdpagraph.cache import CacheMissError
 from sdpagraph.cache.memory import BoundedMemo
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.support import Support
+from sdpagraph.jax_api import context_parallel
 from sdpagraph.jax_api import cudnn as cudnn_backend
 from sdpagraph.jax_api import dispatch
 from sdpagraph.jax_api.call import PreparedCall, as_4d, prepare_call
@@ -130,6 +131,10 @@ def attention(
     training: bool = True,
     max_seqlen_q: int | None = None,
     max_seqlen_kv: int | None = None,
+    context_parallel_axis: str | None = None,
+    load_balanced: bool = False,
+    context_parallel_strategy: str = "ring",
+    mesh: Any = None,
 ) -> Any:
     r"""Scaled dot-product attention with flex-attention extensions; a drop-in for
     `jax.nn.dot_product_attention`.
@@ -214,6 +219,24 @@ def attention(
         segment raises `ValueError` (concrete ids) or fails the jitted call when it runs,
         as `max_segments_per_seq` does (and `SDPAGRAPH_CHECK_SEGMENTS=0` switches that
         off: the small-sequence backend then drops keys past the bound).
+      context_parallel_axis: a mesh axis name: q, k, v (and `segment_ids`) are split
+        along the sequence (dim 1) over it, and attention runs without gathering k or v
+        (docs/multi-gpu.md). The mesh is `jax.set_mesh(...)`'s or `mesh=`; inside a
+        `jax.shard_map` that maps the axis, q, k, v are the local blocks. Other mesh
+        axes split the batch when they divide it. Not with `bias`, `mask`, sequence
+        lengths or cross-attention segment ids (use `segment_ids`). Score_mods, masks
+        and windows see global positions. T and S must be divisible by the axis size
+        (twice it when `load_balanced`), else `ValueError`.
+      load_balanced: the sequence is in `sdpagraph.load_balance` order (device i holds
+        chunks i and 2·cp−1−i of 2·cp), which evens out causal work; the output comes
+        back in that order too (`sdpagraph.unload_balance` restores it).
+      context_parallel_strategy: "ring" (K/V blocks pass around the ring with
+        `ppermute`, overlapped with compute; causal blocks in the future are skipped),
+        "all_to_all" (heads <-> sequence with `all_to_all`: each device attends the whole
+        sequence on N/cp heads; N and K must be divisible by cp), or "auto" (all_to_all
+        when the heads divide cp and T <= 16384 or the ring would run XLA blocks, else
+        ring; a rule not yet measured).
+      mesh: the mesh of `context_parallel_axis`, when no `jax.set_mesh` is active.
 
     Returns:
       `(B, T, N, H_v)` in the input dtype (and the logsumexp if `return_residual`).
@@ -221,6 +244,8 @@ def attention(
       array, or zeros (logsumexp -inf) when S is 0, from the XLA backend whatever
       `implementation` says.
     """
+    if context_parallel_axis is not None and load_balanced and segment_ids is not None:
+        segment_ids = context_parallel.natural_order(segment_ids, context_parallel_axis, mesh)
     call = prepare_call(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -232,11 +257,25 @@ def attention(
     )
     if call.spec.empty_axes:  # nothing to compute (no graph to build): jax's empty or zero result
         implementation = "xla"
-    if implementation != "xla" and call.inputs.python_mods is None:  # only calls a graph can serve
+    # Only calls a graph can serve; a context-parallel call reports its block graphs itself.
+    if implementation != "xla" and call.inputs.python_mods is None and context_parallel_axis is None:
         _notify_listeners(call, training)
     q, k, v = (as_4d(x, call.unbatched) for x in (query, key, value))
-    backend = _choose_backend(call, implementation, training)
-    if backend == "xla":
+    if context_parallel_axis is None and (load_balanced or context_parallel_strategy != "ring" or mesh is not None):
+        raise ValueError("load_balanced, context_parallel_strategy and mesh apply to context parallelism: "
+                         "pass context_parallel_axis= (the mesh axis the sequence is split over)")
+    if context_parallel_axis is not None and implementation == "small_seq":
+        raise ValueError("implementation='small_seq' cannot run context-parallel attention "
+                         f"(context_parallel_axis={context_parallel_axis!r}): use None, 'cudnn' or 'xla'")
+    if context_parallel_axis is not None:
+        backend = "context_parallel"  # its blocks' backend is context_parallel.plan's choice
+    else:
+        backend = _choose_backend(call, implementation, training)
+    if backend == "context_parallel":
+        out, lse = context_parallel.attention(
+            call, q, k, v, axis=context_parallel_axis, load_balanced=load_balanced,
+            strategy=context_parallel_strategy, mesh=mesh, implementation=implementation)
+    elif backend == "xla":
         out, lse = xla_attention(call.spec, q, k, v, call.inputs, call.score_mod)
     elif backend == "small_seq":
         out, lse = small_seq_attention(call.spec, q, k, v, call.inputs, call.score_mod)
@@ -259,11 +298,21 @@ def check_support(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
     times when the choice was made by speed. Takes the same arguments as `attention` (arrays or `jax.ShapeDtypeStruct`s) and
     normalizes them with the same code. Invalid arguments raise the same errors
     `attention` raises. `training=True` checks the backward graph too. A supported
-    answer leaves the graphs in the cache, so the later call builds nothing.
+    answer leaves the graphs in the cache, so the later call builds nothing. With
+    `context_parallel_axis`, the answer is about the graphs of one device's blocks.
     """
     kwargs.pop("return_residual", None)
     implementation = kwargs.get("implementation")
+    parallel = {name: kwargs.pop(name) for name in ("context_parallel_axis", "load_balanced",
+                                                    "context_parallel_strategy", "mesh") if name in kwargs}
+    axis = parallel.get("context_parallel_axis")
+    if axis is not None and parallel.get("load_balanced") and kwargs.get("segment_ids") is not None:
+        kwargs["segment_ids"] = context_parallel.natural_order(kwargs["segment_ids"], axis, parallel.get("mesh"))
     call = prepare_call(query, key, value, bias, mask, **kwargs)
+    if axis is not None:
+        return context_parallel.support(call, axis, parallel.get("load_balanced", False),
+                                        parallel.get("context_parallel_strategy", "ring"), parallel.get("mesh"),
+                                        implementation)
     if implementation == "xla":
         return Support(False, "xla", "implementation='xla' was requested")
     if call.spec.empty_axes:

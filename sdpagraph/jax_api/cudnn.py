@@ -247,18 +247,22 @@ def _core_fwd(static: _Static, q, k, v, bias, aux, validity):
     return (o, stats), (q, k, v, bias, aux, validity, o, stats)
 
 
+def _backward(static: _Static, q, k, v, bias, aux, o, stats, d_o) -> dict[str, Any]:
+    """The backward graph: dq, dk, dv (and dbias) from the softmax stats and the output they belong to."""
+    results = {"dq": jax.ShapeDtypeStruct(q.shape, q.dtype), "dk": jax.ShapeDtypeStruct(k.shape, k.dtype),
+               "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
+    if static.graph_spec.bias_shape is not None:
+        results["dbias"] = jax.ShapeDtypeStruct(bias.shape, bias.dtype)
+    operands = {"q": q, "k": k, "v": v, "o": o, "dO": d_o.astype(o.dtype), "stats": stats, "bias": bias, **aux}
+    return _run_graph(static, "backward", operands, results)
+
+
 def _core_bwd(static: _Static, residuals, cotangents):
     q, k, v, bias, aux, validity, o, stats = residuals
     # The stats (logsumexp) are returned without a gradient, as jax does. Rows that `attention`
     # zeroes after this core (padding, nothing to attend to) already arrive with a zero d_o.
     d_o, _ = cotangents
-    spec = static.graph_spec
-    results = {"dq": jax.ShapeDtypeStruct(q.shape, q.dtype), "dk": jax.ShapeDtypeStruct(k.shape, k.dtype),
-               "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
-    if spec.bias_shape is not None:
-        results["dbias"] = jax.ShapeDtypeStruct(bias.shape, bias.dtype)
-    operands = {"q": q, "k": k, "v": v, "o": o, "dO": d_o.astype(o.dtype), "stats": stats, "bias": bias, **aux}
-    grads = _run_graph(static, "backward", operands, results)
+    grads = _backward(static, q, k, v, bias, aux, o, stats, d_o)
     dq = _zero_rows(grads["dq"], validity.q)
     dk, dv = (_zero_rows(grads[role], validity.kv) for role in ("dk", "dv"))
     dbias = grads.get("dbias")
@@ -291,3 +295,27 @@ def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: Run
     if validity.attended is not None:
         lse = jnp.where(jnp.swapaxes(validity.attended[..., 0], 1, 2), lse, -jnp.inf)
     return out, lse
+
+
+# ----------------------------------------------------------------------------- context-parallel blocks
+# A block of a context-parallel ring (`jax_api.ring`) is a dense call without padding, segments,
+# bias or mask; its backward is fed the FINAL merged output and logsumexp of every block, so each
+# block's dq, dk, dv is exact. `aux` holds the score_mod's array operands (`block_operands`).
+
+def block_static(spec: AttentionSpec, score_mod: ScoreModIR | None, scalars: Mapping[str, Any]) -> _Static:
+    return _Static(spec, plan_layout(spec, score_mod).graph_spec, score_mod, tuple(sorted(scalars.items())), True)
+
+
+def block_operands(inputs: RuntimeInputs) -> dict[str, Any]:
+    return {ARRAY_PREFIX + name: x for name, x in (inputs.mod_arrays or {}).items()}
+
+
+def block_forward(static: _Static, q, k, v, aux: Mapping[str, Any]) -> tuple[Any, Any]:
+    """(o (B, T, N, H_v), logsumexp (B, N, T) fp32) of one block."""
+    return _forward(static, q, k, v, None, dict(aux), "forward")
+
+
+def block_backward(static: _Static, q, k, v, aux: Mapping[str, Any], o, lse, d_o) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) of one block, given the whole attention's output `o` and logsumexp `lse`."""
+    grads = _backward(static, q, k, v, None, dict(aux), o, lse, d_o)
+    return grads["dq"], grads["dk"], grads["dv"]

@@ -14,7 +14,8 @@ rule, and the GSPMD callback for processes that turn Shardy off); no runtime of 
 What is split: the batch (dim 0 of q, k, v and of every operand with a full batch dim) and the
 query heads (dim 2 of q; key/value heads split the same way when the shard count divides K, or
 stay whole when K == 1). Sequence and head-dim axes are not split: an operand sharded along one is
-all-gathered there by XLA, logged once at WARNING (context parallelism is what splits sequences).
+all-gathered there by XLA, logged once at WARNING (context parallelism, `jax_api.context_parallel`, is
+what splits sequences).
 Broadcast (size-1) dims of the bias and score_mod arrays are replicated. Gradients of operands that
 are whole on every device while the call is split are summed over the split axes (`psum`): the bias
 gradient of a bias broadcast over a split axis, and dk / dv with one key/value head (MQA).
@@ -265,7 +266,7 @@ def _decide(call: _GraphCall, mesh: Any, arg_shapes: tuple[Any, ...]) -> Split:
     if gathered:
         notes.append("sharded along axes sdpagraph does not split, so XLA all-gathers them on every device: "
                      + ", ".join(gathered) + ". Shard batch or heads instead; splitting sequences without a "
-                     "gather is context parallelism (`context_parallel_axis`, not implemented yet)")
+                     "gather is context parallelism (`attention(..., context_parallel_axis=...)`, docs/multi-gpu.md)")
     if notes:
         _warn_once(f"sdpagraph: attention {call.static.spec.summary()} under SPMD: " + "; ".join(notes) + ".")
     batch, heads = size(batch_axes), size(head_axes)

@@ -30,8 +30,9 @@ from sdpagraph.spec import UNBOUNDED, AttentionSpec
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """Per-token facts shared by the masks and by score_mod's gen_index."""
+class TokenLayout:
+    """Per-token facts shared by the masks and by score_mod's gen_index. A context-parallel block
+    passes its own (`xla_attention(layout=...)`): global positions and segments of its tokens."""
 
     q_pos: Any  # (B, T) position of each query in its sequence / segment
     kv_pos: Any  # (B, S)
@@ -42,7 +43,7 @@ class _Layout:
     diag_offset: Any  # broadcastable to (B, T, S): kv_len - q_len for bottom-right, else 0
 
 
-def _segment_layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
+def _segment_layout(spec: AttentionSpec, inputs: RuntimeInputs) -> TokenLayout:
     q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
     q_run, kv_run = segment_run_ids(q_ids), segment_run_ids(kv_ids)
     # Segments past max_segments are dropped (treated as padding), as the THD metadata does.
@@ -53,10 +54,10 @@ def _segment_layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
         q_len = at_runs(segment_metadata(q_ids, spec.max_segments).seq_lens, q_run)
         kv_len = at_runs(segment_metadata(kv_ids, spec.max_segments).seq_lens, kv_run)
         offset = kv_len[:, None, :] - q_len[:, :, None]
-    return _Layout(segment_positions(q_ids), segment_positions(kv_ids), q_valid, kv_valid, q_run, kv_run, offset)
+    return TokenLayout(segment_positions(q_ids), segment_positions(kv_ids), q_valid, kv_valid, q_run, kv_run, offset)
 
 
-def _dense_layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
+def _dense_layout(spec: AttentionSpec, inputs: RuntimeInputs) -> TokenLayout:
     b, t, s = spec.batch, spec.q_len, spec.kv_len
     q_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     kv_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -65,10 +66,10 @@ def _dense_layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
     offset = 0
     if spec.causal_alignment == "bottom_right":
         offset = (kv_len - q_len)[:, None, None]
-    return _Layout(q_pos, kv_pos, q_pos < q_len[:, None], kv_pos < kv_len[:, None], None, None, offset)
+    return TokenLayout(q_pos, kv_pos, q_pos < q_len[:, None], kv_pos < kv_len[:, None], None, None, offset)
 
 
-def _layout(spec: AttentionSpec, inputs: RuntimeInputs) -> _Layout:
+def _layout(spec: AttentionSpec, inputs: RuntimeInputs) -> TokenLayout:
     return _segment_layout(spec, inputs) if spec.segments else _dense_layout(spec, inputs)
 
 
@@ -90,7 +91,7 @@ def position_allowed(spec: AttentionSpec, diag: Any, kv: Any) -> Any:
     return allowed
 
 
-def allowed_mask(spec: AttentionSpec, inputs: RuntimeInputs, layout: _Layout) -> Any:
+def allowed_mask(spec: AttentionSpec, inputs: RuntimeInputs, layout: TokenLayout) -> Any:
     """Boolean (B|1, N|1, T, S): True where a query may attend to a key."""
     allowed = layout.q_valid[:, :, None] & layout.kv_valid[:, None, :]
     if layout.q_group is not None:
@@ -105,10 +106,12 @@ def allowed_mask(spec: AttentionSpec, inputs: RuntimeInputs, layout: _Layout) ->
     return allowed
 
 
-def positions_and_mask(spec: AttentionSpec, inputs: RuntimeInputs) -> tuple[Any, Any, Any]:
+def positions_and_mask(spec: AttentionSpec, inputs: RuntimeInputs,
+                       layout: TokenLayout | None = None) -> tuple[Any, Any, Any]:
     """(query positions (B, T), key positions (B, S), allowed (B|1, N|1, T, S)): what `gen_index`
-    reads on the sequence axes, and where a query may attend to a key."""
-    layout = _layout(spec, inputs)
+    reads on the sequence axes, and where a query may attend to a key. `layout` (default: from the
+    spec and `inputs`) says where each query and key token sits."""
+    layout = _layout(spec, inputs) if layout is None else layout
     return layout.q_pos, layout.kv_pos, allowed_mask(spec, inputs, layout)
 
 
@@ -172,8 +175,11 @@ def xla_attention(
     value: Any,
     inputs: RuntimeInputs,
     score_mod: ScoreModIR | None = None,
+    layout: TokenLayout | None = None,
 ) -> tuple[Any, Any]:
-    """Return (output (B, T, N, H_v) in the input dtype, logsumexp (B, N, T) fp32)."""
+    """Return (output (B, T, N, H_v) in the input dtype, logsumexp (B, N, T) fp32).
+
+    `layout` (default: from the spec and `inputs`) says where each query and key token sits."""
     b, t, n, h = query.shape
     s, k = key.shape[1], key.shape[2]
     g = n // k
@@ -182,7 +188,7 @@ def xla_attention(
                         precision=precision, preferred_element_type=jnp.float32)
     logits = logits.reshape(b, n, t, s) * jnp.float32(spec.scale)
 
-    q_pos, kv_pos, allowed = positions_and_mask(spec, inputs)
+    q_pos, kv_pos, allowed = positions_and_mask(spec, inputs, layout)
     index = (
         jnp.arange(b, dtype=jnp.int32)[:, None, None, None],
         jnp.arange(n, dtype=jnp.int32)[None, :, None, None],

@@ -1,6 +1,7 @@
 """sdpagraph.attention under SPMD on two GPUs: batch- and head-sharded jitted calls run the cuDNN graph
 once per device on the local shapes, match the XLA backend on the same sharded inputs, keep the
-input's sharding, and compile to no all-gather / all-to-all.
+input's sharding, and compile to no all-gather / all-to-all. Context parallelism (sequence split over
+the two GPUs, ring and all-to-all) equals the unsplit call.
 
 Skipped without two GPUs or without the built executor (and, as every GPU test, without torch or
 the cuDNN frontend: conftest.py). Run on a two-GPU machine:
@@ -180,3 +181,61 @@ def test_recorded_specs_precompile_a_cache_that_serves_the_sharded_run_in_strict
     finally:
         set_default_cache(private_cache)
     assert all(rel_err(a, b) < 1e-6 for a, b in zip(got, expected))
+
+
+# ----------------------------------------------------------------------------- context parallelism
+
+CP_CASES = {  # name: (N, K, strategy, load_balanced, kwargs maker)
+    "ring_causal": (8, 8, "ring", False, lambda rng: dict(is_causal=True)),
+    "ring_causal_balanced": (8, 8, "ring", True, lambda rng: dict(is_causal=True)),
+    "ring_gqa_softcap_balanced": (8, 2, "ring", True, lambda rng: dict(is_causal=True,
+                                                                       score_mod=mods.softcap(20.0))),
+    "ring_plain": (8, 8, "ring", False, lambda rng: dict()),
+    "ring_alibi_balanced": (8, 8, "ring", True, lambda rng: dict(  # global positions: offset operands
+        is_causal=True, score_mod=mods.alibi(rng.random(8).astype(np.float32)))),
+    "ring_window_balanced": (8, 8, "ring", True, lambda rng: dict(local_window_size=(100, 0))),  # XLA blocks
+    "all_to_all_causal_balanced": (8, 8, "all_to_all", True, lambda rng: dict(is_causal=True)),
+    "all_to_all_packed": (8, 8, "all_to_all", False, lambda rng: dict(
+        is_causal=True, segment_ids=random_ids(rng, B, T, 3), max_segments_per_seq=3)),
+}
+
+
+@pytest.mark.parametrize("name", CP_CASES)
+def test_context_parallel_matches_one_gpu(name):
+    """q, k, v split along the sequence over 2 GPUs: output and gradients equal to the unsplit call on
+    one GPU (XLA backend), the ring with collective-permutes and no all-gather."""
+    N, K, strategy, load_balanced, make_kwargs = CP_CASES[name]
+    rng = np.random.default_rng()
+    q = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    k, v = (rng.standard_normal((B, T, K, H)).astype(np.float32) for _ in range(2))
+    cotangent = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    kwargs = make_kwargs(rng)
+    order = (lambda x: np.asarray(sdpagraph.load_balance(x, 2))) if load_balanced else (lambda x: x)  # noqa: E731
+    back = (lambda x: sdpagraph.unload_balance(x, 2)) if load_balanced else (lambda x: x)  # noqa: E731
+    cp_kwargs = dict(kwargs, context_parallel_axis="x", load_balanced=load_balanced,
+                     context_parallel_strategy=strategy)
+    if "segment_ids" in kwargs:
+        cp_kwargs["segment_ids"] = order(kwargs["segment_ids"])
+    m = mesh()
+    args = [place(jnp.asarray(order(x), jnp.bfloat16 if i < 3 else jnp.float32), m, P(None, "x"))
+            for i, x in enumerate((q, k, v, cotangent))]
+    with jax.set_mesh(m):
+        ours = grad_step(None, cp_kwargs, False).lower(*args[:3], None, args[3]).compile()
+        (_, out), grads = ours(*args[:3], None, args[3])
+    host = [jnp.asarray(x, jnp.bfloat16 if i < 3 else jnp.float32) for i, x in enumerate((q, k, v, cotangent))]
+    (_, out_ref), grads_ref = grad_step("xla", kwargs, False)(*host[:3], None, host[3])
+    assert rel_err(back(out), out_ref) < 2e-2
+    for grad, grad_ref in zip(grads, grads_ref):
+        assert rel_err(back(grad), grad_ref) < 2e-2
+    text = ours.as_text()
+    if strategy == "ring":
+        assert "collective-permute" in text and not re.search(r"\ball-gather(?:-start)?\(", text)
+    if strategy == "ring" and "window" not in name:  # the ring's blocks run the cuDNN graphs
+        assert EXECUTE.findall(text)
+
+
+def test_context_parallel_check_support_names_the_block_backend():
+    q = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
+    with jax.set_mesh(mesh()):
+        answer = sdpagraph.check_support(q, q, q, is_causal=True, context_parallel_axis="x", load_balanced=True)
+    assert answer.supported and answer.backend == "cudnn", answer

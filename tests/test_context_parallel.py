@@ -1,0 +1,364 @@
+"""Context parallelism (`attention(..., context_parallel_axis=...)`) on 8 CPU devices.
+
+As in tests/test_sharding.py, the first test runs this file again in a subprocess with
+`--xla_force_host_platform_device_count=8`, where the other device tests run.
+
+The XLA backend runs as it is. The cuDNN path runs its own ring code (`jax_api.ring`, the cuDNN
+block graphs of `jax_api.cudnn`, the partitioning around them) with test_sharding's stand-ins for
+the graph builder and the FFI executor, except that the backward stand-in here computes what
+cuDNN's backward graph computes from the o and stats operands it is given (P = exp(S - stats),
+dS = P * (dP - rowsum(dO * o))): the ring feeds each block the final o and logsumexp, and only a
+stand-in that reads them checks that this is exact.
+"""
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import sdpagraph
+from sdpagraph import mods
+from sdpagraph.deploy.specfile import load_specs
+from sdpagraph.graphs.ir_eval import evaluate
+from sdpagraph.graphs.operands import ARRAY_PREFIX
+from sdpagraph.jax_api import cudnn as cudnn_backend
+from tests.devices import has_cpu_devices, rerun_with_cpu_devices
+from tests.test_sharding import cudnn_on_cpu, fake_executor, random_ids  # noqa: F401 (a fixture)
+
+DEVICES = 8
+HERE_WITH_DEVICES = has_cpu_devices(DEVICES)
+needs_devices = pytest.mark.skipif(not HERE_WITH_DEVICES, reason=f"runs in the {DEVICES}-device subprocess")
+CP = 4
+B, T, N, H = 2, 32, 8, 8
+
+
+def test_in_a_process_with_eight_cpu_devices():
+    if HERE_WITH_DEVICES:
+        pytest.skip("this process has the devices: the tests below run here")
+    rerun_with_cpu_devices(__file__, DEVICES, timeout=1200)
+
+
+# ----------------------------------------------------------------------------- load balancing
+
+def test_load_balance_round_trip_and_order():
+    x = np.arange(8)[None, :, None]
+    assert sdpagraph.load_balance(x, 2)[0, :, 0].tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    y = np.random.default_rng(0).standard_normal((2, 48, 3, 5)).astype(np.float32)
+    for cp in (1, 2, 3, 4):
+        balanced = sdpagraph.load_balance(y, cp)
+        assert not cp > 1 or not np.array_equal(balanced, y)
+        np.testing.assert_array_equal(sdpagraph.unload_balance(balanced, cp), y)
+    lse = np.random.default_rng(1).standard_normal((2, 3, 48)).astype(np.float32)
+    np.testing.assert_array_equal(sdpagraph.unload_balance(sdpagraph.load_balance(lse, 4, seq_axis=-1), 4, -1), lse)
+
+
+def test_load_balance_errors_name_the_numbers():
+    with pytest.raises(ValueError, match=r"load_balance: the sequence length 30 .* 2 \* cp_size = 8"):
+        sdpagraph.load_balance(np.zeros((1, 30, 2, 2)), 4)
+    with pytest.raises(ValueError, match="cp_size must be a positive int"):
+        sdpagraph.unload_balance(np.zeros((1, 32)), 0)
+
+
+# ----------------------------------------------------------------------------- cases
+
+def mesh(shape=(CP,), names=("cp",)):
+    return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+
+
+def case(name, rng):
+    """(attention kwargs, K) of one case; fresh random inputs come from `inputs`."""
+    K = {"gqa": 4, "mqa": 1}.get(name.split("_")[0], N)
+    slopes = rng.random(N).astype(np.float32)
+    return {
+        "causal": dict(is_causal=True),
+        "plain": dict(),
+        "gqa_causal": dict(is_causal=True),
+        "mqa_causal": dict(is_causal=True),
+        "softcap_causal": dict(is_causal=True, score_mod=mods.softcap(3.0)),
+        "alibi_causal": dict(is_causal=True, score_mod=mods.alibi(slopes)),
+        "relative_jnp": dict(score_mod=lambda s, b, h, q, kv: s - 0.05 * jnp.abs(q - kv).astype(s.dtype)),
+        "window": dict(local_window_size=(6, 3)),
+        "causal_window": dict(is_causal=True, local_window_size=(9, 0)),
+        "packed_causal": dict(is_causal=True, segment_ids=random_ids(rng, B, T, 4), max_segments_per_seq=4),
+        "near_mask_mod": dict(mask_mod=lambda b, h, q, kv: jnp.abs(q - kv) < 10),
+    }[name], K
+
+
+def inputs(rng, K, dtype=np.float32):
+    q = rng.standard_normal((B, T, N, H)).astype(dtype)
+    k, v = (rng.standard_normal((B, T, K, H)).astype(dtype) for _ in range(2))
+    cotangent = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    return q, k, v, cotangent
+
+
+def value_and_grads(attn):
+    def loss(q, k, v, cotangent):
+        out = attn(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+
+
+def cp_step(kwargs, strategy, load_balanced, impl):
+    """The context-parallel call; with load balancing its q, k, v, segment ids and output are in
+    `load_balance` order (`run` reorders them on the host, as a data loader would)."""
+    kwargs = dict(kwargs)
+    if load_balanced and "segment_ids" in kwargs:
+        kwargs["segment_ids"] = sdpagraph.load_balance(kwargs["segment_ids"], CP)
+    return value_and_grads(lambda q, k, v: sdpagraph.attention(
+        q, k, v, implementation=impl, context_parallel_axis="cp", load_balanced=load_balanced,
+        context_parallel_strategy=strategy, **kwargs))
+
+
+def reference(kwargs):
+    return value_and_grads(lambda q, k, v: sdpagraph.attention(q, k, v, implementation="xla", **kwargs))
+
+
+def assert_same(ours, ref, tol=2e-5):
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
+
+
+def place(m, *xs, spec=P(None, "cp")):
+    return tuple(jax.device_put(jnp.asarray(x), NamedSharding(m, spec)) for x in xs)
+
+
+def run(name, strategy, load_balanced, impl, seed, ref=reference):
+    rng = np.random.default_rng(seed)
+    kwargs, K = case(name, rng)
+    q, k, v, cot = inputs(rng, K)
+    m = mesh()
+    order = (lambda x: sdpagraph.load_balance(x, CP)) if load_balanced else (lambda x: x)  # noqa: E731
+    back = (lambda x: sdpagraph.unload_balance(x, CP)) if load_balanced else (lambda x: x)  # noqa: E731
+    with jax.set_mesh(m):
+        step = jax.jit(cp_step(kwargs, strategy, load_balanced, impl))
+        args = place(m, *(order(x) for x in (q, k, v, cot)))
+        compiled = step.lower(*args).compile()
+        ours = jax.tree.map(lambda x: back(x) if x.ndim > 1 else x, compiled(*args))  # all but the loss: (B, T, ...)
+    return ours, ref(kwargs)(q, k, v, cot), compiled.as_text()
+
+
+XLA_CASES = ["causal", "plain", "gqa_causal", "mqa_causal", "softcap_causal", "alibi_causal", "relative_jnp", "window",
+             "causal_window", "packed_causal", "near_mask_mod"]
+
+
+@needs_devices
+@pytest.mark.parametrize("load_balanced", [False, True])
+@pytest.mark.parametrize("name", XLA_CASES)
+def test_ring_on_xla_equals_one_device(name, load_balanced):
+    ours, ref, hlo = run(name, "ring", load_balanced, "xla", seed=XLA_CASES.index(name))
+    assert_same(ours, ref)
+    assert "collective-permute" in hlo
+
+
+@needs_devices
+@pytest.mark.parametrize("load_balanced", [False, True])
+@pytest.mark.parametrize("name", ["causal", "gqa_causal", "alibi_causal", "window", "packed_causal"])
+def test_all_to_all_on_xla_equals_one_device(name, load_balanced):
+    ours, ref, hlo = run(name, "all_to_all", load_balanced, "xla", seed=100 + len(name))
+    assert_same(ours, ref)
+    assert "all-to-all" in hlo
+
+
+@needs_devices
+@pytest.mark.parametrize("name", ["causal", "plain", "gqa_causal", "window"])
+def test_equal_to_jax_dot_product_attention(name):
+    jax_ref = lambda kwargs: value_and_grads(  # noqa: E731
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs))
+    ours, ref, _ = run(name, "ring", True, None, 7, ref=jax_ref)
+    assert_same(ours, ref, tol=5e-5)
+
+
+# ----------------------------------------------------------------------------- the cuDNN path's ring
+
+def logits_on_xla(static, operands):
+    """(q, k) -> the masked scores of the graph (what cuDNN computes before the softmax)."""
+    spec = static.graph_spec
+    arrays = {name[len(ARRAY_PREFIX):]: x for name, x in operands.items() if name.startswith(ARRAY_PREFIX)}
+
+    def logits(q, k):
+        b, t, n, h = q.shape
+        s, kh = k.shape[1], k.shape[2]
+        x = jnp.einsum("btkgh,bskh->bkgts", q.reshape(b, t, kh, n // kh, h), k).reshape(b, n, t, s) * spec.scale
+        index = (None, jnp.arange(n)[None, :, None, None], jnp.arange(t)[None, None, :, None],
+                 jnp.arange(s)[None, None, None, :])
+        if static.ir is not None:
+            x = evaluate(static.ir, x, scalars=dict(static.scalars), arrays=arrays, index=index)[0]
+        if spec.is_causal:
+            x = jnp.where(index[3] <= index[2], x, -jnp.inf)
+        return x
+
+    return logits
+
+
+def cudnn_like_executor(static, graph, operands, results):
+    """Forward: test_sharding's stand-in. Backward: from the o and stats operands, as cuDNN does."""
+    if "dq" not in results:
+        return fake_executor(static, graph, operands, results)
+    q, k, v, o, d_o, stats = (operands[r] for r in ("q", "k", "v", "o", "dO", "stats"))
+    scores, pullback = jax.vjp(logits_on_xla(static, operands), q, k)
+    p = jnp.exp(scores - stats[..., None])  # stats: (B, N, T)
+    g = q.shape[2] // k.shape[2]
+    v_heads = jnp.repeat(v, g, axis=2)
+    dv = jnp.einsum("bnts,btnh->bsnh", p, d_o.astype(jnp.float32))
+    dv = dv.reshape(*dv.shape[:2], k.shape[2], g, -1).sum(axis=3)
+    d_p = jnp.einsum("btnh,bsnh->bnts", d_o.astype(jnp.float32), v_heads)
+    d_rows = jnp.swapaxes(jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1), 1, 2)[..., None]
+    dq, dk = pullback(p * (d_p - d_rows))
+    return {"dq": dq.astype(q.dtype), "dk": dk.astype(k.dtype), "dv": dv.astype(v.dtype)}
+
+
+@pytest.fixture
+def cudnn_ring(cudnn_on_cpu, monkeypatch):
+    monkeypatch.setattr(cudnn_backend, "_call_executor", cudnn_like_executor)
+    return cudnn_on_cpu[0]
+
+
+@needs_devices
+@pytest.mark.parametrize("load_balanced", [False, True])
+@pytest.mark.parametrize("name", ["causal", "plain", "gqa_causal", "mqa_causal", "softcap_causal", "alibi_causal",
+                                  "relative_jnp"])
+def test_ring_on_the_cudnn_path(name, load_balanced, cudnn_ring):
+    built = cudnn_ring
+    seed = int(np.random.default_rng().integers(2**31))
+    ours, ref, hlo = run(name, "ring", load_balanced, "cudnn", seed)
+    assert_same(ours, ref, tol=3e-5)
+    assert "collective-permute" in hlo, f"seed {seed}"
+    K = case(name, np.random.default_rng(0))[1]
+    assert not re.search(r"\ball-gather(?:-start)?\(", hlo), f"the ring gathers nothing (seed {seed})"
+    # One graph per block kind, whatever the step: (T / chunks) blocks, unmasked and (causal) diagonal.
+    chunk = T // (CP * (2 if load_balanced else 1))
+    specs = {(s.q_len, s.kv_len, s.is_causal, d) for s, _, d in built}
+    want = {(chunk, chunk, c, d) for c in {False, "causal" in name} for d in ("forward", "backward")}
+    assert specs == want, specs
+    if name in ("alibi_causal", "relative_jnp"):  # global positions: the pair's offsets are operands
+        assert all({"__cp_q_offset", "__cp_kv_offset"} <= set(ir.array_names) for _, ir, _ in built)
+        assert len({ir.digest for _, ir, _ in built}) == 1
+
+
+@needs_devices
+def test_all_to_all_on_the_cudnn_path(cudnn_ring):
+    built = cudnn_ring
+    ours, ref, hlo = run("gqa_causal", "all_to_all", True, "cudnn", 5)
+    assert_same(ours, ref, tol=3e-5)
+    assert "all-to-all" in hlo
+    assert {(s.q_len, s.num_heads, s.num_kv_heads) for s, _, _ in built} == {(T, N // CP, 4 // CP)}
+
+
+@needs_devices
+def test_position_selecting_mod_runs_xla_blocks_and_says_why(cudnn_ring, caplog):
+    caplog.set_level(logging.INFO, logger="sdpagraph")
+    ours, ref, _ = run("near_mask_mod", "ring", True, None, 11)
+    assert_same(ours, ref)
+    assert any("select by position" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="implementation='cudnn' cannot run .*context parallel.*select by position"):
+        run("near_mask_mod", "ring", True, "cudnn", 11)
+    q, k, v, _ = inputs(np.random.default_rng(11), N)
+    with jax.set_mesh(mesh()):
+        near = case("near_mask_mod", np.random.default_rng(0))[0]["mask_mod"]
+        answer = sdpagraph.check_support(q, k, v, mask_mod=near, context_parallel_axis="cp", load_balanced=True)
+        assert (answer.supported, answer.backend) == (False, "xla") and "select by position" in answer.reason
+        answer = sdpagraph.check_support(q, k, v, is_causal=True, score_mod=mods.alibi(np.ones(N, np.float32)),
+                                         context_parallel_axis="cp", context_parallel_strategy="auto")
+        assert (answer.supported, answer.backend) == (True, "cudnn") and "all_to_all over 'cp', cp=4" in answer.reason
+
+
+@needs_devices
+def test_mesh_argument_batch_axis_and_shard_map(cudnn_ring):
+    rng = np.random.default_rng(12)
+    q, k, v, cot = inputs(rng, N)
+    ref = reference(dict(is_causal=True))(q, k, v, cot)
+    m = mesh((2, CP), ("data", "cp"))  # the batch over "data", the sequence over "cp"; mesh= without set_mesh
+    args = place(m, q, k, v, cot, spec=P("data", "cp"))
+
+    def attn(q, k, v):
+        return sdpagraph.attention(q, k, v, is_causal=True, context_parallel_axis="cp", mesh=m)
+
+    assert_same(jax.jit(value_and_grads(attn))(*args), ref, tol=3e-5)
+    assert {s.batch for s, _, _ in cudnn_ring} == {B // 2}
+
+    # Inside a user's shard_map over the axis, q, k, v are the local blocks.
+    inner = jax.shard_map(lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=True, context_parallel_axis="cp"),
+                          mesh=m, in_specs=P("data", "cp"), out_specs=P("data", "cp"))
+    assert_same(jax.jit(value_and_grads(inner))(*args), ref, tol=3e-5)
+
+
+# ----------------------------------------------------------------------------- errors
+
+@needs_devices
+def test_errors_name_the_argument_and_the_numbers():
+    rng = np.random.default_rng(13)
+    q, k, v, _ = inputs(rng, 4)
+    m = mesh()
+    cp = dict(context_parallel_axis="cp")
+    with pytest.raises(ValueError, match=r"context_parallel_axis='cp': needs a mesh.*jax.set_mesh.*mesh="):
+        sdpagraph.attention(q, k, v, **cp)
+    with pytest.raises(ValueError, match=r"context_parallel_axis='sp': is not an axis of the mesh.*\('cp',\)"):
+        sdpagraph.attention(q, k, v, context_parallel_axis="sp", mesh=m)
+    with pytest.raises(ValueError, match=r"context_parallel_axis='cp': the query sequence length 30 must be "
+                                         r"divisible by 4 .*cp=4"):
+        sdpagraph.attention(q[:, :30], k, v, mesh=m, **cp)
+    with pytest.raises(ValueError, match=r"key/value sequence length 36 must be divisible by 8 \(2 \* cp"):
+        sdpagraph.attention(q, jnp.concatenate([k, k[:, :4]], 1), jnp.concatenate([v, v[:, :4]], 1), mesh=m,
+                            load_balanced=True, **cp)
+    with pytest.raises(ValueError, match=r"'all_to_all' needs .* N=8 and key/value heads K=2 divisible by cp=4"):
+        sdpagraph.attention(q, k[:, :, :2], v[:, :, :2], mesh=m, context_parallel_strategy="all_to_all", **cp)
+    with pytest.raises(ValueError, match="context_parallel_axis='cp': context parallelism does not take bias"):
+        sdpagraph.attention(q, k, v, jnp.ones((T, T)), mesh=m, **cp)
+    with pytest.raises(ValueError, match="context_parallel_strategy must be one of"):
+        sdpagraph.attention(q, k, v, mesh=m, context_parallel_strategy="ulysses", **cp)
+    with pytest.raises(ValueError, match="pass context_parallel_axis="):
+        sdpagraph.attention(q, k, v, load_balanced=True)
+    with pytest.raises(TypeError, match="load_balanced must be a bool"):
+        sdpagraph.attention(q, k, v, mesh=m, load_balanced="yes", **cp)
+
+
+def test_auto_rule():
+    from sdpagraph.jax_api.context_parallel import choose_strategy
+    from sdpagraph.spec import AttentionSpec
+
+    spec = lambda t, n, k: AttentionSpec(1, t, t, n, k, 128, 128, "bfloat16", 0.1)  # noqa: E731
+    assert choose_strategy(spec(16384, 16, 16), 2, "auto") == "all_to_all"
+    assert choose_strategy(spec(65536, 16, 16), 2, "auto") == "ring"
+    assert choose_strategy(spec(4096, 16, 1), 2, "auto") == "ring"  # one key/value head does not split
+    assert choose_strategy(spec(4096, 16, 16), 2, "ring") == "ring"
+    assert choose_strategy(spec(65536, 16, 16), 2, "auto", ring_on_xla=True) == "all_to_all"
+    assert choose_strategy(spec(65536, 16, 1), 2, "auto", ring_on_xla=True) == "ring"
+
+
+def test_position_offsets_shift_what_the_mod_sees():
+    from sdpagraph.graphs.ir import with_position_offsets
+    from sdpagraph.jax_api.call import prepare_call
+
+    rng = np.random.default_rng(14)
+    q = jax.ShapeDtypeStruct((1, 8, 2, 4), jnp.float32)
+    slopes = rng.random(2).astype(np.float32)
+    ir = prepare_call(q, q, q, score_mod=mods.alibi(slopes)).score_mod
+    shifted = with_position_offsets(ir, {2: "qo", 3: "ko"})
+    assert shifted.array_names == ir.array_names + ("qo", "ko") and shifted.grad_derived == ir.grad_derived
+    score = jnp.asarray(rng.standard_normal((1, 2, 8, 8)), jnp.float32)
+    local = (None, jnp.arange(2)[None, :, None, None], jnp.arange(8)[None, None, :, None],
+             jnp.arange(8)[None, None, None, :])
+    at = lambda qo, ko: (local[0], local[1], local[2] + qo, local[3] + ko)  # noqa: E731
+    arrays = {"slopes": slopes.reshape(1, 2, 1, 1)}
+    offsets = {"qo": np.full((1, 1, 1, 1), 24, np.int32), "ko": np.full((1, 1, 1, 1), 8, np.int32)}
+    ours = evaluate(shifted, score, scalars={}, arrays={**arrays, **offsets}, index=local)[0]
+    np.testing.assert_allclose(ours, evaluate(ir, score, scalars={}, arrays=arrays, index=at(24, 8))[0], rtol=1e-6)
+
+
+@needs_devices
+def test_logsumexp_and_recorded_block_specs(cudnn_ring, tmp_path):
+    rng = np.random.default_rng(15)
+    q, k, v, _ = inputs(rng, N)
+    ref_out, ref_lse = sdpagraph.attention(q, k, v, is_causal=True, return_residual=True, implementation="xla")
+    m = mesh()
+    path = tmp_path / "specs.json"
+    with jax.set_mesh(m), sdpagraph.record(str(path)):
+        out, lse = jax.jit(lambda q, k, v: sdpagraph.attention(
+            q, k, v, is_causal=True, return_residual=True, context_parallel_axis="cp"))(*place(m, q, k, v))
+    assert_same((out, lse), (ref_out, ref_lse), tol=3e-5)
+    recorded = {(e.spec.q_len, e.spec.is_causal) for e in load_specs(path)}
+    assert recorded == {(T // CP, False), (T // CP, True)}  # the block graphs, not the global call's
