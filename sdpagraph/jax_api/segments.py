@@ -190,13 +190,16 @@ def _nth_true(flags: jax.Array, count: int) -> jax.Array:
     kernels: 0.7 ms on an H100 at B4 T4096, more than the attention itself.)
     Missing entries come back as ``T``.
     """
-    batch, length = flags.shape
-    rank = jnp.cumsum(flags, axis=1, dtype=jnp.int32) - 1
-    slot = jnp.where(flags, rank, count)  # not a True: out of range, dropped
-    rows = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], (batch, length))
-    index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None, :], (batch, length))
-    found = jnp.full((batch, count), length, jnp.int32)
-    return found.at[rows, slot].set(index, mode="drop")
+    length = flags.shape[1]
+    index = jnp.arange(length, dtype=jnp.int32)
+
+    def row(flags_row: jax.Array) -> jax.Array:
+        slot = jnp.where(flags_row, jnp.cumsum(flags_row, dtype=jnp.int32) - 1, count)  # not a True: dropped
+        return jnp.full((count,), length, jnp.int32).at[slot].set(index, mode="drop")
+
+    # vmap, not one scatter over (row, slot) pairs: a batched scatter keeps the batch axis a batch
+    # axis, so SPMD partitioning over the batch needs no all-gather.
+    return jax.vmap(row)(flags)
 
 
 def segment_metadata(segment_ids: jax.Array, max_segments: int) -> SegmentMetadata:
