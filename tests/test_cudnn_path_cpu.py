@@ -87,3 +87,28 @@ def test_remat_and_value_and_grad_trace_through_the_custom_vjp(fake_gpu):
     step = jax.value_and_grad(lambda q, k, v: jnp.sum(layer(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
     jaxpr = jax.make_jaxpr(step)(q, k, v)
     assert custom_calls(jaxpr) >= 2 and {"forward", "backward"} <= set(built)
+
+
+def test_ffi_results_vary_over_the_manual_axes_their_operands_vary_over():
+    """Inside a shard_map an FFI call's results come back invariant; the cuDNN path marks them
+    varying as its operands are, or a custom_vjp's gradient fails JAX's manual-axis type check
+    (seen on an H100 with context parallelism's all_to_all strategy, jax 0.11.2)."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from sdpagraph.jax_api.cudnn import _varying_axes, varying_like
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("cp",))
+    seen = {}
+
+    def body(x):
+        fresh = jnp.ones(x.shape, x.dtype)  # what an FFI call returns: no manual axes
+        seen["fresh"] = _varying_axes(fresh)
+        marked = varying_like(fresh, [x, np.ones(3), None])
+        seen["marked"] = _varying_axes(marked)
+        return marked + x
+
+    out = jax.shard_map(body, mesh=mesh, in_specs=P("cp"), out_specs=P("cp"))(jnp.arange(4.0))
+    assert seen == {"fresh": frozenset(), "marked": frozenset({"cp"})}
+    np.testing.assert_array_equal(out, 1 + np.arange(4.0))
+    outside = jnp.ones(3)
+    assert varying_like(outside, [jnp.zeros(3)]) is outside

@@ -70,7 +70,8 @@ def _run_graph(static: _Static, direction: str, operands: Mapping[str, Any],
     heads): one op, once per device on its shard when the inputs are sharded (`sharding`)."""
     operand_roles, result_roles = graph_io(static.graph_spec, static.ir, direction)
     needed = {role: x for role, x in operands.items() if role in operand_roles or role.startswith(SEGMENT_OFFSETS)}
-    return sharding.call_per_shard(_execute, static, direction, needed, {r: results[r] for r in result_roles})
+    outputs = sharding.call_per_shard(_execute, static, direction, needed, {r: results[r] for r in result_roles})
+    return {role: varying_like(x, needed.values()) for role, x in outputs.items()}
 
 
 def _execute(static: _Static, direction: str, operands: Mapping[str, Any],
@@ -82,6 +83,25 @@ def _execute(static: _Static, direction: str, operands: Mapping[str, Any],
     if static.graph_spec.segments:
         operands = _ragged_operands(static.graph_spec, operands)
     return _call_executor(static, graph, operands, results)
+
+
+def _varying_axes(x: Any) -> frozenset:
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def varying_like(x: Any, operands: Any) -> Any:
+    """`x` marked as varying over every manual mesh axis some operand varies over. Inside a
+    `shard_map` (context parallelism), an FFI call's results come back invariant whatever its
+    operands are, and a custom_vjp's gradient must carry its primal's manual axes."""
+    axes = frozenset().union(*(_varying_axes(op) for op in operands if op is not None and hasattr(op, "shape")))
+    missing = tuple(sorted(axes - _varying_axes(x)))
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)  # the older name
 
 
 def _call_executor(static: _Static, graph: CachedGraph, operands: Mapping[str, Any],
