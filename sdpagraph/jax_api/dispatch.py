@@ -486,6 +486,34 @@ def _points(rows: list[tuple], source: str) -> tuple[Point, ...]:
                  for b, t, s, n, k, h, causal, pass_, times in rows)
 
 
+_SWEEP_H100 = _points([
+    # bench/dispatch.py on an H100 80GB HBM3 (jax 0.11.2, cuDNN 9.19), 2026-11-24, two runs (T1 S2/S8:
+    # the first, the rest: the second): docs/results/h100-2026-11-24.md. They replace the older
+    # points of the same shapes (`_newest`).
+    (30720, 1, 2, 16, 16, 128, False, "fwd", {"cudnn": 4.9616, "small_seq": 0.3124, "xla": 0.3049}),
+    (30720, 1, 2, 16, 16, 128, False, "fwd_bwd", {"cudnn": 20.914, "small_seq": 0.7008, "xla": 3.1959}),
+    (30720, 1, 4, 16, 16, 128, False, "fwd", {"cudnn": 4.9618, "small_seq": 0.4851, "xla": 0.4794}),
+    (30720, 1, 4, 16, 16, 128, False, "fwd_bwd", {"cudnn": 20.8441, "small_seq": 1.2345, "xla": 3.8761}),
+    (30720, 1, 8, 16, 16, 128, False, "fwd", {"cudnn": 4.9898, "small_seq": 0.854, "xla": 0.8451}),
+    (30720, 1, 8, 16, 16, 128, False, "fwd_bwd", {"cudnn": 21.1129, "small_seq": 2.2809, "xla": 5.5585}),
+    (30720, 1, 16, 16, 16, 128, False, "fwd", {"cudnn": 4.9997, "small_seq": 1.5617, "xla": 1.5943}),
+    (30720, 1, 16, 16, 16, 128, False, "fwd_bwd", {"cudnn": 21.4103, "small_seq": 4.393, "xla": 7.4536}),
+    (15640, 1, 32, 16, 16, 128, False, "fwd", {"cudnn": 2.635, "small_seq": 1.5761, "xla": 1.6608}),
+    (15640, 1, 32, 16, 16, 128, False, "fwd_bwd", {"cudnn": 11.8317, "small_seq": 4.8557, "xla": 6.6433}),
+    (30720, 2, 4, 16, 16, 128, False, "fwd", {"cudnn": 10.2679, "small_seq": 0.6097, "xla": 3.2405}),
+    (30720, 2, 4, 16, 16, 128, False, "fwd_bwd", {"cudnn": 26.7308, "small_seq": 1.4193, "xla": 7.6275}),
+    (30720, 2, 16, 16, 16, 128, False, "fwd", {"cudnn": 10.4732, "small_seq": 1.8331, "xla": 5.6269}),
+    (30720, 2, 16, 16, 16, 128, False, "fwd_bwd", {"cudnn": 26.9495, "small_seq": 4.3767, "xla": 12.1582}),
+    (15640, 2, 32, 16, 16, 128, False, "fwd", {"cudnn": 5.238, "small_seq": 4.4688, "xla": 4.7615}),
+    (15640, 2, 32, 16, 16, 128, False, "fwd_bwd", {"cudnn": 14.7512, "small_seq": 7.5559, "xla": 10.0956}),
+    (30720, 4, 4, 16, 16, 128, False, "fwd", {"cudnn": 10.2334, "small_seq": 0.8069, "xla": 3.5389}),
+    (30720, 4, 4, 16, 16, 128, False, "fwd_bwd", {"cudnn": 28.5691, "small_seq": 2.0163, "xla": 8.6355}),
+    (30720, 4, 16, 16, 16, 128, False, "fwd", {"cudnn": 10.2937, "small_seq": 2.49, "xla": 6.388}),
+    (30720, 4, 16, 16, 16, 128, False, "fwd_bwd", {"cudnn": 29.0233, "small_seq": 6.1205, "xla": 13.1411}),
+    (15640, 4, 32, 16, 16, 128, False, "fwd", {"cudnn": 5.2949, "small_seq": 4.8731, "xla": 5.6069}),
+    (15640, 4, 32, 16, 16, 128, False, "fwd_bwd", {"cudnn": 15.6203, "small_seq": 8.8459, "xla": 10.8298}),
+], "bench/dispatch.py, H100, 2026-11-24")
+
 _DESIGN_H100 = _points([
     # /work/shared/DESIGN.md "Facts measured on an H100 and on two H200s, 2026-11-23", and issue 14
     # (H100, implementation=None): sdpagraph's cuDNN graphs.
@@ -531,12 +559,24 @@ _EXPLORE_H100 = _points([
     (30720, 1, 16, 16, 4, 128, False, "fwd_bwd", {"xla": 2.9405, "small_seq": 2.5359}),
 ], "H100 exploration run, 2026-11-23")
 
+def _newest(*groups: tuple[Point, ...]) -> tuple[Point, ...]:
+    """The points of `groups` (newest group first), each shape and pass once: a shape measured
+    again keeps only its newest point, so the table never holds two answers for one question."""
+    seen, kept = set(), []
+    for point in (p for group in groups for p in group):
+        if (point.shape, point.pass_) not in seen:
+            seen.add((point.shape, point.pass_))
+            kept.append(point)
+    return tuple(kept)
+
+
 H100_TABLE = Table(
     gpu="NVIDIA H100 80GB HBM3",
-    points=_DESIGN_H100 + _DENSE_H100 + _EXPLORE_H100,
-    date="2026-11-23",
-    source="H100 80GB HBM3. cuDNN small-sequence and decode: DESIGN.md and issue 14 (2026-11-23); dense "
+    points=_newest(_SWEEP_H100, _DESIGN_H100, _DENSE_H100, _EXPLORE_H100),
+    date="2026-11-24",
+    source="H100 80GB HBM3. The small-sequence sweep (T 1-4, S 2-32: xla, small_seq, cudnn): bench/dispatch.py, "
+           "2026-11-24; cuDNN small-sequence and decode: DESIGN.md and issue 14 (2026-11-23); dense "
            "cuDNN and XLA: docs/results/attention-h100-2026-11-22.json; XLA and small_seq small-sequence "
            "shapes: measured 2026-11-23. "
-           "Replace with `python bench/dispatch.py --write-table` on the GPU.",
+           "Refresh with `python bench/dispatch.py --write-table` on the GPU.",
 )
