@@ -80,9 +80,10 @@ def implementations(causal, score_mod=None, training=True, segment_ids=None):
     return impls
 
 
-def torch_flex_ms(B, T, N, H, backward, segment_ids=None):
-    """softcap(30)+causal through torch.compile(flex_attention), timed with CUDA events; with
-    `segment_ids`, also document masking (FlexAttention's block mask skips the other documents)."""
+def torch_flex_ms(B, T, N, H, backward, segment_ids=None, softcap=True):
+    """softcap(30)+causal (causal alone with `softcap=False`) through torch.compile(flex_attention),
+    timed with CUDA events; with `segment_ids`, also document masking (FlexAttention's block mask
+    skips the other documents)."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -94,10 +95,10 @@ def torch_flex_ms(B, T, N, H, backward, segment_ids=None):
         docs = torch.from_numpy(segment_ids).to("cuda")
         block_mask = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (docs[b, qi] == docs[b, ki]),
                                        B=B, H=None, Q_LEN=T, KV_LEN=T)
-    softcap = lambda s, b, h, qi, ki: 30.0 * torch.tanh(s / 30.0)  # noqa: E731
+    score_mod = (lambda s, b, h, qi, ki: 30.0 * torch.tanh(s / 30.0)) if softcap else None
 
     def step():
-        out = compiled(q, k, v, score_mod=softcap, block_mask=block_mask)
+        out = compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
         if backward:
             out.backward(torch.ones_like(out))
         return out

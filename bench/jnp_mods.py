@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import jax
@@ -22,6 +20,8 @@ import numpy as np
 
 import sdpagraph
 from sdpagraph import mods
+
+import report  # bench/ is on sys.path when a script here runs
 
 WINDOW = 255
 
@@ -111,20 +111,12 @@ def main():
     parser.add_argument("--out", default=".")
     parser.add_argument("--shape", default="4,4096,16,128", help="B,T,N,H (bf16, self-attention)")
     args = parser.parse_args()
-    if not [d for d in jax.devices() if d.platform == "gpu"]:
-        print("bench/jnp_mods.py needs a GPU; none visible", file=sys.stderr)
+    if report.gpu_missing("bench/jnp_mods.py"):
         return 2
     B, T, N, H = (int(x) for x in args.shape.split(","))
     rows = run(B, T, N, H)
-    text = table(rows)
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    header = (f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {time.strftime('%Y-%m-%d')}; "
-              f"B{B} T{T} N{N} H{H} bf16; twin = graph mod (mods.*) or native flag\n\n")
-    with open(os.path.join(args.out, "jnp_mods.md"), "w") as f:
-        f.write(header + text + "\n")
-    with open(os.path.join(args.out, "jnp_mods.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    report.write(args.out, "jnp_mods", f"B{B} T{T} N{N} H{H} bf16; twin = graph mod (mods.*) or native flag",
+                 table(rows), rows)
     return 0
 
 

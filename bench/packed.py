@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave room for torch
 
@@ -25,7 +23,8 @@ import numpy as np
 import sdpagraph
 from sdpagraph.jax_api.segments import segment_metadata, segment_run_ids
 
-from cuda_timing import cuda_event_ms  # bench/ is on sys.path when a script here runs
+import report  # bench/ is on sys.path when a script here runs
+from attention import torch_flex_ms
 from jax_timing import time_ms
 
 N, H = 16, 128
@@ -76,27 +75,6 @@ def jitted(fn, backward):
     return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
 
 
-def flex_ms(ids, mod, backward):
-    import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    B, T = ids.shape
-    compiled = torch.compile(flex_attention)
-    q, k, v = (torch.randn(B, N, T, H, device="cuda", dtype=torch.bfloat16, requires_grad=backward) for _ in range(3))
-    docs = torch.from_numpy(ids).to("cuda")
-    block_mask = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (docs[b, qi] == docs[b, ki]),
-                                   B=B, H=None, Q_LEN=T, KV_LEN=T)
-    score_mod = (lambda s, b, h, qi, ki: 30.0 * torch.tanh(s / 30.0)) if mod else None
-
-    def step():
-        out = compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
-        if backward:
-            out.backward(torch.ones_like(out))
-        return out
-
-    return cuda_event_ms(step, rounds=5)
-
-
 def run(with_flex):
     rows = []
     for name, make_ids, mod in CASES:
@@ -133,7 +111,7 @@ def run(with_flex):
                 row["metadata ms"] = time_ms(meta, seg)
             if with_flex:
                 try:
-                    row["flex ms"] = flex_ms(ids, mod, backward)
+                    row["flex ms"] = torch_flex_ms(B, T, N, H, backward, ids, softcap=bool(mod))
                 except Exception as error:
                     row["flex ms"], row["flex error"] = None, f"{type(error).__name__}: {str(error)[:300]}"
             work = causal_flops(lengths, backward)
@@ -163,19 +141,11 @@ def main():
     parser.add_argument("--out", default=".")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (no torch)")
     args = parser.parse_args()
-    if not [d for d in jax.devices() if d.platform == "gpu"]:
-        print("bench/packed.py needs a GPU; none visible", file=sys.stderr)
+    if report.gpu_missing("bench/packed.py"):
         return 2
     rows = run(not args.no_flex)
-    text = table(rows)
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    header = (f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {time.strftime('%Y-%m-%d')}; "
-              f"bf16 N{N} H{H} causal; dense = causal over whole rows at the same shape\n\n")
-    with open(os.path.join(args.out, "packed.md"), "w") as f:
-        f.write(header + text + "\n")
-    with open(os.path.join(args.out, "packed.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    report.write(args.out, "packed", f"bf16 N{N} H{H} causal; dense = causal over whole rows at the same shape",
+                 table(rows), rows)
     return 0
 
 

@@ -20,6 +20,8 @@ import cudnn
 import numpy as np
 import torch
 
+from cuda_timing import cuda_event_ms  # bench/ is on sys.path when a script here runs
+
 BF, F, I32, BOOL = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT, cudnn.data_type.INT32, cudnn.data_type.BOOLEAN
 B, T, N, H, LMAX, CAP = 4, 8192, 16, 128, 2048, 30.0
 SCALE = H ** -0.5
@@ -151,18 +153,6 @@ def reference(q, k, v, lengths):
     return out
 
 
-def time_ms(step, repeats=20):
-    step()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
-
-
 def main():
     rng = np.random.default_rng(0)
     lengths = docs(rng)
@@ -179,7 +169,7 @@ def main():
             else:
                 out, step = run_thd(variant, q, k, v, lengths, T if variant == "native T" else LMAX)
             build_s = time.perf_counter() - started
-            ms = time_ms(step)
+            ms = cuda_event_ms(step)
             if variant.startswith("native"):  # no softcap there: compare against a softcap-free reference
                 err = "n/a (no softcap)"
             else:

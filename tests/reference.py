@@ -122,3 +122,12 @@ def attention_fwd_bwd(q, k, v, dout, *, scale, ok, q_pos, k_pos, mod=IDENTITY, b
     dk = dke.reshape(B, -1, K, G, H).sum(3)
     dv = dve.reshape(B, -1, K, G, v.shape[-1]).sum(3)
     return out, (dq, dk, dv, dbias)
+
+
+def rel_err(actual, expected, where=None) -> float:
+    """Relative Frobenius error ||actual - expected|| / ||expected|| in float64 (over `where` only)."""
+    a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    if where is not None:
+        where = np.broadcast_to(np.asarray(where), a.shape)
+        a, e = a[where], e[where]
+    return float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30))

@@ -68,3 +68,15 @@ def build_times(report):
     if rows and path:
         with open(path, "w") as out:
             json.dump(rows, out, indent=1)
+
+
+@pytest.fixture(scope="module")
+def private_cache(tmp_path_factory):
+    """A graph cache of the test module's own, as the runtime's default while the module runs
+    (`pytestmark = pytest.mark.usefixtures("private_cache")`)."""
+    from sdpagraph.cache import GraphCache, set_default_cache
+
+    cache = GraphCache(str(tmp_path_factory.mktemp("graphs")))
+    set_default_cache(cache)
+    yield cache
+    set_default_cache(None)

@@ -23,22 +23,12 @@ import jax.numpy as jnp
 
 import sdpagraph
 from sdpagraph import ffi, mods
-from sdpagraph.cache import GraphCache, set_default_cache
+
+from tests.reference import rel_err
+
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def private_cache(tmp_path_factory):
-    cache = GraphCache(str(tmp_path_factory.mktemp("graphs")))
-    set_default_cache(cache)
-    yield cache
-    set_default_cache(None)
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def random_ids(rng, B, T, max_segments):

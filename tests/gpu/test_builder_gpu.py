@@ -36,6 +36,7 @@ from sdpagraph.jax_api.call import prepare_call  # noqa: E402
 from sdpagraph.jax_api.segments import segment_metadata  # noqa: E402
 from sdpagraph.jax_api.xla import _layout, allowed_mask, xla_attention  # noqa: E402
 from sdpagraph.spec import AttentionSpec  # noqa: E402
+from tests.reference import rel_err  # noqa: E402
 
 FORWARD_TOLERANCE = 1e-2  # relative L2 error, bf16/fp16 inputs, fp32 accumulation on both sides
 BACKWARD_TOLERANCE = 2e-2
@@ -248,15 +249,6 @@ def reference(inputs: dict):
     (out, lse), vjp = jax.vjp(forward, device["q"], device["k"], device["v"], device.get("bias"))
     grads = vjp((device["dO"], jnp.zeros_like(lse)))
     return out, lse, dict(zip(("dq", "dk", "dv", "dbias"), grads))
-
-
-def rel_err(actual, expected, where=None) -> float:
-    a = np.asarray(actual, np.float64)
-    e = np.asarray(expected, np.float64)
-    if where is not None:
-        where = np.broadcast_to(np.asarray(where), a.shape)
-        a, e = a[where], e[where]
-    return float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30))
 
 
 def host(tensor) -> np.ndarray:

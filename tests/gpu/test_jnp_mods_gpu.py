@@ -10,20 +10,10 @@ import numpy as np
 import pytest
 
 import sdpagraph
-from sdpagraph.cache import GraphCache, set_default_cache
 
+from tests.reference import rel_err
 
-@pytest.fixture(scope="module", autouse=True)
-def private_cache(tmp_path_factory):
-    cache = GraphCache(str(tmp_path_factory.mktemp("graphs")))
-    set_default_cache(cache)
-    yield cache
-    set_default_cache(None)
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def jnp_case(name, rng, N):

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import sdpagraph
 from sdpagraph import ffi, mods
 from sdpagraph.cache import CacheMissError, GraphCache, set_default_cache
+from tests.reference import rel_err
 
 
 def skip_reason():
@@ -29,26 +30,14 @@ def skip_reason():
     return ffi.unavailable_reason()
 
 
-pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
+pytestmark = [pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason())),
+              pytest.mark.usefixtures("private_cache")]
 GATHERS = re.compile(r"\b(all-gather(?:-start)?|all-to-all(?:-start)?)\(")
 EXECUTE = re.compile(r'custom_call_target="sdpagraph_execute"')
 
 
-@pytest.fixture(scope="module", autouse=True)
-def private_cache(tmp_path_factory):
-    cache = GraphCache(str(tmp_path_factory.mktemp("graphs")))
-    set_default_cache(cache)
-    yield cache
-    set_default_cache(None)
-
-
 def mesh():
     return Mesh(np.array(jax.devices()[:2]), ("x",))
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def place(x, m, spec):
