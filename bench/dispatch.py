@@ -205,7 +205,7 @@ def run(args) -> dict:
     print(f"{device.device_kind} ({device.platform}), jax {jax.__version__}; copy {result['copy_tbs']} TB/s, "
           f"datasheet peak {result['peak_tbs']} TB/s", flush=True)
     started = time.perf_counter()
-    cases = sweep_cases(args.quick)
+    cases = sweep_cases(args.quick)[args.skip:]
     for case in cases:
         if time.perf_counter() - started > args.time_budget:
             rest = cases[cases.index(case):]
@@ -351,6 +351,8 @@ def main(argv=None):
     parser.add_argument("--verbose", action="store_true", help="print tracebacks of failed cases")
     parser.add_argument("--time-budget", type=float, default=200.0,
                         help="start no new case after this many seconds (default 200); the rest is reported as cut")
+    parser.add_argument("--skip", type=int, default=0, metavar="N",
+                        help="start after the first N cases (to go on with a sweep a time budget cut)")
     parser.add_argument("--verify", action="store_true",
                         help="keep cuDNN's numerical check of new graphs on (SDPAGRAPH_VERIFY=build)")
     args = parser.parse_args(argv)
