@@ -9,7 +9,7 @@ import pytest
 from sdpagraph.graphs.support import Support
 from sdpagraph.jax_api import dispatch
 from sdpagraph.jax_api.call import prepare_call
-from sdpagraph.jax_api.dispatch import H100_TABLE, Point, Shape, Table, choose
+from sdpagraph.jax_api.dispatch import H100_TABLE, MODEL_MAX_KV_LEN, MODEL_MAX_Q_LEN, Point, Shape, Table, choose
 
 
 def spec_of(B, T, S, N=16, K=16, H=128, dtype=jnp.bfloat16, **kwargs):
@@ -38,14 +38,22 @@ def test_small_sequence_regime_never_picks_cudnn(spec):
 
 @pytest.mark.parametrize("spec", [spec_of(4, 4096, 4096, is_causal=True), spec_of(4, 4096, 4096),
                                   spec_of(16, 1024, 1024, is_causal=True), spec_of(64, 128, 128),
-                                  spec_of(1, 8192, 8192, N=32, K=8, is_causal=True),
-                                  spec_of(64, 1, 8192, N=32, K=8)],
+                                  spec_of(1, 8192, 8192, N=32, K=8, is_causal=True)],
                          ids=lambda s: s.summary())
 def test_normal_shapes_pick_cudnn(spec):
     for training in (False, True):
         candidates = {"cudnn": True, "xla": True, "small_seq": False}
         choice = choose(spec, candidates, H100_TABLE, training=training)
         assert choice.backend == "cudnn", choice.reason
+
+
+def test_decode_serves_on_cudnn_and_trains_on_xla_as_measured():
+    """B64 T1 S8192 N32/K8 on the H100: cuDNN's forward 0.75 ms against XLA's 2.42, but forward+backward
+    9.06 ms against 5.20 (bench/dispatch.py, 2026-11-24)."""
+    decode = spec_of(64, 1, 8192, N=32, K=8)
+    candidates = {"cudnn": True, "xla": True, "small_seq": False}
+    assert choose(decode, candidates, H100_TABLE, training=False).backend == "cudnn"
+    assert choose(decode, candidates, H100_TABLE, training=True).backend == "xla"
 
 
 def test_unsupported_cudnn_leaves_the_best_of_the_rest():
@@ -108,6 +116,8 @@ def test_the_model_alone_agrees_with_clear_measurements():
     """Without the measured points, the fitted cost models pick the measured best wherever it wins by 15%."""
     model_only = Table(H100_TABLE.gpu, H100_TABLE.points, use_measured=False)
     for point in H100_TABLE.points:
+        if point.shape.q_len > MODEL_MAX_Q_LEN or point.shape.kv_len > MODEL_MAX_KV_LEN:  # models rank only there
+            continue
         times = sorted(point.times.values())
         if len(times) < 2 or times[1] < 1.15 * times[0]:
             continue
