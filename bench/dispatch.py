@@ -35,7 +35,7 @@ and cudnn/xla, the measured best and what the rule picks (with the built-in tabl
 this run's points, and with the model fitted to this run alone, each with its time over the best);
 and DIR/dispatch.json. `--write-table PATH` adds this GPU's measured points (not the packed cases,
 whose shape classes the table does not key) to a table file that `SDPAGRAPH_DISPATCH_TABLE=PATH` (or
-`dispatch.load_table`) reads; on an H100 the built-in table's times are kept where this run did not
+`dispatch_table.load_table`) reads; on an H100 the built-in table's times are kept where this run did not
 time that backend for that shape class and pass. `--quick`: tiny shapes, to check the script end to end on any machine (a CPU included).
 """
 from __future__ import annotations
@@ -63,7 +63,8 @@ except ImportError:  # not installed, or installed before it: this checkout's (c
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sdpagraph
-from sdpagraph.jax_api import dispatch
+from sdpagraph.jax_api import dispatch, dispatch_table
+from sdpagraph.jax_api.dispatch_h100 import H100_TABLE
 from sdpagraph.jax_api.call import prepare_call
 from sdpagraph.jax_api.small_seq import small_seq_reason
 
@@ -116,7 +117,7 @@ class Case:
         return prepare_call(*structs, is_causal=self.causal, segment_ids=ids, **self.hints()).spec
 
     def label(self) -> str:
-        shape = dispatch.Shape(self.b, self.t, self.s, self.n, self.k, self.h, self.h, "bfloat16", self.causal)
+        shape = dispatch_table.Shape(self.b, self.t, self.s, self.n, self.k, self.h, self.h, "bfloat16", self.causal)
         return shape.summary() + (f" packed {self.packed}" if self.packed else "")
 
 
@@ -186,12 +187,12 @@ def copy_tbs(quick: bool) -> float | None:
 def peak_tbs(gpu: str | None, override: float | None) -> float | None:
     if override:
         return override
-    chip = dispatch._chip(gpu or "")
+    chip = dispatch_table._chip(gpu or "")
     return PEAK_TBS.get(chip or "")
 
 
 def run(args) -> dict:
-    gpu = dispatch.current_gpu()
+    gpu = dispatch_table.current_gpu()
     device = jax.devices()[0]
     backends = [b for b in args.backends.split(",") if b]
     result = {"device": device.device_kind, "gpu": gpu, "platform": device.platform, "jax": jax.__version__,
@@ -223,7 +224,7 @@ def run(args) -> dict:
         except Exception as error:  # noqa: BLE001
             print(f"{case.label()}: could not make inputs: {error}", file=sys.stderr)
             continue
-        for pass_ in dispatch.PASSES:
+        for pass_ in dispatch_table.PASSES:
             row = {"case": dataclasses.asdict(case), "label": case.label(), "pass": pass_, "ms": {}, "errors": {}}
             for backend in backends:
                 if backend == "small_seq" and not in_regime:
@@ -235,7 +236,7 @@ def run(args) -> dict:
                     row["errors"][backend] = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
                     if args.verbose:
                         traceback.print_exc()
-            io = dispatch.features(dispatch.Shape.of(spec), "xla", "fwd")[1] * 1e9
+            io = dispatch_table.features(dispatch_table.Shape.of(spec), "xla", "fwd")[1] * 1e9
             if pass_ == "fwd" and "small_seq" in row["ms"]:
                 row["small_seq_tbs"] = io / row["ms"]["small_seq"] / 1e9
             result["rows"].append(row)
@@ -245,30 +246,30 @@ def run(args) -> dict:
     return result
 
 
-def table_from_run(result: dict) -> dispatch.Table:
-    points = [dispatch.Point(dispatch.Shape.of(Case(**r["case"]).spec()), r["pass"], r["ms"], "bench/dispatch.py")
+def table_from_run(result: dict) -> dispatch_table.Table:
+    points = [dispatch_table.Point(dispatch_table.Shape.of(Case(**r["case"]).spec()), r["pass"], r["ms"], "bench/dispatch.py")
               for r in result["rows"] if r["ms"] and r["case"]["packed"] is None]
-    return dispatch.Table(result["gpu"] or result["device"], tuple(points), result["date"],
+    return dispatch_table.Table(result["gpu"] or result["device"], tuple(points), result["date"],
                           f"bench/dispatch.py on {result['device']}, jax {result['jax']}, {result['date']}")
 
 
-def with_builtin(table: dispatch.Table) -> dispatch.Table:
+def with_builtin(table: dispatch_table.Table) -> dispatch_table.Table:
     """This run's points plus the built-in table's (same chip) for what this run did not measure: a
     built-in time is dropped where this run timed that backend for the same shape class and pass."""
-    builtin = dispatch.match_table({dispatch.H100_TABLE.gpu: dispatch.H100_TABLE}, table.gpu)
+    builtin = dispatch_table.match_table({H100_TABLE.gpu: H100_TABLE}, table.gpu)
     measured = {(p.shape.class_key(), p.pass_, name) for p in table.points for name in p.times}
     kept = []
     for p in (builtin.points if builtin is not None else ()):
         times = {name: ms for name, ms in p.times.items() if (p.shape.class_key(), p.pass_, name) not in measured}
         if times:
-            kept.append(dispatch.Point(p.shape, p.pass_, times, p.source))
+            kept.append(dispatch_table.Point(p.shape, p.pass_, times, p.source))
     source = table.source + (f"; {len(kept)} points of the built-in table kept" if kept else "")
-    return dispatch.Table(table.gpu, table.points + tuple(kept), table.date, source)
+    return dispatch_table.Table(table.gpu, table.points + tuple(kept), table.date, source)
 
 
-def decide(result: dict, fitted: dispatch.Table) -> None:
+def decide(result: dict, fitted: dispatch_table.Table) -> None:
     """Add each row's measured best and the rule's picks (built-in table, this run's table)."""
-    builtin, note = dispatch._default_table(result["gpu"], "") if result["gpu"] else (dispatch.H100_TABLE, "")
+    builtin, note = dispatch._default_table(result["gpu"], "") if result["gpu"] else (H100_TABLE, "")
     for row in result["rows"]:
         spec = Case(**row["case"]).spec()
         candidates = {"xla": True, "small_seq": small_seq_reason(spec) is None, "cudnn": "cudnn" in row["ms"]}
@@ -370,9 +371,9 @@ def main(argv=None):
     with open(os.path.join(args.out, "dispatch.json"), "w") as f:
         json.dump(result, f, indent=1)
     if args.write_table:
-        tables = dispatch.tables_from_json(args.write_table) if os.path.exists(args.write_table) else {}
+        tables = dispatch_table.tables_from_json(args.write_table) if os.path.exists(args.write_table) else {}
         tables[fitted.gpu] = fitted
-        dispatch.tables_to_json(tables, args.write_table)
+        dispatch_table.tables_to_json(tables, args.write_table)
         print(f"wrote the {fitted.gpu} table ({len(fitted.points)} points) to {args.write_table}")
 
 

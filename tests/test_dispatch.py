@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 
 from sdpagraph.graphs.support import Support
-from sdpagraph.jax_api import dispatch
+from sdpagraph.jax_api import dispatch, dispatch_table
 from sdpagraph.jax_api.call import prepare_call
-from sdpagraph.jax_api.dispatch import H100_TABLE, MODEL_MAX_KV_LEN, MODEL_MAX_Q_LEN, Point, Shape, Table, choose
+from sdpagraph.jax_api.dispatch import MODEL_MAX_KV_LEN, MODEL_MAX_Q_LEN, choose
+from sdpagraph.jax_api.dispatch_h100 import H100_TABLE
+from sdpagraph.jax_api.dispatch_table import Point, Shape, Table
 
 
 def spec_of(B, T, S, N=16, K=16, H=128, dtype=jnp.bfloat16, **kwargs):
@@ -153,7 +155,7 @@ def test_default_table_on_this_machine_and_with_a_gpu(monkeypatch, tmp_path):
     # SDPAGRAPH_DISPATCH_TABLE adds tables by GPU name
     path = tmp_path / "tables.json"
     a100 = Table("NVIDIA A100-SXM4-80GB", (Point(Shape.of(SMALL), "fwd_bwd", {"cudnn": 1.0, "xla": 2.0}),), "2026-11-23")
-    dispatch.tables_to_json({a100.gpu: a100}, path)
+    dispatch_table.tables_to_json({a100.gpu: a100}, path)
     monkeypatch.setenv(dispatch.ENV_TABLE, str(path))
     assert dispatch.default_table()[0] == a100
     assert choose(SMALL, {"cudnn": True, "xla": True}).backend == "cudnn"
@@ -163,21 +165,21 @@ def test_default_table_on_this_machine_and_with_a_gpu(monkeypatch, tmp_path):
 def test_table_json_round_trip_and_lookup(tmp_path):
     path = tmp_path / "t.json"
     other = Table("NVIDIA H200", (Point(Shape.of(SMALL), "fwd", {"xla": 1.0}, "test"),), "2026-11-23", "made up")
-    dispatch.tables_to_json({H100_TABLE.gpu: H100_TABLE, other.gpu: other}, path)
+    dispatch_table.tables_to_json({H100_TABLE.gpu: H100_TABLE, other.gpu: other}, path)
     data = json.loads(path.read_text())
-    assert data["format"] == dispatch.FORMAT and set(data["tables"]) == {H100_TABLE.gpu, "NVIDIA H200"}
-    loaded = dispatch.load_table(path, H100_TABLE.gpu)
+    assert data["format"] == dispatch_table.FORMAT and set(data["tables"]) == {H100_TABLE.gpu, "NVIDIA H200"}
+    loaded = dispatch_table.load_table(path, H100_TABLE.gpu)
     assert loaded == H100_TABLE
-    assert dispatch.load_table(path, "NVIDIA H200 NVL") == other  # matched by chip
+    assert dispatch_table.load_table(path, "NVIDIA H200 NVL") == other  # matched by chip
     with pytest.raises(KeyError, match="no dispatch table for GPU 'NVIDIA B200'"):
-        dispatch.load_table(path, "NVIDIA B200")
+        dispatch_table.load_table(path, "NVIDIA B200")
     only = tmp_path / "one.json"
-    dispatch.tables_to_json({other.gpu: other}, only)
-    assert dispatch.load_table(only, "NVIDIA B200") == other  # a file with one table serves any GPU
+    dispatch_table.tables_to_json({other.gpu: other}, only)
+    assert dispatch_table.load_table(only, "NVIDIA B200") == other  # a file with one table serves any GPU
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": 99, "tables": {}}))
     with pytest.raises(ValueError, match="format 99"):
-        dispatch.tables_from_json(bad)
+        dispatch_table.tables_from_json(bad)
 
 
 def test_nnls_fit_recovers_known_costs():
@@ -186,11 +188,11 @@ def test_nnls_fit_recovers_known_costs():
     points = []
     for b, t, s in [(30720, 1, 16), (1024, 2, 8), (64, 128, 128), (4, 4096, 4096), (8, 1, 2), (512, 4, 32)]:
         shape = Shape(b, t, s, 16, 16, 128, 128, "bfloat16")
-        points.append(Point(shape, "fwd", {"xla": float(dispatch.features(shape, "xla", "fwd") @ truth)}))
-    coef = dispatch.fit_model(points, "xla", "fwd")
+        points.append(Point(shape, "fwd", {"xla": float(dispatch_table.features(shape, "xla", "fwd") @ truth)}))
+    coef = dispatch_table.fit_model(points, "xla", "fwd")
     np.testing.assert_allclose(coef, truth, rtol=1e-6, atol=1e-9)
     assert np.all(coef >= 0)
-    assert dispatch.fit_model(points, "cudnn", "fwd") is None
+    assert dispatch_table.fit_model(points, "cudnn", "fwd") is None
 
 
 def test_shape_of_spec_marks_extras():
