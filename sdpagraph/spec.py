@@ -38,7 +38,8 @@ def directions_for(training: bool) -> tuple[str, ...]:
     return TRAINING_DIRECTIONS if training else INFERENCE_DIRECTIONS
 
 
-_FIELDS_ADDED_LATER = {"segment_mask": False, "max_seqlen_q": None, "max_seqlen_kv": None}  # name -> default (see AttentionSpec.to_dict)
+# name -> default (see AttentionSpec.to_dict)
+_FIELDS_ADDED_LATER = {"segment_mask": False, "max_seqlen_q": None, "max_seqlen_kv": None}
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,11 @@ QUERY_AXIS, KEY_AXIS = 2, 3
 
 @dataclass(frozen=True)
 class NativeMask:
-    """The flags a mod-only mask equals: `is_causal`, and `window` as (left, right) (or None)."""
+    """The flags a mod-only mask equals: `is_causal`, and `window` as the spec holds it: (left,
+    right), UNBOUNDED for an open side."""
 
     is_causal: bool
-    window: tuple[int, int] | None
+    window: tuple[int, int]
 
 
 class _NotNative(Exception):
@@ -63,8 +64,8 @@ def native_mask(ir: ScoreModIR | None) -> NativeMask | None:
         return None
     right = UNBOUNDED if lo == -math.inf else int(-lo)
     left = UNBOUNDED if hi == math.inf else int(hi)
-    if right == 0:
-        return NativeMask(True, None if left == UNBOUNDED else (left, 0))
+    if right == 0:  # causal; a window (left, 0) adds only the left side
+        return NativeMask(True, (left, UNBOUNDED if left == UNBOUNDED else 0))
     return NativeMask(False, (left, right))
 
 

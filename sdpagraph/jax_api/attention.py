@@ -244,6 +244,12 @@ def attention(
       array, or zeros (logsumexp -inf) when S is 0, from the XLA backend whatever
       `implementation` says.
     """
+    if context_parallel_axis is None and (load_balanced or context_parallel_strategy != "ring" or mesh is not None):
+        raise ValueError("load_balanced, context_parallel_strategy and mesh apply to context parallelism: "
+                         "pass context_parallel_axis= (the mesh axis the sequence is split over)")
+    if context_parallel_axis is not None and implementation == "small_seq":
+        raise ValueError("implementation='small_seq' cannot run context-parallel attention "
+                         f"(context_parallel_axis={context_parallel_axis!r}): use None, 'cudnn' or 'xla'")
     if context_parallel_axis is not None and load_balanced and segment_ids is not None:
         segment_ids = context_parallel.natural_order(segment_ids, context_parallel_axis, mesh)
     call = prepare_call(
@@ -261,16 +267,9 @@ def attention(
     if implementation != "xla" and call.inputs.python_mods is None and context_parallel_axis is None:
         _notify_listeners(call, training)
     q, k, v = (as_4d(x, call.unbatched) for x in (query, key, value))
-    if context_parallel_axis is None and (load_balanced or context_parallel_strategy != "ring" or mesh is not None):
-        raise ValueError("load_balanced, context_parallel_strategy and mesh apply to context parallelism: "
-                         "pass context_parallel_axis= (the mesh axis the sequence is split over)")
-    if context_parallel_axis is not None and implementation == "small_seq":
-        raise ValueError("implementation='small_seq' cannot run context-parallel attention "
-                         f"(context_parallel_axis={context_parallel_axis!r}): use None, 'cudnn' or 'xla'")
-    if context_parallel_axis is not None:
-        backend = "context_parallel"  # its blocks' backend is context_parallel.plan's choice
-    else:
-        backend = _choose_backend(call, implementation, training)
+    # A context-parallel call's blocks run the backend context_parallel.plan chooses.
+    backend = "context_parallel" if context_parallel_axis is not None else _choose_backend(call, implementation,
+                                                                                            training)
     if backend == "context_parallel":
         out, lse = context_parallel.attention(
             call, q, k, v, axis=context_parallel_axis, load_balanced=load_balanced,

@@ -5,7 +5,7 @@ spec-file reader (`deploy.specfile`), so the two can never disagree about what a
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 import linecache
 import numbers
 import os
@@ -231,19 +231,19 @@ def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_caus
     left-padded with 1s, as jax.nn.dot_product_attention reads them), so no backend sees
     another rank."""
     bias, mask = _array_like(bias), _array_like(mask)
-    normalize = functools.partial(
-        normalize_arguments, query, key, value, bias, mask, scale=scale,
+    call = normalize_arguments(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-        causal_alignment=causal_alignment, segment_ids=segment_ids,
+        local_window_size=local_window_size, causal_alignment=causal_alignment, segment_ids=segment_ids,
         max_segments_per_seq=max_segments_per_seq, chunk_size=chunk_size, implementation=implementation,
         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
     )
-    call = normalize(is_causal=is_causal, local_window_size=local_window_size)
     ir, scalars, arrays, python_mods = _record_mod(score_mod, mask_mod, score_mod_tensors, score_mod_bprop,
                                                    call.spec)
     native = _native_mask_mod(ir, score_mod, mask_mod, call.spec)
     if native is not None:  # the flags cuDNN skips tiles for, in place of an equal mask mod
-        call, ir = normalize(is_causal=native.is_causal, local_window_size=native.window), None
+        spec = dataclasses.replace(call.spec, is_causal=native.is_causal, window=native.window)
+        call, ir = dataclasses.replace(call, spec=spec), None
     q_ids = kv_ids = None
     if segment_ids is not None:
         q_ids, kv_ids = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
