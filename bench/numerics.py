@@ -5,10 +5,13 @@
 
 Per config (bf16, causal + softcap(30), training: forward and backward graphs), in a fresh
 process each: the cold build of both graphs (memory-only cache), then the check
-(`jax_api.numerics.check_numerics`: random inputs and the cuDNN path forward + vjp in one
-compiled program, the NumPy float64 reference on a slice, the comparison) N times, each a new
-program as at runtime; its time split into trace, XLA compile, run and reference; the GPU memory
-it took (peak bytes in use during the check, above what was in use before) and the process's
+(`jax_api.numerics.check_numerics`) N times, both ways side by side:
+- direct (what runs on a GPU): random inputs made on the host, the graphs run by the executor
+  outside XLA (`jax_api.numerics_direct`), the NumPy float64 reference on a slice;
+- compiled (before): random inputs and the cuDNN path forward + vjp in one XLA program compiled
+  per config, the same reference.
+Its time split into trace, XLA compile, run and reference; the GPU memory it took (direct: what
+its arena allocated; compiled: peak bytes in use above what was in use before) and the process's
 peak host memory (max RSS). A second process measures one jitted forward+backward training step
 of `sdpagraph.attention` on the same shapes, for scale.
 
@@ -25,7 +28,7 @@ import os
 import subprocess
 import sys
 
-CONFIGS = {"small": (2, 256, 8, 64), "large": (4, 4096, 16, 128)}  # B, T, N(=K), H
+CONFIGS = {"small": (2, 256, 8, 64), "medium": (4, 1024, 16, 128), "large": (4, 4096, 16, 128)}  # B, T, N(=K), H
 TARGET = 0.2  # issue 15: the check must stay under 20% of the build it follows
 QUICK_CONFIGS = {"small": (2, 256, 8, 64), "large": (2, 1024, 8, 64)}  # on a CPU: the stand-in runs whole shapes
 
@@ -37,6 +40,7 @@ from sdpagraph import mods
 from sdpagraph.cache import GraphCache, set_default_cache
 from sdpagraph.cache.graphs import cached_graph
 from sdpagraph.jax_api.call import prepare_call
+from sdpagraph.jax_api import cudnn
 from sdpagraph.jax_api.numerics import check_numerics
 from sdpagraph.jax_api.xla import xla_attention
 
@@ -45,6 +49,7 @@ if sys.argv[4] != "{}":  # --compile-options: try other XLA options for the chec
     from sdpagraph.jax_api import numerics
     numerics.COMPILE_OPTIONS["gpu"] = {**numerics.COMPILE_OPTIONS["gpu"], **json.loads(sys.argv[4])}
 quick = mode == "quick"
+compiled = mode == "compiled"
 device = jax.devices("cpu" if quick else "gpu")[0]
 jnp.ones(8).block_until_ready()  # the backend and the allocator are up before anything is timed
 cache = GraphCache()  # memory only: every build is cold
@@ -63,7 +68,7 @@ def peak():
 def stand_in(spec, q, k, v, inputs, ir, training=True):  # --quick: the XLA backend plays the graphs
     return xla_attention(spec, q, k, v, inputs, ir)
 
-if mode in ("check", "quick"):
+if mode in ("check", "compiled", "quick"):
     builds = {}
     for direction in () if quick else ("forward", "backward"):
         started = time.perf_counter()
@@ -75,11 +80,12 @@ if mode in ("check", "quick"):
     row["rss_before_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     checks = []
     for _ in range(repeat):
-        result = check_numerics(call.spec, call.score_mod, True, cache, candidate=stand_in if quick else None)
+        candidate = stand_in if quick else cudnn.attention if compiled else None  # None: the direct run
+        result = check_numerics(call.spec, call.score_mod, True, cache, candidate=candidate)
         checks.append({"seconds": result.seconds, **result.timings, "passed": result.passed,
                        "errors": result.errors, "slice": result.slice})
     row["checks"] = checks
-    row["check_peak_bytes"] = peak() - before
+    row["check_peak_bytes"] = max(peak() - before, max(c.get("device_mib", 0) for c in checks) * 2**20)
     row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 else:  # one training step of the call itself, for scale
     rng = np.random.default_rng(0)
@@ -111,24 +117,25 @@ def run_child(mode: str, shape: tuple[int, ...], repeat: int, options: str = "{}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| config | build fwd+bwd | check (1st) | trace / compile / run / reference | check (later) | "
+    lines = ["| config | check | build fwd+bwd | check (1st) | trace / compile / run / reference | check (later) | "
              "check / build | check GPU memory | peak host RSS | train step memory | errors (1st) | reference on |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         build = sum(row["build_s"].values())
         first, later = row["checks"][0], row["checks"][1:] or row["checks"]
         later_s = sorted(c["seconds"] for c in later)[len(later) // 2]
         errors = ", ".join(f"{k} {v:.1e}" for k, v in first["errors"].items() if k != "empty_rows")
-        parts = " / ".join(f"{first[name]:.2f}" for name in ("trace_s", "compile_s", "run_s", "reference_s"))
+        parts = " / ".join(f"{first[name]:.2f}" if name in first else "-"
+                           for name in ("trace_s", "compile_s", "run_s", "reference_s"))
         ratio = f"{first['seconds'] / build:.0%} (later {later_s / build:.0%})" if build else "n/a (nothing built)"
         lines.append(
-            f"| {row['config']} | {f'{build:.2f} s' if build else 'n/a'} | {first['seconds']:.2f} s | {parts} s | "
+            f"| {row['config']} | {row['mode']} | {f'{build:.2f} s' if build else 'n/a'} | {first['seconds']:.2f} s | {parts} s | "
             f"{later_s:.2f} s | {ratio} | {row['check_peak_bytes'] / 2**20:.0f} MiB | "
             f"{row['peak_rss_bytes'] / 2**20:.0f} MiB | {row.get('step_peak_bytes', 0) / 2**20:.0f} MiB | {errors} | "
             f"{first['slice']} |")
     built = [row for row in rows if sum(row["build_s"].values())]
     if built:
-        verdicts = [f"{row['name']} {'met' if row['checks'][0]['seconds'] <= TARGET * sum(row['build_s'].values()) else 'NOT met'}"
+        verdicts = [f"{row['name']} {row['mode']} {'met' if row['checks'][0]['seconds'] <= TARGET * sum(row['build_s'].values()) else 'NOT met'}"
                     for row in built]
         lines.append(f"\ntarget, first check <= {TARGET:.0%} of the cold build: " + ", ".join(verdicts))
     return "\n".join(lines)
@@ -142,6 +149,7 @@ def main() -> None:
     parser.add_argument("--compile-options", default="{}",
                         help="JSON of XLA options added to numerics.COMPILE_OPTIONS['gpu'] for the check")
     parser.add_argument("--no-step", action="store_true", help="skip the training-step process")
+    parser.add_argument("--direct-only", action="store_true", help="skip the compiled check (the 'before' rows)")
     parser.add_argument("--quick", action="store_true",
                         help="on a CPU: the XLA backend stands in for the graphs, nothing is built, smaller shapes")
     args = parser.parse_args()
@@ -149,13 +157,15 @@ def main() -> None:
     for name, shape in (QUICK_CONFIGS if args.quick else CONFIGS).items():
         if args.only and name != args.only:
             continue
-        row = run_child("quick" if args.quick else "check", shape, args.repeat, args.compile_options)
-        row["compile_options"] = json.loads(args.compile_options)
-        if not (args.no_step or args.quick):
-            row.update({k: v for k, v in run_child("step", shape, 1).items() if k.startswith("step")})
-        row["name"] = name
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        step = {} if args.no_step or args.quick else {
+            k: v for k, v in run_child("step", shape, 1).items() if k.startswith("step")}
+        for mode in ["quick"] if args.quick else ["check"] + ([] if args.direct_only else ["compiled"]):
+            row = run_child(mode, shape, args.repeat, args.compile_options)
+            row.update(step, compile_options=json.loads(args.compile_options), name=name)
+            if mode == "check":
+                row["mode"] = "direct"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     text = table(rows)
     print(text)
     if args.out:

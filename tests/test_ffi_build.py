@@ -32,6 +32,10 @@ ENTRY_POINTS = (
     "sdpagraph_command_buffer_compatible",
     "sdpagraph_host_timing",
     "sdpagraph_version",
+    "sdpagraph_device_alloc",
+    "sdpagraph_device_free",
+    "sdpagraph_device_copy",
+    "sdpagraph_run_graph",
 )
 
 needs_library = pytest.mark.skipif(not LIBRARY.is_file(), reason="FFI extension not built (`pip install .` builds it)")

@@ -133,7 +133,7 @@ def test_the_cudnn_path_binds_each_value_into_one_graph(rng, cudnn_on_cpu, monke
 
     def executor(static, graph, operands, results):
         """The stand-in computes with the scalars as the executor gets them: bits bound to uids."""
-        uids, bits = cudnn_backend._scalar_bits(graph.compiled, dict(static.scalars))
+        uids, bits = cudnn_backend.scalar_bits(graph.compiled, dict(static.scalars))
         by_uid = dict(zip(uids.tolist(), bits.view(np.float32).tolist()))
         scalars = {source: by_uid[uid] for uid, (kind, source), _ in graph.compiled.pass_by_value if kind == "scalar"}
         bound.append(scalars)

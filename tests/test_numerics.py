@@ -33,7 +33,7 @@ from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.operands import ARRAY_PREFIX, graph_io, graph_spec, uid_map
 from sdpagraph.graphs.reference import reference
 from sdpagraph.jax_api import cudnn as cudnn_backend
-from sdpagraph.jax_api import numerics
+from sdpagraph.jax_api import numerics, numerics_draw
 from sdpagraph.jax_api.call import RuntimeInputs, prepare_call
 from sdpagraph.jax_api.xla import xla_attention
 
@@ -178,8 +178,8 @@ def test_the_check_runs_with_the_call_s_scalars(fake_gpu, monkeypatch):
     assert answer.supported, answer.reason
     assert seen == [{"captured_literal0": 0.25}]
     call = call_of(q, k, v, **kwargs)
-    given = numerics.host_inputs(call.spec, call.score_mod, 0, {"captured_literal0": 0.25})["scalars"]
-    assert given == {"captured_literal0": 0.25} and numerics.host_inputs(call.spec, call.score_mod, 0)["scalars"] != given
+    given = numerics_draw.host_inputs(call.spec, call.score_mod, 0, {"captured_literal0": 0.25})["scalars"]
+    assert given == {"captured_literal0": 0.25} and numerics_draw.host_inputs(call.spec, call.score_mod, 0)["scalars"] != given
 
 
 @pytest.mark.parametrize("core,output", [(wrong_scale_core, "o"), (wrong_dq_core, "dq")])
@@ -340,8 +340,8 @@ def test_a_slice_of_a_large_config_compares_exactly():
     mask = jax.ShapeDtypeStruct((4, 1, 24, 24), jnp.bool_)
     spec, ir = spec_and_ir(bias=bias, mask=mask, is_causal=True, score_mod=mods.compose(
         mods.softcap(10.0), mods.alibi(np.linspace(0.1, 0.4, 4).astype(np.float32))))
-    chosen = numerics.plan_slice(spec, slice_elements=1, rng=np.random.default_rng(7))
-    assert len(chosen.rows) == numerics.MAX_ROWS and {0, 3} <= set(chosen.rows) and chosen.heads == (0, 1, 2, 3)
+    chosen = numerics_draw.plan_slice(spec, slice_elements=1, rng=np.random.default_rng(7))
+    assert len(chosen.rows) == numerics_draw.MAX_ROWS and {0, 3} <= set(chosen.rows) and chosen.heads == (0, 1, 2, 3)
     assert np.shape(chosen.queries) == (3, 4, 1) and chosen.queries[0][0] == (12,)  # the masked-out row
     result = numerics.check_numerics(spec, ir, True, candidate=xla_candidate, slice_elements=1, seed=7)
     assert result.passed, result.summary()
@@ -372,9 +372,9 @@ def test_the_float64_reference_matches_the_xla_backend(name):
     """In float32 the XLA backend's errors against the reference are float32 rounding (1e-6), on
     slices of every shape: masks, padding, segments, score_mod arrays and a broadcast bias agree."""
     spec, ir = spec_and_ir(dtype=jnp.float32, **dict(REFERENCE_CONFIGS[name]))
-    for elements in (numerics.SLICE_ELEMENTS, 3000):
+    for elements in (numerics_draw.SLICE_ELEMENTS, 3000):
         result = numerics.check_numerics(spec, ir, True, candidate=xla_candidate, slice_elements=elements, seed=3)
-        assert (result.slice == "whole") == (elements == numerics.SLICE_ELEMENTS), result.slice
+        assert (result.slice == "whole") == (elements == numerics_draw.SLICE_ELEMENTS), result.slice
         assert all(error < 2e-5 for error in result.errors.values()), (name, result.slice, result.errors)
 
 
@@ -387,7 +387,7 @@ def test_the_float64_reference_agrees_with_jax_dot_product_attention():
     k, v = rng.standard_normal((b, t, kv, h)), rng.standard_normal((b, t, kv, h))
     bias = rng.standard_normal((1, n, t, t))
     call = prepare_call(*(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v, bias)), is_causal=True)
-    chosen = numerics.plan_slice(call.spec)
+    chosen = numerics_draw.plan_slice(call.spec)
     assert chosen.whole(call.spec)
     data = {"q": q.transpose(0, 2, 1, 3), "k": k, "v": v, "cotangent": cotangent.transpose(0, 2, 1, 3),
             "bias": bias, "arrays": {}, "allowed": np.tril(np.ones((t, t), bool))[None, None],
@@ -420,7 +420,7 @@ def test_padding_segments_and_inference_draw_valid_inputs():
         result = numerics.check_numerics(spec, ir, training, candidate=xla_candidate, slice_elements=1)
         assert result.passed, (kwargs, result.summary())
         assert ("dq" in result.errors) == training
-    ids = numerics.random_segment_ids(np.random.default_rng(0), 64, 24, 3)
+    ids = numerics_draw.random_segment_ids(np.random.default_rng(0), 64, 24, 3)
     for row in ids:
         used = row[row > 0]
         assert 1 <= len(set(used)) <= 3 and (np.diff(used) >= 0).all() and (row[len(used):] == 0).all()

@@ -14,7 +14,8 @@
 //   5. cuDNN handles      one per (device, thread), for the life of the process
 //   6. Graph registry     key -> serialized blob -> one deserialized graph per device
 //   7. Execute handler    the XLA FFI handler
-//   8. C entry points     what loader.py calls through ctypes
+//   8. Direct runs        a graph run once outside XLA, for the numerical check
+//   9. C entry points     what loader.py and direct.py call through ctypes
 
 #include <dlfcn.h>
 
@@ -863,11 +864,117 @@ auto ExecuteBinding() {
       .Attr<int64_t>("workspace_size");
 }
 
+// ===================================================================================================
+// 8. Direct runs
+// ===================================================================================================
+// The numerical check (sdpagraph/ffi/direct.py) runs a freshly built graph once on random inputs.
+// Compiling an XLA program around one FFI call took longer than building the graph, so the check
+// runs the graph here instead: on device memory it allocates through the entry points below, on a
+// stream of its own, synchronously. Nothing here is on XLA's path.
+
+// Makes `device` current on the calling thread (the check runs on a worker thread of its own).
+void UseDevice(int device) {
+  using SetDevice = cudaError_t (*)(int);
+  const auto set_device =
+      reinterpret_cast<SetDevice>(fe_detail::get_cuda_symbol(fe_detail::CudaLibrary::CUDART, "cudaSetDevice"));
+  CheckCuda(set_device(device), "cudaSetDevice");
+}
+
+class OwnedStream {
+ public:
+  OwnedStream() { CheckCuda(fe_detail::cuda_stream_create(&stream_), "cudaStreamCreate"); }
+
+  ~OwnedStream() {
+    try {
+      fe_detail::cuda_stream_synchronize(stream_);  // nothing may still run on a destroyed stream
+      fe_detail::cuda_stream_destroy(stream_);
+    } catch (const std::exception&) {
+    }
+  }
+
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
+
+  cudaStream_t get() const { return stream_; }
+  void Synchronize() const { CheckCuda(fe_detail::cuda_stream_synchronize(stream_), "cudaStreamSynchronize"); }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) {
+    if (bytes > 0) CheckCuda(fe_detail::cuda_malloc(&pointer_, bytes), "cudaMalloc");
+  }
+
+  ~DeviceBuffer() {
+    try {
+      if (pointer_ != nullptr) fe_detail::cuda_free(pointer_);
+    } catch (const std::exception&) {
+    }
+  }
+
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* get() const { return pointer_; }
+
+ private:
+  void* pointer_ = nullptr;
+};
+
+// Copies `bytes` between host and device memory (either direction) and waits for the copy.
+void CopySync(void* destination, const void* source, size_t bytes, cudaMemcpyKind kind) {
+  OwnedStream stream;
+  CheckCuda(fe_detail::cuda_mem_cpy_async(destination, source, bytes, kind, stream.get()), "cudaMemcpyAsync");
+  stream.Synchronize();
+}
+
+// Runs the registered graph `key` on `given` (every tensor's uid and device pointer, scalars'
+// host pointers) with a workspace of its own, and waits for it.
+void RunDirect(const std::string& key, int device, const std::vector<TensorPointer>& given) {
+  BindCudnnLibrary();
+  UseDevice(device);
+  const std::shared_ptr<GraphEntry> entry = FindOrLoadGraph(key, "");
+  OwnedStream stream;
+  ThreadHandle& thread_handle = State().handles.ForCurrentThread(device);
+  const DeviceGraph& graph = entry->ForDevice(device, thread_handle, stream.get(), State().deserialize_count);
+  std::vector<void*> pointers = VariantPack(given, graph.variant_pack_uids);
+  DeviceBuffer workspace(static_cast<size_t>(graph.workspace_size));
+  CheckFrontend(graph.graph.execute(thread_handle.OnStream(stream.get()), pointers.data(),
+                                    static_cast<int>(pointers.size()), workspace.get()),
+                "execute");
+  stream.Synchronize();
+}
+
+// Writes `message` NUL-terminated (truncated to `size`) to `buffer`, for the C entry points.
+void ReportError(char* buffer, size_t size, const char* message) {
+  if (buffer != nullptr && size > 0) {
+    std::strncpy(buffer, message, size - 1);
+    buffer[size - 1] = '\0';
+  }
+}
+
+// Runs `body` for a direct-run entry point: its status code, and the reason in `error` on failure.
+template <typename Body>
+int GuardedEntry(char* error, size_t error_size, Body&& body) {
+  try {
+    body();
+    return kStatusOk;
+  } catch (const std::exception& failure) {
+    ReportError(error, error_size, failure.what());
+  } catch (...) {
+    ReportError(error, error_size, "unknown exception");
+  }
+  return kStatusInternal;
+}
+
 }  // namespace
 }  // namespace sdpagraph
 
 // ===================================================================================================
-// 8. C entry points
+// 9. C entry points
 // ===================================================================================================
 // None of them lets an exception out: each catches and answers with a status code.
 
@@ -898,12 +1005,7 @@ SDPAGRAPH_EXPORT int sdpagraph_register_graph(const char* key_digest, const uint
 SDPAGRAPH_EXPORT int sdpagraph_register_entry_file(const char* key_digest, const char* path, char* error,
                                                    size_t error_size) {
   if (key_digest == nullptr || !sdpagraph::IsGraphKey(key_digest)) return sdpagraph::kStatusInvalidKey;
-  const auto report = [&](const char* message) {
-    if (error != nullptr && error_size > 0) {
-      std::strncpy(error, message, error_size - 1);
-      error[error_size - 1] = '\0';
-    }
-  };
+  const auto report = [&](const char* message) { sdpagraph::ReportError(error, error_size, message); };
   try {
     sdpagraph::State().graphs.Insert(key_digest, sdpagraph::ReadEntryBlob(path == nullptr ? "" : path, key_digest));
     return sdpagraph::kStatusOk;
@@ -917,6 +1019,54 @@ SDPAGRAPH_EXPORT int sdpagraph_register_entry_file(const char* key_digest, const
     report("unknown exception");
     return sdpagraph::kStatusInternal;
   }
+}
+
+// Direct runs (section 8): device memory for the numerical check, copies, and one synchronous run.
+// Each returns kStatusOk, or kStatusInternal with the reason in `error`.
+
+SDPAGRAPH_EXPORT int sdpagraph_device_alloc(int device, size_t bytes, void** pointer, char* error,
+                                            size_t error_size) {
+  return sdpagraph::GuardedEntry(error, error_size, [&] {
+    sdpagraph::BindCudnnLibrary();
+    sdpagraph::UseDevice(device);
+    *pointer = nullptr;
+    if (bytes > 0) sdpagraph::CheckCuda(cudnn_frontend::detail::cuda_malloc(pointer, bytes), "cudaMalloc");
+  });
+}
+
+SDPAGRAPH_EXPORT int sdpagraph_device_free(int device, void* pointer, char* error, size_t error_size) {
+  return sdpagraph::GuardedEntry(error, error_size, [&] {
+    sdpagraph::UseDevice(device);
+    if (pointer != nullptr) sdpagraph::CheckCuda(cudnn_frontend::detail::cuda_free(pointer), "cudaFree");
+  });
+}
+
+// Copies `bytes` from host to device memory (`to_device` != 0) or back, and waits for the copy.
+SDPAGRAPH_EXPORT int sdpagraph_device_copy(int device, void* destination, const void* source, size_t bytes,
+                                           int to_device, char* error, size_t error_size) {
+  return sdpagraph::GuardedEntry(error, error_size, [&] {
+    sdpagraph::UseDevice(device);
+    if (bytes > 0) {
+      sdpagraph::CopySync(destination, source, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost);
+    }
+  });
+}
+
+// Runs the graph registered under `key_digest` once: `count` tensors (uid, device pointer) and
+// `scalar_count` pass-by-value scalars (uid, 4-byte host value), as the FFI handler binds them.
+SDPAGRAPH_EXPORT int sdpagraph_run_graph(const char* key_digest, int device, size_t count, const int64_t* uids,
+                                         void* const* pointers, size_t scalar_count, const int64_t* scalar_uids,
+                                         const uint32_t* scalar_words, char* error, size_t error_size) {
+  if (key_digest == nullptr || !sdpagraph::IsGraphKey(key_digest)) return sdpagraph::kStatusInvalidKey;
+  return sdpagraph::GuardedEntry(error, error_size, [&] {
+    std::vector<sdpagraph::TensorPointer> given;
+    given.reserve(count + scalar_count);
+    for (size_t i = 0; i < count; ++i) given.push_back({uids[i], pointers[i]});
+    for (size_t i = 0; i < scalar_count; ++i) {
+      given.push_back({scalar_uids[i], const_cast<uint32_t*>(scalar_words + i)});
+    }
+    sdpagraph::RunDirect(key_digest, device, given);
+  });
 }
 
 // Total graph deserializations in this process, over all keys and devices (for tests).

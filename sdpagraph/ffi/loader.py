@@ -77,7 +77,7 @@ _REINSTALL_HINT = (
 )
 _CHECKOUT_HINT = "`pip install .` from the checkout builds and installs it"
 
-# Status codes of the library's C entry points (executor.cc, section 8).
+# Status codes of the library's C entry points (executor.cc, section 9).
 _STATUS_MESSAGES = {
     1: "graph key is not a 64-digit lowercase hex digest",
     2: "blob is empty",
@@ -124,6 +124,19 @@ class ExecutorLib:
         library.sdpagraph_host_timing.restype = ctypes.c_int
         library.sdpagraph_version.argtypes = []
         library.sdpagraph_version.restype = ctypes.c_char_p
+        error = [ctypes.c_char_p, ctypes.c_size_t]
+        library.sdpagraph_device_alloc.argtypes = [
+            ctypes.c_int, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p), *error]
+        library.sdpagraph_device_free.argtypes = [ctypes.c_int, ctypes.c_void_p, *error]
+        library.sdpagraph_device_copy.argtypes = [
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, *error]
+        library.sdpagraph_run_graph.argtypes = [
+            ctypes.c_char_p, ctypes.c_int, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int64),
+            ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.POINTER(ctypes.c_int64),
+            ctypes.POINTER(ctypes.c_uint32), *error]
+        for name in ("sdpagraph_device_alloc", "sdpagraph_device_free", "sdpagraph_device_copy",
+                     "sdpagraph_run_graph"):
+            getattr(library, name).restype = ctypes.c_int
 
     def handler_capsule(self) -> object:
         """The ``sdpagraph_execute`` handler wrapped for ``jax.ffi.register_ffi_target``."""
@@ -147,6 +160,45 @@ class ExecutorLib:
         if status != 0:
             reason = error.value.decode(errors="replace") or _STATUS_MESSAGES.get(status, str(status))
             raise ValueError(f"cache entry {os.fspath(path)}: {reason}")
+
+    # Direct runs (executor.cc, section 8; `ffi.direct` wraps them): raw device addresses as ints.
+
+    def device_alloc(self, device: int, size: int) -> int:
+        """Allocates `size` bytes on `device` (CUDA ordinal); the address (0 for 0 bytes)."""
+        pointer = ctypes.c_void_p()
+        self._direct("sdpagraph_device_alloc", device, size, ctypes.byref(pointer))
+        return pointer.value or 0
+
+    def device_free(self, device: int, address: int) -> None:
+        self._direct("sdpagraph_device_free", device, ctypes.c_void_p(address))
+
+    def device_copy(self, device: int, destination: int, source: int, size: int, to_device: bool) -> None:
+        """Copies `size` bytes host -> device (`to_device`) or device -> host, and waits for it."""
+        self._direct("sdpagraph_device_copy", device, ctypes.c_void_p(destination), ctypes.c_void_p(source),
+                     size, int(to_device))
+
+    def run_graph(self, digest: str, device: int, tensors: dict[int, int], scalar_uids: Any,
+                  scalar_words: Any) -> None:
+        """Runs the registered graph `digest` once on `device` and waits for it: `tensors` maps each
+        tensor's uid to its device address; `scalar_uids` / `scalar_words` (int64 / 4-byte arrays)
+        are the pass-by-value scalars, as the FFI call's attributes give them."""
+        import numpy as np
+
+        uids = np.ascontiguousarray(list(tensors), np.int64)
+        addresses = (ctypes.c_void_p * max(1, len(tensors)))(*tensors.values())
+        scalar_uids = np.ascontiguousarray(scalar_uids, np.int64)
+        words = np.ascontiguousarray(scalar_words).view(np.uint32)
+        self._direct(
+            "sdpagraph_run_graph", digest.encode(), device, len(uids), uids.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)),
+            addresses, len(scalar_uids), scalar_uids.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)),
+            words.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)))
+
+    def _direct(self, name: str, *arguments: Any) -> None:
+        error = ctypes.create_string_buffer(_ERROR_BUFFER_SIZE)
+        status = getattr(self._library, name)(*arguments, error, _ERROR_BUFFER_SIZE)
+        if status != 0:
+            reason = error.value.decode(errors="replace") or _STATUS_MESSAGES.get(status, str(status))
+            raise RuntimeError(f"{name}: {reason}")
 
     def deserialize_count(self) -> int:
         """Graph deserializations so far in this process, over all graphs and devices."""

@@ -56,7 +56,7 @@ class _Static:
 SEGMENT_OFFSETS = "segment_offsets_"  # + side: per-row token offsets of packed segments (B, M + 1)
 
 
-def _scalar_bits(compiled: CompiledGraph, scalars: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+def scalar_bits(compiled: CompiledGraph, scalars: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     """(uids, 4-byte host representation of each pass-by-value scalar, as int32 bit patterns)."""
     values = compiled.pass_by_value_values(scalars)
     uids = np.array(sorted(values), np.int64)
@@ -108,7 +108,7 @@ def _call_executor(static: _Static, graph: CachedGraph, operands: Mapping[str, A
                    results: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
     """The FFI call (CPU tests put an XLA stand-in here)."""
     compiled, digest = graph.compiled, graph.digest
-    scalar_uids, scalar_bits = _scalar_bits(compiled, dict(static.scalars))
+    scalar_uids, scalar_values = scalar_bits(compiled, dict(static.scalars))
     result_shapes = [results[role] for role in compiled.result_roles]
     result_shapes.append(jax.ShapeDtypeStruct((compiled.workspace_size,), jnp.uint8))
     call = jax.ffi.ffi_call(ffi.EXECUTOR_TARGET, result_shapes, vmap_method="sequential")
@@ -118,7 +118,7 @@ def _call_executor(static: _Static, graph: CachedGraph, operands: Mapping[str, A
         entry_path=graph.entry_path or "",
         uids=np.array([compiled.uids[r] for r in compiled.operand_roles + compiled.result_roles], np.int64),
         scalar_uids=scalar_uids,
-        scalar_values=scalar_bits,
+        scalar_values=scalar_values,
         workspace_size=np.int64(compiled.workspace_size),
     )
     return dict(zip(compiled.result_roles, outputs[:-1]))
@@ -242,7 +242,7 @@ def _zero_rows(x: Any, valid: Any) -> Any:
 
 # ----------------------------------------------------------------------------- custom_vjp
 
-def _stats_shape(spec: AttentionSpec) -> tuple[int, ...]:
+def stats_shape(spec: AttentionSpec) -> tuple[int, ...]:
     # Packed graphs keep one fp32 stat per (token, head), token major; dense ones (B, N, T).
     b, n, t = spec.batch, spec.num_heads, spec.q_len
     return (b, t, n) if spec.segments else (b, n, t)
@@ -251,7 +251,7 @@ def _stats_shape(spec: AttentionSpec) -> tuple[int, ...]:
 def _forward(static: _Static, q, k, v, bias, aux, direction: str):
     spec = static.graph_spec
     results = {"o": jax.ShapeDtypeStruct((spec.batch, spec.q_len, spec.num_heads, spec.head_dim_v), q.dtype),
-               "stats": jax.ShapeDtypeStruct(_stats_shape(spec), jnp.float32)}
+               "stats": jax.ShapeDtypeStruct(stats_shape(spec), jnp.float32)}
     operands = {"q": q, "k": k, "v": v, "bias": bias, **aux}
     out = _run_graph(static, direction, operands, results)
     return out["o"], out.get("stats")

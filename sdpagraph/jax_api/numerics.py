@@ -52,7 +52,9 @@ from sdpagraph.cache.graph_cache import GraphCache
 from sdpagraph.cache.graphs import using_cache
 from sdpagraph.graphs.ir import INT, ScoreModIR
 from sdpagraph.graphs.reference import reference
+from sdpagraph.jax_api import numerics_direct
 from sdpagraph.jax_api.call import RuntimeInputs
+from sdpagraph.jax_api.numerics_draw import MASK_KEEP, SLICE_ELEMENTS, Slice, host_inputs, plan_slice, slicers
 from sdpagraph.jax_api.xla import positions_and_mask
 from sdpagraph.spec import AttentionSpec
 
@@ -64,17 +66,6 @@ FORWARD_TOLERANCE = 1e-2
 BACKWARD_TOLERANCE = 2e-2
 TOLERANCES = {dtype: {"forward": FORWARD_TOLERANCE, "backward": BACKWARD_TOLERANCE}
               for dtype in ("bfloat16", "float16", "float32")}
-# The reference computes at most about this many score elements (rows x heads x query rows x S):
-# its float64 matmuls then take milliseconds on the host. Above it, a slice (`plan_slice`).
-SLICE_ELEMENTS = 1 << 19
-SLICE_KV_ELEMENTS = 1 << 23  # key and value elements of the slice's heads (64 MiB in float64)
-MAX_ROWS = 3  # batch rows of a slice: the first, the last, random others
-MAX_HEADS = 4  # query heads of a slice: the first, the last, random others
-MIN_QUERY_ROWS = 2  # batch rows and heads are kept whole while this many query rows of each fit
-SCALAR_RANGE = (1.0, 50.0)  # score_mod scalars: positive (softcap divides by its cap)
-MASK_KEEP = 0.7
-MAX_RANDOM_SEGMENTS = 8
-
 Candidate = Callable[..., tuple[Any, Any]]  # (spec, q, k, v, inputs, ir, training=...) -> (out, lse or None)
 
 
@@ -89,7 +80,7 @@ class NumericsResult:
     seed: int
     slice: str  # "whole" or which batch rows and heads the reference ran on
     training: bool
-    timings: dict[str, float] = field(default_factory=dict)  # trace_s, compile_s, run_s, reference_s
+    timings: dict[str, float] = field(default_factory=dict)  # run_s, reference_s (+ trace_s, compile_s / device_mib)
     checked: float = field(default_factory=time.time)
 
     def failures(self) -> list[str]:
@@ -162,27 +153,37 @@ def check_numerics(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, c
 
 def _check_in_thread(spec, ir, training, cache, seed, slice_elements, candidate, scalars):
     # A fresh thread has no JAX trace in progress (the support query may run inside a user's jit trace).
-    if candidate is None:
-        from sdpagraph.jax_api import cudnn  # the runtime's cuDNN path (imports this module lazily)
-        candidate = cudnn.attention
     with using_cache(cache):
         started = time.perf_counter()
         chosen = plan_slice(spec, slice_elements, np.random.default_rng([seed, 1]))
         host = host_inputs(spec, ir, seed, scalars)
-        key = jax.random.key(seed, impl="rbg")  # compiles in a fraction of threefry's time
-        picks = chosen.indices()
-        lowered = jax.jit(_candidate_program(spec, ir, training, host["scalars"], candidate)).lower(
-            key, host["arrays"], picks)
-        traced = time.perf_counter()
-        compiled = _compile(lowered)
-        built = time.perf_counter()
-        data = jax.device_get(compiled(key, host["arrays"], picks))
+        if candidate is None and numerics_direct.available():
+            data, device_bytes = numerics_direct.run_direct(spec, ir, training, chosen, host, seed)
+            timings = {"run_s": time.perf_counter() - started, "device_mib": device_bytes / 2**20}
+        else:
+            data, timings = _run_compiled(spec, ir, training, chosen, host, seed, candidate)
         ran = time.perf_counter()
         errors = compare(spec, ir, training, chosen, data, host["scalars"])
-        done = time.perf_counter()
-    timings = {"trace_s": traced - started, "compile_s": built - traced, "run_s": ran - built,
-               "reference_s": done - ran}
+        timings["reference_s"] = time.perf_counter() - ran
     return errors, chosen.describe(spec), timings
+
+
+def _run_compiled(spec, ir, training, chosen, host, seed, candidate):
+    """The candidate's slice data from one jitted program (inputs drawn on the device)."""
+    if candidate is None:
+        from sdpagraph.jax_api import cudnn  # the runtime's cuDNN path (imports this module lazily)
+        candidate = cudnn.attention
+    started = time.perf_counter()
+    key = jax.random.key(seed, impl="rbg")  # compiles in a fraction of threefry's time
+    picks = chosen.indices()
+    lowered = jax.jit(_candidate_program(spec, ir, training, host["scalars"], candidate)).lower(
+        key, host["arrays"], picks)
+    traced = time.perf_counter()
+    compiled = _compile(lowered)
+    built = time.perf_counter()
+    data = jax.device_get(compiled(key, host["arrays"], picks))
+    timings = {"trace_s": traced - started, "compile_s": built - traced, "run_s": time.perf_counter() - built}
+    return data, timings
 
 
 # The candidate's program runs once: compile it fast. On an H100, XLA's default GEMM autotuning made
@@ -202,122 +203,7 @@ def _compile(lowered: Any) -> Any:
     return lowered.compile()
 
 
-# ----------------------------------------------------------------------------- slices
-
-@dataclass(frozen=True)
-class Slice:
-    """Which batch rows, query heads and key/value heads the reference computes, and for each
-    (batch row, head) pair which query rows: `queries[i][j]` for rows[i], heads[j]."""
-
-    rows: tuple[int, ...]
-    heads: tuple[int, ...]
-    kv_heads: tuple[int, ...]
-    queries: tuple[tuple[tuple[int, ...], ...], ...]
-
-    def indices(self) -> dict[str, np.ndarray]:
-        return {"rows": np.asarray(self.rows, np.int32), "heads": np.asarray(self.heads, np.int32),
-                "kv_heads": np.asarray(self.kv_heads, np.int32), "queries": np.asarray(self.queries, np.int32)}
-
-    def query_rows(self) -> int:
-        return len(self.queries[0][0])
-
-    def whole(self, spec: AttentionSpec) -> bool:
-        return (len(self.rows), len(self.heads), len(self.kv_heads), self.query_rows()) == (
-            spec.batch, spec.num_heads, spec.num_kv_heads, spec.q_len)
-
-    def describe(self, spec: AttentionSpec) -> str:
-        if self.whole(spec):
-            return "whole"
-        return (f"batch rows {list(self.rows)}, heads {list(self.heads)}, kv heads {list(self.kv_heads)}, "
-                f"{self.query_rows()} of {spec.q_len} query rows each")
-
-
-def plan_slice(spec: AttentionSpec, slice_elements: int = SLICE_ELEMENTS,
-               rng: np.random.Generator | None = None) -> Slice:
-    """The slice the reference computes (module docstring); random parts drawn from `rng`."""
-    rng = np.random.default_rng(0) if rng is None else rng
-    b, n, t, s = spec.batch, spec.num_heads, spec.q_len, spec.kv_len
-    few = min(t, MIN_QUERY_ROWS)
-    # Whole only while the scores fit and the keys and values the reference reads stay small: whole K
-    # and V of B4 S4096 N16 H128 in float64 cost the reference 1.65 s on an H100's host.
-    kv_per_head = s * (spec.head_dim + spec.head_dim_v) * max(1, spec.num_kv_heads) // n
-    whole = lambda r, h: r * h * few * s <= slice_elements and r * h * kv_per_head <= SLICE_KV_ELEMENTS  # noqa: E731
-    rows = tuple(range(b)) if whole(b, n) else _ends_and_random(rng, b, MAX_ROWS)
-    heads = tuple(range(n)) if whole(len(rows), n) else _ends_and_random(rng, n, MAX_HEADS)
-    group = n // spec.num_kv_heads
-    count = max(1, slice_elements // (len(rows) * len(heads) * s))
-    # The row the random mask empties (`_device_inputs`) is among the first pair's rows.
-    empty = t // 2 if spec.mask_shape is not None and spec.mask_shape[2] == t and t > 1 else None
-    queries = tuple(tuple(_strata(rng, t, count, empty if (i, j) == (0, 0) else None) for j in range(len(heads)))
-                    for i in range(len(rows)))
-    return Slice(rows, heads, tuple(sorted({head // group for head in heads})), queries)
-
-
-def _ends_and_random(rng: np.random.Generator, size: int, count: int) -> tuple[int, ...]:
-    """The first and last of range(size) and random others, `count` in all (all when size <= count):
-    an error confined to one batch row or head is found when that row is picked, the last always."""
-    if size <= count:
-        return tuple(range(size))
-    middle = rng.choice(np.arange(1, size - 1), count - 2, replace=False)
-    return tuple(sorted({0, size - 1, *(int(i) for i in middle)}))
-
-
-def _strata(rng: np.random.Generator, size: int, count: int, fixed: int | None = None) -> tuple[int, ...]:
-    """One random index in each of `count` equal parts of range(size) (all when size <= count);
-    `fixed`, when given, is the one of its part."""
-    if size <= count:
-        return tuple(range(size))
-    edges = np.linspace(0, size, count + 1).astype(int)
-    return tuple(fixed if fixed is not None and low <= fixed < high else int(rng.integers(low, high))
-                 for low, high in zip(edges[:-1], edges[1:]))
-
-
-# ----------------------------------------------------------------------------- random inputs
-
-def host_inputs(spec: AttentionSpec, ir: ScoreModIR | None, seed: int,
-                given: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The small random inputs drawn on the host: valid lengths, segment ids, score_mod scalars
-    (those not `given`)."""
-    rng = np.random.default_rng(seed)
-    b, t, s = spec.batch, spec.q_len, spec.kv_len
-    arrays: dict[str, Any] = {}
-    if spec.has_q_lengths:
-        arrays["q_lengths"] = _lengths(rng, b, t)
-    if spec.has_kv_lengths:
-        arrays["kv_lengths"] = _lengths(rng, b, s)
-    if spec.segments:
-        count = max(1, min(spec.max_segments or t, MAX_RANDOM_SEGMENTS))
-        arrays["q_segment_ids"] = random_segment_ids(rng, b, t, count)
-        if spec.segments == "cross":
-            arrays["kv_segment_ids"] = random_segment_ids(rng, b, s, count)
-    scalars = {}
-    if ir is not None:
-        for _, node in ir.slots("scalar"):
-            name = ir.scalar_names[node.attr("slot")]
-            low, high = SCALAR_RANGE
-            drawn = int(rng.integers(low, high + 1)) if node.dtype == INT else float(rng.uniform(low, high))
-            scalars[name] = (given or {}).get(name, drawn)  # drawn anyway: a seed draws the same inputs
-    return {"arrays": arrays, "scalars": scalars}
-
-
-def _lengths(rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
-    lengths = rng.integers(1, length + 1, batch).astype(np.int32)
-    lengths[0] = length  # one full row
-    return lengths
-
-
-def random_segment_ids(rng: np.random.Generator, batch: int, length: int, count: int) -> np.ndarray:
-    """Per row: 1..count contiguous segments numbered 1, 2, ..., then some padding (0)."""
-    ids = np.zeros((batch, length), np.int32)
-    for row in range(batch):
-        used = length - int(rng.integers(0, max(1, length // 8)))
-        segments = int(rng.integers(1, min(count, used) + 1))
-        cuts = sorted(rng.choice(np.arange(1, used), segments - 1, replace=False)) if segments > 1 else []
-        bounds = [0, *(int(c) for c in cuts), used]
-        for number in range(segments):
-            ids[row, bounds[number]:bounds[number + 1]] = number + 1
-    return ids
-
+# ----------------------------------------------------------------------------- random inputs on the device
 
 def _device_inputs(spec: AttentionSpec, ir: ScoreModIR | None, key: Any, host: Mapping[str, Any],
                    scalars: Mapping[str, Any]) -> tuple[Any, Any, Any, RuntimeInputs, Any]:
@@ -376,8 +262,6 @@ def _candidate_program(spec: AttentionSpec, ir: ScoreModIR | None, training: boo
     """(key, host arrays, slice indices) -> the slice of the inputs, of what may attend where, and of
     the candidate's results: all the reference needs, small enough to copy to the host. Query-side
     arrays come as (B', N', T', ...), one row of T' per (batch row, head) pair."""
-    b, t, n = spec.batch, spec.q_len, spec.num_heads
-
     def program(key, host, picks):
         rows, heads, queries = picks["rows"][:, None, None], picks["heads"][None, :, None], picks["queries"]
         q, k, v, inputs, cotangent = _device_inputs(spec, ir, key, host, scalars)
@@ -386,20 +270,7 @@ def _candidate_program(spec: AttentionSpec, ir: ScoreModIR | None, training: boo
         ours = _run(lambda inp, q, k, v: candidate(spec, q, k, v, inp, ir, training=training),
                     spec, q, k, v, inputs, training, cotangent)
         q_pos, kv_pos, allowed = positions_and_mask(spec, inputs)
-        nowhere = jnp.zeros((1, 1, 1), jnp.int32)
-
-        def on_q(x):  # (B, T, N, H) -> (B', N', T', H)
-            return x[rows, queries, heads]
-
-        def on_kv(x):  # (B, S, K, H) -> (B', S, K', H)
-            return jnp.take(jnp.take(x, picks["rows"], axis=0), picks["kv_heads"], axis=2)
-
-        def on_score(x):  # (B|1, N|1, T|1, S|1) -> (B'|1, N'|1, T'|1, S|1)
-            if x is None:
-                return None
-            full = [size == whole for size, whole in zip(x.shape, (b, n, t))]
-            return x[rows if full[0] else nowhere, heads if full[1] else nowhere, queries if full[2] else nowhere]
-
+        on_q, on_kv, on_score = slicers(spec, picks, jnp)
         data = {"q": on_q(q), "k": on_kv(k), "v": on_kv(v), "cotangent": on_q(cotangent),
                 "allowed": on_score(allowed), "q_pos": q_pos[rows, queries],
                 "kv_pos": jnp.take(kv_pos, picks["rows"], axis=0), "bias": on_score(inputs.bias),

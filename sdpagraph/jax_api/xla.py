@@ -73,12 +73,13 @@ def _layout(spec: AttentionSpec, inputs: RuntimeInputs) -> TokenLayout:
     return _segment_layout(spec, inputs) if spec.segments else _dense_layout(spec, inputs)
 
 
-def position_allowed(spec: AttentionSpec, diag: Any, kv: Any) -> Any:
+def position_allowed(spec: AttentionSpec, diag: Any, kv: Any, xp: Any = jnp) -> Any:
     """Boolean (`diag` and `kv` broadcast together): where the key at position `kv` passes the spec's
-    causal, window and chunk masks around the aligned query position `diag`; None without them."""
+    causal, window and chunk masks around the aligned query position `diag`; None without them.
+    `xp`: jax.numpy, or numpy for the numerical check's host-side reference."""
     if not spec.has_position_mask:
         return None
-    allowed = jnp.ones(jnp.broadcast_shapes(jnp.shape(diag), jnp.shape(kv)), jnp.bool_)
+    allowed = xp.ones(xp.broadcast_shapes(xp.shape(diag), xp.shape(kv)), xp.bool_)
     left, right = spec.window
     if spec.is_causal:
         allowed &= kv <= diag
@@ -87,7 +88,7 @@ def position_allowed(spec: AttentionSpec, diag: Any, kv: Any) -> Any:
     if right != UNBOUNDED:
         allowed &= kv <= diag + right
     if spec.chunk_size is not None:
-        allowed &= jnp.floor_divide(diag, spec.chunk_size) == jnp.floor_divide(kv, spec.chunk_size)
+        allowed &= xp.floor_divide(diag, spec.chunk_size) == xp.floor_divide(kv, spec.chunk_size)
     return allowed
 
 

@@ -1,0 +1,170 @@
+"""What the numerical check draws: the slice of the results the reference computes, and the random
+inputs' small host-side parts (valid lengths, packed segments, score_mod scalars).
+
+    plan_slice(spec, slice_elements, rng) -> Slice
+    host_inputs(spec, ir, seed, given) -> {"arrays": {...}, "scalars": {...}}
+    slicers(spec, picks, xp) -> (on_q, on_kv, on_score)
+
+The slice (`plan_slice`, drawn from the seed): at most about `slice_elements` score elements.
+Whole batch rows and heads while MIN_QUERY_ROWS query rows of each fit and their keys and values
+stay within SLICE_KV_ELEMENTS; else the first, the last and random other batch rows (up to
+MAX_ROWS) and heads (up to MAX_HEADS), and query rows spread over the sequence (one random row in
+each of equal strata). Both ways of running the check (`jax_api.numerics_direct` on the host and
+`jax_api.numerics`'s compiled program) cut their results to it with the same `slicers`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from sdpagraph.graphs.ir import INT, ScoreModIR
+from sdpagraph.spec import AttentionSpec
+
+# The reference computes at most about this many score elements (rows x heads x query rows x S):
+# its float64 matmuls then take milliseconds on the host. Above it, a slice (`plan_slice`).
+SLICE_ELEMENTS = 1 << 19
+SLICE_KV_ELEMENTS = 1 << 23  # key and value elements of the slice's heads (64 MiB in float64)
+MAX_ROWS = 3  # batch rows of a slice: the first, the last, random others
+MAX_HEADS = 4  # query heads of a slice: the first, the last, random others
+MIN_QUERY_ROWS = 2  # batch rows and heads are kept whole while this many query rows of each fit
+SCALAR_RANGE = (1.0, 50.0)  # score_mod scalars: positive (softcap divides by its cap)
+MASK_KEEP = 0.7
+MAX_RANDOM_SEGMENTS = 8
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Which batch rows, query heads and key/value heads the reference computes, and for each
+    (batch row, head) pair which query rows: `queries[i][j]` for rows[i], heads[j]."""
+
+    rows: tuple[int, ...]
+    heads: tuple[int, ...]
+    kv_heads: tuple[int, ...]
+    queries: tuple[tuple[tuple[int, ...], ...], ...]
+
+    def indices(self) -> dict[str, np.ndarray]:
+        return {"rows": np.asarray(self.rows, np.int32), "heads": np.asarray(self.heads, np.int32),
+                "kv_heads": np.asarray(self.kv_heads, np.int32), "queries": np.asarray(self.queries, np.int32)}
+
+    def query_rows(self) -> int:
+        return len(self.queries[0][0])
+
+    def whole(self, spec: AttentionSpec) -> bool:
+        return (len(self.rows), len(self.heads), len(self.kv_heads), self.query_rows()) == (
+            spec.batch, spec.num_heads, spec.num_kv_heads, spec.q_len)
+
+    def describe(self, spec: AttentionSpec) -> str:
+        if self.whole(spec):
+            return "whole"
+        return (f"batch rows {list(self.rows)}, heads {list(self.heads)}, kv heads {list(self.kv_heads)}, "
+                f"{self.query_rows()} of {spec.q_len} query rows each")
+
+
+def plan_slice(spec: AttentionSpec, slice_elements: int = SLICE_ELEMENTS,
+               rng: np.random.Generator | None = None) -> Slice:
+    """The slice the reference computes (module docstring); random parts drawn from `rng`."""
+    rng = np.random.default_rng(0) if rng is None else rng
+    b, n, t, s = spec.batch, spec.num_heads, spec.q_len, spec.kv_len
+    few = min(t, MIN_QUERY_ROWS)
+    # Whole only while the scores fit and the keys and values the reference reads stay small: whole K
+    # and V of B4 S4096 N16 H128 in float64 cost the reference 1.65 s on an H100's host.
+    kv_per_head = s * (spec.head_dim + spec.head_dim_v) * max(1, spec.num_kv_heads) // n
+    whole = lambda r, h: r * h * few * s <= slice_elements and r * h * kv_per_head <= SLICE_KV_ELEMENTS  # noqa: E731
+    rows = tuple(range(b)) if whole(b, n) else _ends_and_random(rng, b, MAX_ROWS)
+    heads = tuple(range(n)) if whole(len(rows), n) else _ends_and_random(rng, n, MAX_HEADS)
+    group = n // spec.num_kv_heads
+    count = max(1, slice_elements // (len(rows) * len(heads) * s))
+    # The row the random mask empties (`_device_inputs`) is among the first pair's rows.
+    empty = t // 2 if spec.mask_shape is not None and spec.mask_shape[2] == t and t > 1 else None
+    queries = tuple(tuple(_strata(rng, t, count, empty if (i, j) == (0, 0) else None) for j in range(len(heads)))
+                    for i in range(len(rows)))
+    return Slice(rows, heads, tuple(sorted({head // group for head in heads})), queries)
+
+
+def _ends_and_random(rng: np.random.Generator, size: int, count: int) -> tuple[int, ...]:
+    """The first and last of range(size) and random others, `count` in all (all when size <= count):
+    an error confined to one batch row or head is found when that row is picked, the last always."""
+    if size <= count:
+        return tuple(range(size))
+    middle = rng.choice(np.arange(1, size - 1), count - 2, replace=False)
+    return tuple(sorted({0, size - 1, *(int(i) for i in middle)}))
+
+
+def _strata(rng: np.random.Generator, size: int, count: int, fixed: int | None = None) -> tuple[int, ...]:
+    """One random index in each of `count` equal parts of range(size) (all when size <= count);
+    `fixed`, when given, is the one of its part."""
+    if size <= count:
+        return tuple(range(size))
+    edges = np.linspace(0, size, count + 1).astype(int)
+    return tuple(fixed if fixed is not None and low <= fixed < high else int(rng.integers(low, high))
+                 for low, high in zip(edges[:-1], edges[1:]))
+
+
+def host_inputs(spec: AttentionSpec, ir: ScoreModIR | None, seed: int,
+                given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The small random inputs drawn on the host: valid lengths, segment ids, score_mod scalars
+    (those not `given`)."""
+    rng = np.random.default_rng(seed)
+    b, t, s = spec.batch, spec.q_len, spec.kv_len
+    arrays: dict[str, Any] = {}
+    if spec.has_q_lengths:
+        arrays["q_lengths"] = _lengths(rng, b, t)
+    if spec.has_kv_lengths:
+        arrays["kv_lengths"] = _lengths(rng, b, s)
+    if spec.segments:
+        count = max(1, min(spec.max_segments or t, MAX_RANDOM_SEGMENTS))
+        arrays["q_segment_ids"] = random_segment_ids(rng, b, t, count)
+        if spec.segments == "cross":
+            arrays["kv_segment_ids"] = random_segment_ids(rng, b, s, count)
+    scalars = {}
+    if ir is not None:
+        for _, node in ir.slots("scalar"):
+            name = ir.scalar_names[node.attr("slot")]
+            low, high = SCALAR_RANGE
+            drawn = int(rng.integers(low, high + 1)) if node.dtype == INT else float(rng.uniform(low, high))
+            scalars[name] = (given or {}).get(name, drawn)  # drawn anyway: a seed draws the same inputs
+    return {"arrays": arrays, "scalars": scalars}
+
+
+def _lengths(rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
+    lengths = rng.integers(1, length + 1, batch).astype(np.int32)
+    lengths[0] = length  # one full row
+    return lengths
+
+
+def random_segment_ids(rng: np.random.Generator, batch: int, length: int, count: int) -> np.ndarray:
+    """Per row: 1..count contiguous segments numbered 1, 2, ..., then some padding (0)."""
+    ids = np.zeros((batch, length), np.int32)
+    for row in range(batch):
+        used = length - int(rng.integers(0, max(1, length // 8)))
+        segments = int(rng.integers(1, min(count, used) + 1))
+        cuts = sorted(rng.choice(np.arange(1, used), segments - 1, replace=False)) if segments > 1 else []
+        bounds = [0, *(int(c) for c in cuts), used]
+        for number in range(segments):
+            ids[row, bounds[number]:bounds[number + 1]] = number + 1
+    return ids
+
+
+def slicers(spec: AttentionSpec, picks: Mapping[str, Any], xp: Any) -> tuple[Callable, Callable, Callable]:
+    """(on_q, on_kv, on_score): cut a query-side (B, T, N, ...) array to (B', N', T', ...), a key-side
+    (B, S, K, ...) one to (B', S, K', ...), and a score-shaped (B|1, N|1, T|1, S|1) one (or None) to
+    (B', N', T', S|1); `picks` are `Slice.indices()`, as NumPy (xp=numpy) or traced (xp=jax.numpy)."""
+    b, t, n = spec.batch, spec.q_len, spec.num_heads
+    rows, heads, queries = picks["rows"][:, None, None], picks["heads"][None, :, None], picks["queries"]
+    nowhere = xp.zeros((1, 1, 1), xp.int32)
+
+    def on_q(x):
+        return x[rows, queries, heads]
+
+    def on_kv(x):
+        return xp.take(xp.take(x, picks["rows"], axis=0), picks["kv_heads"], axis=2)
+
+    def on_score(x):
+        if x is None:
+            return None
+        full = [size == whole for size, whole in zip(x.shape, (b, n, t))]
+        return x[rows if full[0] else nowhere, heads if full[1] else nowhere, queries if full[2] else nowhere]
+
+    return on_q, on_kv, on_score
