@@ -60,9 +60,12 @@ class DeviceArena:
         return address
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> tuple[np.ndarray, int]:
-        """A zero-filled host array and a device buffer of its size (zero-filled too)."""
-        host = np.zeros(shape, dtype)
-        return host, self.put(host)
+        """A host array and a zero-filled device buffer of its size, which `get` copies into it (and
+        `put` of that host array gives back, without copying)."""
+        host = np.empty(shape, dtype)
+        address = self._allocate(host.nbytes)
+        self._on_device[id(host)] = (host, address)
+        return host, address
 
     def get(self, host: np.ndarray) -> np.ndarray:
         """`host` (from `empty`) filled with its device buffer's contents."""

@@ -1024,13 +1024,26 @@ SDPAGRAPH_EXPORT int sdpagraph_register_entry_file(const char* key_digest, const
 // Direct runs (section 8): device memory for the numerical check, copies, and one synchronous run.
 // Each returns kStatusOk, or kStatusInternal with the reason in `error`.
 
+// Allocates `bytes` of zero-filled device memory on `device`.
 SDPAGRAPH_EXPORT int sdpagraph_device_alloc(int device, size_t bytes, void** pointer, char* error,
                                             size_t error_size) {
   return sdpagraph::GuardedEntry(error, error_size, [&] {
     sdpagraph::BindCudnnLibrary();
     sdpagraph::UseDevice(device);
     *pointer = nullptr;
-    if (bytes > 0) sdpagraph::CheckCuda(cudnn_frontend::detail::cuda_malloc(pointer, bytes), "cudaMalloc");
+    if (bytes == 0) return;
+    void* allocated = nullptr;
+    sdpagraph::CheckCuda(cudnn_frontend::detail::cuda_malloc(&allocated, bytes), "cudaMalloc");
+    try {
+      sdpagraph::OwnedStream stream;
+      sdpagraph::CheckCuda(cudnn_frontend::detail::cuda_mem_set_async(allocated, 0, bytes, stream.get()),
+                           "cudaMemsetAsync");
+      stream.Synchronize();
+    } catch (...) {
+      cudnn_frontend::detail::cuda_free(allocated);
+      throw;
+    }
+    *pointer = allocated;
   });
 }
 

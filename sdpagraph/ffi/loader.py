@@ -164,7 +164,7 @@ class ExecutorLib:
     # Direct runs (executor.cc, section 8; `ffi.direct` wraps them): raw device addresses as ints.
 
     def device_alloc(self, device: int, size: int) -> int:
-        """Allocates `size` bytes on `device` (CUDA ordinal); the address (0 for 0 bytes)."""
+        """Allocates `size` zero-filled bytes on `device` (CUDA ordinal); the address (0 for 0 bytes)."""
         pointer = ctypes.c_void_p()
         self._direct("sdpagraph_device_alloc", device, size, ctypes.byref(pointer))
         return pointer.value or 0

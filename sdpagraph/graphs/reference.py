@@ -70,8 +70,7 @@ def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks:
     result["dq"] = spec.scale * (d_score @ k)
     per_head = {"dk": spec.scale * (d_score.swapaxes(-1, -2) @ q), "dv": probs.swapaxes(-1, -2) @ d_out}
     for name, grads in per_head.items():  # (B', N', S, H) summed over each kv head's group
-        summed = np.zeros((grads.shape[0], len(picks["kv_heads"]), *grads.shape[2:]))
-        np.add.at(summed, (slice(None), kv_of), grads)
+        summed = np.stack([grads[:, kv_of == index].sum(axis=1) for index in range(len(picks["kv_heads"]))], axis=1)
         result[name] = summed.transpose(0, 2, 1, 3)
     if data["bias"] is not None:
         result["dbias"] = _bias_gradient(spec, picks, d_logits)
