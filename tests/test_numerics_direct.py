@@ -46,10 +46,10 @@ def standin(spec, ir, wrong=None):
     """The graph on XLA; `wrong`: "scale" (q scaled by 1.5 in every graph) or "dk" (dk off by 50%)."""
     def execute(graph, operands, results, scalars):
         static = cudnn_backend._Static(spec, graph_spec(spec, ir), ir, tuple(sorted(scalars.items())), True)
-        given = {role: jnp.asarray(x) for role, x in operands.items()}
+        given = {role: jnp.asarray(np.asarray(x)) for role, x in operands.items()}  # Tiled, Sparse: whole
         if wrong == "scale":
             given["q"] = (given["q"].astype(jnp.float32) * 1.5).astype(given["q"].dtype)
-        shapes = {role: jax.ShapeDtypeStruct(shape, dtype) for role, (shape, dtype) in results.items()}
+        shapes = {role: jax.ShapeDtypeStruct(result.shape, result.dtype) for role, result in results.items()}
         out = {role: np.asarray(x) for role, x in fake_executor(static, graph, given, shapes).items()}
         if wrong == "dk" and "dk" in out:
             out["dk"] = (out["dk"].astype(np.float32) * 1.5).astype(out["dk"].dtype)

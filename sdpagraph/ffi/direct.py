@@ -1,24 +1,79 @@
 """Running a registered graph once, outside XLA, on buffers the caller fills from the host.
 
     with DeviceArena(device) as arena:
-        results = arena.run(graph, digest, operands, result_specs, scalar_uids, scalar_words)
+        results = arena.run(digest, uids, operands, results, scalar_uids, scalar_words)
 
 The numerical check (`jax_api.numerics_direct`) runs each freshly built graph once on random
 inputs. Through XLA that needed a program compiled per config, which took longer than building the
 graph; here the executor runs the graph directly (executor.cc, section 8): device memory the arena
-allocates and frees, copies in and out, and one synchronous run on a stream of the executor's own.
+allocates (zero-filled) and frees, copies in and out, and one synchronous run on a stream of the
+executor's own.
 
-Host arrays given as operands are copied to the device once per arena (a result fed back as the
-next graph's operand is not copied again), and every allocation is freed when the arena closes,
-also when a run raises.
+Operands are host arrays, or two lighter forms that keep the check's host-device traffic small
+at large shapes: a `Tiled` array (a random pool repeated: the pool is copied once and doubled on
+the device) and a `Sparse` one (zeros but for some contiguous blocks, copied block by block).
+A result can name the element blocks the caller will read (`Result.blocks`); only those are
+copied back. An operand is copied to the device once per arena (a result fed back as the next
+graph's operand is not copied at all), and every allocation is freed when the arena closes, also
+when a run raises.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from sdpagraph.ffi.loader import ExecutorLib, _loaded
+
+# Below this many bytes an array travels whole: one copy costs less than many small ones.
+WHOLE_BYTES = 8 << 20
+
+
+@dataclass(frozen=True, eq=False)
+class Tiled:
+    """An array of `shape` whose flat element i is pool[i % len(pool)]."""
+
+    pool: np.ndarray  # 1-D
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.pool.dtype
+
+    def take(self, *index: Any) -> np.ndarray:
+        """self[index] for integer index arrays (one per axis, broadcast together)."""
+        flat = np.ravel_multi_index(np.broadcast_arrays(*index), self.shape)
+        return self.pool[flat % len(self.pool)]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        whole = np.resize(self.pool, int(np.prod(self.shape))).reshape(self.shape)
+        return whole if dtype is None else whole.astype(dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class Sparse:
+    """Zeros of `shape` but at `at` (a tuple of index arrays over the leading axes), which hold
+    `values`: each indexed position is a contiguous block of the trailing axes."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    at: tuple[np.ndarray, ...]
+    values: np.ndarray
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        whole = np.zeros(self.shape, self.dtype)
+        whole[self.at] = self.values
+        return whole if dtype is None else whole.astype(dtype)
+
+
+class Result(NamedTuple):
+    """A graph result to copy back: its shape, dtype, and the (start, count) element ranges the
+    caller reads (None: all of it)."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    blocks: Sequence[tuple[int, int]] | None = None
 
 
 class DeviceArena:
@@ -29,7 +84,7 @@ class DeviceArena:
         self._library = library or _loaded()
         self._allocations: list[int] = []
         self.allocated_bytes = 0  # all of it held until close: the arena's peak device memory
-        self._on_device: dict[int, tuple[np.ndarray, int]] = {}  # id(host array) -> (array, address)
+        self._on_device: dict[int, tuple[Any, int]] = {}  # id(operand) -> (operand, address)
 
     def __enter__(self) -> "DeviceArena":
         return self
@@ -48,38 +103,65 @@ class DeviceArena:
         self.allocated_bytes += int(size)
         return address
 
-    def put(self, array: np.ndarray) -> int:
-        """The device address of a copy of `array` (C-contiguous), copied once per arena."""
-        known = self._on_device.get(id(array))
-        if known is not None and known[0] is array:
+    def _copy(self, destination: int, source: int, size: int, kind: str) -> None:
+        self._library.device_copy(self.device, destination, source, size, kind)
+
+    def put(self, operand: Any) -> int:
+        """The device address of a copy of `operand` (a C-contiguous host array, `Tiled` or
+        `Sparse`), copied once per arena."""
+        known = self._on_device.get(id(operand))
+        if known is not None and known[0] is operand:
             return known[1]
-        host = np.ascontiguousarray(array)
-        address = self._allocate(host.nbytes)
-        self._library.device_copy(self.device, address, host.ctypes.data, host.nbytes, to_device=True)
-        self._on_device[id(array)] = (array, address)
+        if isinstance(operand, Tiled):
+            address = self._put_tiled(operand)
+        elif isinstance(operand, Sparse) and int(np.prod(operand.shape)) * operand.dtype.itemsize > WHOLE_BYTES:
+            address = self._put_sparse(operand)
+        else:
+            host = np.ascontiguousarray(operand)
+            address = self._allocate(host.nbytes)
+            self._copy(address, host.ctypes.data, host.nbytes, "to_device")
+        self._on_device[id(operand)] = (operand, address)
         return address
 
-    def empty(self, shape: tuple[int, ...], dtype: Any) -> tuple[np.ndarray, int]:
-        """A host array and a zero-filled device buffer of its size, which `get` copies into it (and
-        `put` of that host array gives back, without copying)."""
-        host = np.empty(shape, dtype)
-        address = self._allocate(host.nbytes)
-        self._on_device[id(host)] = (host, address)
-        return host, address
+    def _put_tiled(self, tiled: Tiled) -> int:
+        item, pool = tiled.dtype.itemsize, np.ascontiguousarray(tiled.pool)
+        total = int(np.prod(tiled.shape)) * item
+        address = self._allocate(total)
+        filled = min(pool.nbytes, total)
+        self._copy(address, pool.ctypes.data, filled, "to_device")
+        while filled < total:  # double what is there: its length stays a multiple of the pool's
+            step = min(filled, total - filled)
+            self._copy(address + filled, address, step, "within_device")
+            filled += step
+        return address
 
-    def get(self, host: np.ndarray) -> np.ndarray:
-        """`host` (from `empty`) filled with its device buffer's contents."""
-        _, address = self._on_device[id(host)]
-        self._library.device_copy(self.device, host.ctypes.data, address, host.nbytes, to_device=False)
-        return host
+    def _put_sparse(self, sparse: Sparse) -> int:
+        block = int(np.prod(sparse.shape[len(sparse.at):]))
+        address = self._allocate(int(np.prod(sparse.shape)) * sparse.dtype.itemsize)
+        starts = np.ravel_multi_index(np.broadcast_arrays(*sparse.at), sparse.shape[:len(sparse.at)]).reshape(-1)
+        values = np.ascontiguousarray(np.broadcast_to(sparse.values, (*np.shape(starts), block)).astype(sparse.dtype))
+        size = block * sparse.dtype.itemsize
+        for row, start in enumerate(starts):
+            self._copy(address + int(start) * size, values[row].ctypes.data, size, "to_device")
+        return address
 
-    def run(self, digest: str, uids: Mapping[str, int], operands: Mapping[str, np.ndarray],
-            results: Mapping[str, tuple[tuple[int, ...], Any]], scalar_uids: Any, scalar_words: Any) -> dict[str, np.ndarray]:
-        """Runs the registered graph `digest` on `operands` (role -> host array) and returns its
-        `results` (role -> (shape, dtype)) as host arrays; `uids`: role -> the graph's tensor uid."""
-        tensors = {uids[role]: self.put(array) for role, array in operands.items()}
+    def run(self, digest: str, uids: Mapping[str, int], operands: Mapping[str, Any], results: Mapping[str, Result],
+            scalar_uids: Any, scalar_words: Any) -> dict[str, np.ndarray]:
+        """Runs the registered graph `digest` on `operands` (role -> operand) and returns its
+        `results` (role -> `Result`) as host arrays, filled where their blocks say;
+        `uids`: role -> the graph's tensor uid."""
+        tensors = {uids[role]: self.put(operand) for role, operand in operands.items()}
         outputs = {}
-        for role, (shape, dtype) in results.items():
-            outputs[role], tensors[uids[role]] = self.empty(shape, dtype)
+        for role, result in results.items():
+            host = np.empty(result.shape, result.dtype)
+            tensors[uids[role]] = address = self._allocate(host.nbytes)
+            self._on_device[id(host)] = (host, address)
+            outputs[role] = (host, address, result.blocks)
         self._library.run_graph(digest, self.device, tensors, scalar_uids, scalar_words)
-        return {role: self.get(host) for role, host in outputs.items()}
+        for host, address, blocks in outputs.values():
+            if blocks is None or host.nbytes <= WHOLE_BYTES:
+                blocks = [(0, host.size)]
+            for start, count in blocks:
+                offset = int(start) * host.itemsize
+                self._copy(host.ctypes.data + offset, address + offset, int(count) * host.itemsize, "to_host")
+        return {role: host for role, (host, _, _) in outputs.items()}

@@ -924,7 +924,7 @@ class DeviceBuffer {
   void* pointer_ = nullptr;
 };
 
-// Copies `bytes` between host and device memory (either direction) and waits for the copy.
+// Copies `bytes` (host to device, device to host, or within the device) and waits for the copy.
 void CopySync(void* destination, const void* source, size_t bytes, cudaMemcpyKind kind) {
   OwnedStream stream;
   CheckCuda(fe_detail::cuda_mem_cpy_async(destination, source, bytes, kind, stream.get()), "cudaMemcpyAsync");
@@ -1054,14 +1054,14 @@ SDPAGRAPH_EXPORT int sdpagraph_device_free(int device, void* pointer, char* erro
   });
 }
 
-// Copies `bytes` from host to device memory (`to_device` != 0) or back, and waits for the copy.
+// Copies `bytes` and waits for the copy: `kind` 0 device to host, 1 host to device, 2 device to device.
 SDPAGRAPH_EXPORT int sdpagraph_device_copy(int device, void* destination, const void* source, size_t bytes,
-                                           int to_device, char* error, size_t error_size) {
+                                           int kind, char* error, size_t error_size) {
   return sdpagraph::GuardedEntry(error, error_size, [&] {
+    constexpr cudaMemcpyKind kKinds[] = {cudaMemcpyDeviceToHost, cudaMemcpyHostToDevice, cudaMemcpyDeviceToDevice};
+    if (kind < 0 || kind > 2) throw sdpagraph::InvalidCallError("copy kind must be 0, 1 or 2");
     sdpagraph::UseDevice(device);
-    if (bytes > 0) {
-      sdpagraph::CopySync(destination, source, bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost);
-    }
+    if (bytes > 0) sdpagraph::CopySync(destination, source, bytes, kKinds[kind]);
   });
 }
 

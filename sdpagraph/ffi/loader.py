@@ -172,10 +172,12 @@ class ExecutorLib:
     def device_free(self, device: int, address: int) -> None:
         self._direct("sdpagraph_device_free", device, ctypes.c_void_p(address))
 
-    def device_copy(self, device: int, destination: int, source: int, size: int, to_device: bool) -> None:
-        """Copies `size` bytes host -> device (`to_device`) or device -> host, and waits for it."""
+    COPY_KINDS = ("to_host", "to_device", "within_device")
+
+    def device_copy(self, device: int, destination: int, source: int, size: int, kind: str) -> None:
+        """Copies `size` bytes (`kind`: one of COPY_KINDS) and waits for it."""
         self._direct("sdpagraph_device_copy", device, ctypes.c_void_p(destination), ctypes.c_void_p(source),
-                     size, int(to_device))
+                     size, self.COPY_KINDS.index(kind))
 
     def run_graph(self, digest: str, device: int, tensors: dict[int, int], scalar_uids: Any,
                   scalar_words: Any) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 
 from sdpagraph import ffi
 from sdpagraph.cache.graphs import CachedGraph, cached_graph
-from sdpagraph.ffi.direct import DeviceArena
+from sdpagraph.ffi.direct import DeviceArena, Result, Sparse, Tiled
 from sdpagraph.graphs.ir import INT, ScoreModIR
 from sdpagraph.graphs.operands import ARRAY_PREFIX, LayoutPlan, plan_layout
 from sdpagraph.jax_api.cudnn import MASKED_BIAS, scalar_bits, stats_shape
@@ -41,9 +41,8 @@ from sdpagraph.jax_api.numerics_draw import MASK_KEEP, Slice, slicers
 from sdpagraph.jax_api.xla import position_allowed
 from sdpagraph.spec import AttentionSpec
 
-# (graph, operands by role, results by role as (shape, dtype), the mod's scalars) -> results by role
-Execute = Callable[[CachedGraph, Mapping[str, np.ndarray], Mapping[str, tuple], Mapping[str, Any]],
-                   dict[str, np.ndarray]]
+# (graph, operands by role (arrays, `Tiled` or `Sparse`), results by role, the mod's scalars) -> results
+Execute = Callable[[CachedGraph, Mapping[str, Any], Mapping[str, Result], Mapping[str, Any]], dict[str, np.ndarray]]
 
 # Random io values from random bits: sign, mantissa and the exponent's two low bits drawn, the rest
 # fixed, so |x| lies in [1/8, 2) (bfloat16: 8 exponent bits, float16: 5).
@@ -65,9 +64,9 @@ def io_dtype(name: str) -> np.dtype:
     return np.dtype(jax.numpy.dtype(name))
 
 
-def random_io(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+def random_io(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray | Tiled:
     """Random values of `shape` in the spec's io dtype (float32: standard normal); beyond
-    POOL_VALUES elements, a random pool repeated."""
+    POOL_VALUES elements, a random pool repeated (`ffi.direct.Tiled`)."""
     count = int(np.prod(shape))
     drawn = min(count, POOL_VALUES)
     if dtype in _IO_BITS:
@@ -76,7 +75,7 @@ def random_io(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> n
         values = bits.view(io_dtype(dtype))
     else:
         values = rng.standard_normal(drawn, np.float32).astype(io_dtype(dtype))
-    return (np.resize(values, count) if count > drawn else values).reshape(shape)
+    return Tiled(values, tuple(shape)) if count > drawn else values.reshape(shape)
 
 
 # ----------------------------------------------------------------------------- token layout
@@ -182,7 +181,7 @@ def _bias_operand(plan: LayoutPlan, layout: _Layout, bias: np.ndarray | None,
     if plan.folds_padding and plan.graph_spec.has_kv_lengths:
         kv_valid = layout.kv_valid[:, None, None, :]
         keep = kv_valid if keep is None else keep & kv_valid
-    value = np.zeros((), np.float32) if bias is None else bias.astype(np.float32)
+    value = np.zeros((), np.float32) if bias is None else np.asarray(bias, np.float32)
     if keep is not None:
         value = np.where(keep, value, np.float32(MASKED_BIAS[plan.graph_spec.dtype]))
     dtype = io_dtype(plan.graph_spec.dtype)
@@ -281,31 +280,42 @@ def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Sli
     dtype = io_dtype(g.dtype)
     zero = np.zeros((), dtype)
     o_shape = (g.batch, g.q_len, g.num_heads, g.head_dim_v)
+    # Of the large results, only what the slice reads comes back: the (batch row, query) rows of o
+    # and dq, the batch rows of dk and dv.
+    query_rows = np.unique(picks["rows"][:, None, None] * g.q_len + picks["queries"])
+    token_blocks = lambda shape: [(row * shape[2] * shape[3], shape[2] * shape[3]) for row in query_rows]  # noqa: E731
+    batch_blocks = lambda shape: [(row * int(np.prod(shape[1:])), int(np.prod(shape[1:])))  # noqa: E731
+                                  for row in picks["rows"]]
 
-    def run(direction: str, results: Mapping[str, tuple]) -> dict[str, np.ndarray]:
+    def run(direction: str, results: Mapping[str, Result]) -> dict[str, np.ndarray]:
         graph = cached_graph(spec, ir, direction)
         roles = graph.compiled
         return execute(graph, {role: operands[role] for role in roles.operand_roles},
                        {role: results[role] for role in roles.result_roles}, host["scalars"])
 
-    forward = run("forward" if training else "inference", {"o": (o_shape, dtype), "stats": (stats_shape(g), np.float32)})
-    data = {"q": on_q(inputs["q"]), "k": on_kv(inputs["k"]), "v": on_kv(inputs["v"]), "allowed": allowed,
+    forward = run("forward" if training else "inference", {"o": Result(o_shape, dtype, token_blocks(o_shape)),
+                                                           "stats": Result(stats_shape(g), np.float32)})
+    data = {"q": _cut_q(inputs["q"], on_q, picks), "k": _cut_kv(inputs["k"], on_kv, picks),
+            "v": _cut_kv(inputs["v"], on_kv, picks), "allowed": allowed,
             "q_pos": layout.q_pos[rows, queries], "kv_pos": layout.kv_pos[picks["rows"]],
-            "bias": on_score(inputs["bias"]), "arrays": {name: on_score(x) for name, x in inputs["arrays"].items()},
+            "bias": on_score(None if inputs["bias"] is None else np.asarray(inputs["bias"])),
+            "arrays": {name: on_score(x) for name, x in inputs["arrays"].items()},
             "o": np.where(kept[..., None], on_q(forward["o"]), zero)}
     if not training:
         return data
     stats = forward["stats"].swapaxes(1, 2) if g.segments else forward["stats"]  # (B, N, T)
     data["lse"] = np.where(kept, stats[rows, heads, queries], -np.inf)
     # Only the slice sends gradients back, so the whole run's dk, dv and dbias are the slice's.
-    cotangent = np.zeros(o_shape, dtype)
     drawn = random_io(np.random.default_rng([seed, 3]), (*kept.shape, g.head_dim_v), g.dtype)
-    cotangent[rows, queries, heads] = np.where(kept[..., None], drawn, zero)
-    data["cotangent"] = on_q(cotangent)
-    operands.update(o=forward["o"], stats=forward["stats"], dO=cotangent)
-    results = {"dq": (inputs["q"].shape, dtype), "dk": (inputs["k"].shape, dtype), "dv": (inputs["v"].shape, dtype)}
+    data["cotangent"] = np.where(kept[..., None], np.asarray(drawn), zero)
+    operands.update(o=forward["o"], stats=forward["stats"],
+                    dO=Sparse(o_shape, dtype, np.broadcast_arrays(rows, queries, heads), data["cotangent"]))
+    q_shape = (g.batch, g.q_len, g.num_heads, g.head_dim)
+    k_shape, v_shape = (g.batch, g.kv_len, g.num_kv_heads, g.head_dim), (g.batch, g.kv_len, g.num_kv_heads, g.head_dim_v)
+    results = {"dq": Result(q_shape, dtype, token_blocks(q_shape)), "dk": Result(k_shape, dtype, batch_blocks(k_shape)),
+               "dv": Result(v_shape, dtype, batch_blocks(v_shape))}
     if plan.bias_shape is not None:
-        results["dbias"] = (plan.bias_shape, dtype)
+        results["dbias"] = Result(plan.bias_shape, dtype)
     grads = run("backward", results)
     kv_kept = layout.kv_valid[picks["rows"]][:, :, None, None] if validity else True
     data["dq"] = np.where(q_kept[..., None], on_q(grads["dq"]), zero)
@@ -314,6 +324,22 @@ def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Sli
     if spec.bias_shape is not None:
         data["dbias"] = on_score(_user_bias_gradient(grads["dbias"], keep, spec.bias_shape))
     return data
+
+
+def _cut_q(x: np.ndarray | Tiled, on_q: Callable, picks: Mapping[str, np.ndarray]) -> np.ndarray:
+    """`on_q` of an input, without materializing a `Tiled` one."""
+    if not isinstance(x, Tiled):
+        return on_q(x)
+    rows, heads, queries = picks["rows"][:, None, None], picks["heads"][None, :, None], picks["queries"]
+    return x.take(rows[..., None], queries[..., None], heads[..., None], np.arange(x.shape[3]))
+
+
+def _cut_kv(x: np.ndarray | Tiled, on_kv: Callable, picks: Mapping[str, np.ndarray]) -> np.ndarray:
+    """`on_kv` of an input, without materializing a `Tiled` one."""
+    if not isinstance(x, Tiled):
+        return on_kv(x)
+    return x.take(picks["rows"][:, None, None, None], np.arange(x.shape[1])[None, :, None, None],
+                  picks["kv_heads"][None, None, :, None], np.arange(x.shape[3]))
 
 
 def _user_bias_gradient(dbias: np.ndarray, keep: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:

@@ -1,0 +1,77 @@
+"""`ffi.direct.DeviceArena` on a CPU: a stand-in executor library keeps "device memory" in host
+buffers, so what the arena copies in (whole, tiled from a pool, sparse blocks) and copies back
+(whole or the blocks asked for) can be checked byte for byte."""
+import ctypes
+
+import numpy as np
+import pytest
+
+from sdpagraph.ffi import direct
+from sdpagraph.ffi.direct import DeviceArena, Result, Sparse, Tiled
+
+
+class FakeLibrary:
+    """Device memory in host buffers; `run_graph` doubles operand uid 1 into result uid 2."""
+
+    def __init__(self):
+        self.buffers, self.freed, self.copies = {}, [], []
+
+    def device_alloc(self, device, size):
+        buffer = ctypes.create_string_buffer(size)  # zero-filled, as the executor's
+        self.buffers[ctypes.addressof(buffer)] = buffer
+        return ctypes.addressof(buffer)
+
+    def device_free(self, device, address):
+        self.freed.append(address)
+
+    def device_copy(self, device, destination, source, size, kind):
+        self.copies.append((kind, size))
+        ctypes.memmove(destination, source, size)
+
+    def run_graph(self, digest, device, tensors, scalar_uids, scalar_words):
+        size = len(self.buffers[tensors[2]])
+        given = np.frombuffer(ctypes.string_at(tensors[1], size), np.float32)
+        ctypes.memmove(tensors[2], (given * 2).ctypes.data, size)
+
+
+def device_array(library, address, shape, dtype):
+    return np.frombuffer(ctypes.string_at(address, int(np.prod(shape)) * np.dtype(dtype).itemsize), dtype).reshape(shape)
+
+
+def test_tiled_and_sparse_operands_arrive_whole_and_copy_little(monkeypatch):
+    monkeypatch.setattr(direct, "WHOLE_BYTES", 64)
+    library = FakeLibrary()
+    pool = np.arange(7, dtype=np.float32)
+    tiled = Tiled(pool, (3, 5, 4))
+    at = (np.array([0, 2]), np.array([1, 4]))
+    sparse = Sparse((3, 5, 4), np.dtype(np.float32), at, np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.float32))
+    with DeviceArena(0, library) as arena:
+        for operand in (tiled, sparse):
+            address = arena.put(operand)
+            np.testing.assert_array_equal(device_array(library, address, operand.shape, np.float32), np.asarray(operand))
+            assert arena.put(operand) == address  # copied once
+        assert max(size for kind, size in library.copies if kind == "to_device") <= pool.nbytes
+        rows, columns = np.array([1, 2])[:, None, None], np.array([0, 3])[None, :, None]
+        np.testing.assert_array_equal(tiled.take(rows, columns, np.arange(4)), np.asarray(tiled)[[1, 2]][:, [0, 3]])
+    assert sorted(library.freed) == sorted(library.buffers)  # everything freed on close
+
+
+def test_results_come_back_whole_or_by_blocks(monkeypatch):
+    monkeypatch.setattr(direct, "WHOLE_BYTES", 16)
+    library = FakeLibrary()
+    x = np.arange(24, dtype=np.float32).reshape(6, 4)
+    with DeviceArena(0, library) as arena:
+        out = arena.run("0" * 64, {"x": 1, "y": 2}, {"x": x}, {"y": Result((6, 4), np.float32, [(4, 4), (16, 8)])},
+                        [], [])["y"]
+        np.testing.assert_array_equal(out[1], 2 * x[1])
+        np.testing.assert_array_equal(out[4:], 2 * x[4:])
+        assert arena.put(out) == arena.put(out)  # a result is already on the device: no copy
+        assert ("to_device", 24 * 4) not in library.copies[1:]
+
+
+def test_an_arena_frees_its_memory_when_a_run_fails():
+    library = FakeLibrary()
+    with pytest.raises(KeyError):
+        with DeviceArena(0, library) as arena:
+            arena.run("0" * 64, {"x": 1, "y": 2}, {"x": np.ones(4, np.float32)}, {}, [], [])
+    assert len(library.freed) == len(library.buffers) == 1
