@@ -43,8 +43,8 @@ def test_tiled_and_sparse_operands_arrive_whole_and_copy_little(monkeypatch):
     library = FakeLibrary()
     pool = np.arange(7, dtype=np.float32)
     tiled = Tiled(pool, (3, 5, 4))
-    at = (np.array([0, 2]), np.array([1, 4]))
-    sparse = Sparse((3, 5, 4), np.dtype(np.float32), at, np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.float32))
+    at = (np.array([0, 2])[:, None], np.array([[1, 4]]))  # broadcast: 2 x 2 blocks, as the check's (B', T')
+    sparse = Sparse((3, 5, 4), np.dtype(np.float32), at, np.arange(16, dtype=np.float32).reshape(2, 2, 4) + 1)
     with DeviceArena(0, library) as arena:
         for operand in (tiled, sparse):
             address = arena.put(operand)

@@ -139,7 +139,7 @@ class DeviceArena:
         block = int(np.prod(sparse.shape[len(sparse.at):]))
         address = self._allocate(int(np.prod(sparse.shape)) * sparse.dtype.itemsize)
         starts = np.ravel_multi_index(np.broadcast_arrays(*sparse.at), sparse.shape[:len(sparse.at)]).reshape(-1)
-        values = np.ascontiguousarray(np.broadcast_to(sparse.values, (*np.shape(starts), block)).astype(sparse.dtype))
+        values = np.ascontiguousarray(np.asarray(sparse.values, sparse.dtype).reshape(len(starts), block))
         size = block * sparse.dtype.itemsize
         for row, start in enumerate(starts):
             self._copy(address + int(start) * size, values[row].ctypes.data, size, "to_device")

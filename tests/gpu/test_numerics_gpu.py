@@ -68,7 +68,7 @@ def test_a_correct_graph_passes_and_records_its_errors(name, private_cache, repo
     shape, kv_heads, kwargs, training = CONFIGS[name]
     q, k, v = inputs(shape, kv_heads)
     support = sdpagraph.check_support(q, k, v, training=training, **kwargs)
-    if not support.supported and "computed wrong values" not in support.reason:
+    if not support.supported and "numerical check" not in support.reason and "computed wrong values" not in support.reason:
         pytest.skip(f"cuDNN does not run {name} here: {support.reason}")
     assert support.supported, support.reason
     call = prepare_call(q, k, v, **{key: value for key, value in kwargs.items()})
