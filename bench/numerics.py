@@ -117,7 +117,7 @@ def run_child(mode: str, shape: tuple[int, ...], repeat: int, options: str = "{}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| config | check | build fwd+bwd | check (1st) | trace / compile / run / reference | check (later) | "
+    lines = ["| config | check | build fwd+bwd | check (1st) | trace / compile / run (of it executor) / reference | check (later) | "
              "check / build | check GPU memory | peak host RSS | train step memory | errors (1st) | reference on |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -126,7 +126,7 @@ def table(rows: list[dict]) -> str:
         later_s = sorted(c["seconds"] for c in later)[len(later) // 2]
         errors = ", ".join(f"{k} {v:.1e}" for k, v in first["errors"].items() if k != "empty_rows")
         parts = " / ".join(f"{first[name]:.2f}" if name in first else "-"
-                           for name in ("trace_s", "compile_s", "run_s", "reference_s"))
+                           for name in ("trace_s", "compile_s", "run_s", "device_s", "reference_s"))
         ratio = f"{first['seconds'] / build:.0%} (later {later_s / build:.0%})" if build else "n/a (nothing built)"
         lines.append(
             f"| {row['config']} | {row['mode']} | {f'{build:.2f} s' if build else 'n/a'} | {first['seconds']:.2f} s | {parts} s | "

@@ -53,6 +53,7 @@ def test_tiled_and_sparse_operands_arrive_whole_and_copy_little(monkeypatch):
         assert max(size for kind, size in library.copies if kind == "to_device") <= pool.nbytes
         rows, columns = np.array([1, 2])[:, None, None], np.array([0, 3])[None, :, None]
         np.testing.assert_array_equal(tiled.take(rows, columns, np.arange(4)), np.asarray(tiled)[[1, 2]][:, [0, 3]])
+        np.testing.assert_array_equal(tiled.leading([2, 0]), np.asarray(tiled)[[2, 0]])
     assert sorted(library.freed) == sorted(library.buffers)  # everything freed on close
 
 

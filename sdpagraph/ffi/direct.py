@@ -46,6 +46,12 @@ class Tiled:
         flat = np.ravel_multi_index(np.broadcast_arrays(*index), self.shape)
         return self.pool[flat % len(self.pool)]
 
+    def leading(self, index: Sequence[int]) -> np.ndarray:
+        """self[index] along the first axis, materialized row by row (no per-element index math)."""
+        size = int(np.prod(self.shape[1:]))
+        rows = [np.resize(np.roll(self.pool, -(int(i) * size % len(self.pool))), size) for i in index]
+        return np.stack(rows).reshape(len(rows), *self.shape[1:])
+
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         whole = np.resize(self.pool, int(np.prod(self.shape))).reshape(self.shape)
         return whole if dtype is None else whole.astype(dtype)

@@ -80,7 +80,7 @@ class NumericsResult:
     seed: int
     slice: str  # "whole" or which batch rows and heads the reference ran on
     training: bool
-    timings: dict[str, float] = field(default_factory=dict)  # run_s, reference_s (+ trace_s, compile_s / device_mib)
+    timings: dict[str, float] = field(default_factory=dict)  # run_s, reference_s; compiled: trace_s, compile_s; direct: device_s, device_mib
     checked: float = field(default_factory=time.time)
 
     def failures(self) -> list[str]:
@@ -158,8 +158,8 @@ def _check_in_thread(spec, ir, training, cache, seed, slice_elements, candidate,
         chosen = plan_slice(spec, slice_elements, np.random.default_rng([seed, 1]))
         host = host_inputs(spec, ir, seed, scalars)
         if candidate is None and numerics_direct.available():
-            data, device_bytes = numerics_direct.run_direct(spec, ir, training, chosen, host, seed)
-            timings = {"run_s": time.perf_counter() - started, "device_mib": device_bytes / 2**20}
+            data, costs = numerics_direct.run_direct(spec, ir, training, chosen, host, seed)
+            timings = {"run_s": time.perf_counter() - started, **costs}
         else:
             data, timings = _run_compiled(spec, ir, training, chosen, host, seed, candidate)
         ran = time.perf_counter()

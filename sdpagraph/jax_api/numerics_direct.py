@@ -1,7 +1,7 @@
 """The numerical check's direct run: a call's cuDNN graphs executed once on random inputs made on
 the host, outside XLA, cut to the check's slice.
 
-    run_direct(spec, ir, training, chosen, host, seed) -> (the slice data `numerics.compare` takes, bytes)
+    run_direct(spec, ir, training, chosen, host, seed) -> (the slice data `numerics.compare` takes, costs)
 
 Why not through XLA: a program around the FFI call is compiled per config, and on an H100 that
 compile (1.0-1.4 s) took longer than building the graph (docs/results/h100-2026-11-24.md). Here
@@ -26,6 +26,7 @@ positions and bounds follow from run starts directly.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable, Mapping
 
 import jax
@@ -243,22 +244,29 @@ def draw_inputs(spec: AttentionSpec, ir: ScoreModIR | None, seed: int) -> dict[s
 
 
 def run_direct(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Slice,
-               host: Mapping[str, Any], seed: int, execute: Execute | None = None) -> tuple[dict[str, Any], int]:
+               host: Mapping[str, Any], seed: int,
+               execute: Execute | None = None) -> tuple[dict[str, Any], dict[str, float]]:
     """Run the call's graphs once (forward and backward, or the inference graph) on random inputs:
-    (the slice data `numerics.compare` takes, device bytes the run allocated). `host`:
+    (the slice data `numerics.compare` takes, {"device_mib": device memory the run allocated,
+    "device_s": seconds in the executor's copies and runs}). `host`:
     `numerics_draw.host_inputs`. `execute` runs one graph (default: the executor, through a
     `DeviceArena`; tests replace it, and then no device memory is counted)."""
     if execute is not None:
-        return _run(spec, ir, training, chosen, host, seed, execute), 0
+        return _run(spec, ir, training, chosen, host, seed, execute), {}
     device = jax.local_devices()[0]
     ordinal = getattr(device, "local_hardware_id", None)
+    on_graphs = [0.0]  # seconds inside the arena's runs: copies in and out, and the graphs
     with DeviceArena(device.id if ordinal is None else ordinal) as arena:
         def on_device(graph, operands, results, scalars):
+            started = time.perf_counter()
             ffi.register_graph(graph.digest, graph.compiled.blob)
             uids, words = scalar_bits(graph.compiled, scalars)
-            return arena.run(graph.digest, graph.compiled.uids, operands, results, uids, words)
+            outputs = arena.run(graph.digest, graph.compiled.uids, operands, results, uids, words)
+            on_graphs[0] += time.perf_counter() - started
+            return outputs
 
-        return _run(spec, ir, training, chosen, host, seed, on_device), arena.allocated_bytes
+        data = _run(spec, ir, training, chosen, host, seed, on_device)
+        return data, {"device_mib": arena.allocated_bytes / 2**20, "device_s": on_graphs[0]}
 
 
 def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Slice, host: Mapping[str, Any],
@@ -338,8 +346,7 @@ def _cut_kv(x: np.ndarray | Tiled, on_kv: Callable, picks: Mapping[str, np.ndarr
     """`on_kv` of an input, without materializing a `Tiled` one."""
     if not isinstance(x, Tiled):
         return on_kv(x)
-    return x.take(picks["rows"][:, None, None, None], np.arange(x.shape[1])[None, :, None, None],
-                  picks["kv_heads"][None, None, :, None], np.arange(x.shape[3]))
+    return np.take(x.leading(picks["rows"]), picks["kv_heads"], axis=2)
 
 
 def _user_bias_gradient(dbias: np.ndarray, keep: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
