@@ -213,12 +213,6 @@ def _graph_operands(plan: LayoutPlan, layout: _Layout,
     return operands, keep
 
 
-def _q_validity(plan: LayoutPlan, layout: _Layout) -> np.ndarray | None:
-    """(B, T): the rows `attention` keeps (`cudnn._Validity.q`), None when all are kept."""
-    spec = plan.graph_spec
-    return layout.q_valid if spec.segments or spec.segment_mask or spec.has_padding else None
-
-
 # ----------------------------------------------------------------------------- the run
 
 def draw_inputs(spec: AttentionSpec, ir: ScoreModIR | None, seed: int) -> dict[str, Any]:
@@ -281,7 +275,7 @@ def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Sli
     allowed = _allowed_on_slice(spec, layout, picks, inputs["mask"], on_score)
     # The rows `attention` keeps (`cudnn._Validity`): valid tokens when the graph has padding or
     # segments, and when the bias carries a mask, rows that attend to some key.
-    validity = plan.graph_spec.segments or plan.graph_spec.segment_mask or plan.graph_spec.has_padding
+    validity = bool(g.segments or g.segment_mask or g.has_padding)
     q_kept = layout.q_valid[rows, queries] if validity else np.ones(queries.shape, bool)  # (B', N', T')
     kept = q_kept & allowed.any(axis=-1) if plan.bias_carries_masks else q_kept
     operands, keep = _graph_operands(plan, layout, inputs)
