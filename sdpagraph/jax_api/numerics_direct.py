@@ -154,14 +154,15 @@ def _packed_operands(spec: AttentionSpec, layout: _Layout) -> dict[str, np.ndarr
     """THD operands (`cudnn._packed_operands` + `_ragged_operands`): B*M sequence lengths and ragged
     element offsets, segments past M = max_segments dropped, unused slots empty at the row's end."""
     operands = {}
-    sides = (("q", layout.q_ids, layout.q_run_len, spec.q_len, spec.num_heads * spec.head_dim),
-             ("kv", layout.kv_ids, layout.kv_run_len, spec.kv_len, spec.num_kv_heads * spec.head_dim))
+    sides = (("q", layout.q_pos, layout.q_valid, layout.q_run_len, spec.q_len, spec.num_heads * spec.head_dim),
+             ("kv", layout.kv_pos, layout.kv_valid, layout.kv_run_len, spec.kv_len,
+              spec.num_kv_heads * spec.head_dim))
     m = spec.max_segments
-    for side, ids, run_len, length, row_elements in sides:
+    for side, pos, valid, run_len, length, row_elements in sides:
         lens = np.zeros((spec.batch, m), np.int64)
         starts = np.zeros((spec.batch, m), np.int64)
         for row in range(spec.batch):
-            first = np.flatnonzero(np.r_[True, ids[row, 1:] != ids[row, :-1]] & (ids[row] > 0) & (ids[row] <= m))
+            first = np.flatnonzero((pos[row] == 0) & valid[row])  # the kept segments' first tokens
             lens[row, :len(first)] = run_len[row, first]
             end = first[-1] + run_len[row, first[-1]] if len(first) else 0
             starts[row] = end
