@@ -3,28 +3,25 @@
     check_numerics(spec, ir, training, cache=None) -> NumericsResult
 
 Fused-attention stacks ship silent wrong results; sdpagraph uses a graph only once it has
-computed the right answer on this GPU. The check draws fresh random inputs of the spec's
-shapes on the device (q, k, v in the spec's dtype, a bias and a boolean mask of the spec's shapes
-with one query row masked out, random valid lengths for padding, random packed segments, the
-call's score_mod scalars (random positive ones where it has none) and random arrays of the IR's
-shapes), runs the runtime's own cuDNN path (`jax_api.cudnn.attention`: forward and, when
-training, the gradients of q, k, v and the bias through `jax.vjp` with a random cotangent) in one
-jitted program, and compares a slice of its results with a NumPy float64 reference (`graphs.reference`) on the host.
+computed the right answer on this GPU. The check draws fresh random inputs of the spec's shapes
+(q, k, v in the spec's dtype, a bias and a boolean mask of the spec's shapes with one query row
+masked out, random valid lengths for padding, random packed segments, the call's score_mod scalars
+(random positive ones where it has none) and random arrays of the IR's shapes), runs the config's
+graphs forward and, when training, backward with a random cotangent, and compares a slice of the
+results (`numerics_draw.plan_slice`) with a NumPy float64 reference (`graphs.reference`) on the
+host. The reference evaluates the spec's attention and the score_mod IR (`graphs.ir_eval` on
+NumPy, backward through the IR's bprop, as the cuDNN backward graph does) for the slice only.
 
-The reference evaluates the spec's attention and the score_mod IR (`graphs.ir_eval` on NumPy,
-backward through the IR's bprop, as the cuDNN backward graph does) for the slice only, so no XLA
-program is compiled for it: XLA compiling a float32 reference was nearly all of the check's time
-(docs/results/numerics-h100-2026-11-23.md). Which keys each query may attend to and the
-positions `gen_index` reads come from the XLA backend's own mask code (`xla.positions_and_mask`),
-evaluated inside the candidate's program and sliced there.
-
-The slice (`plan_slice`, drawn from the seed): at most about `slice_elements` score elements.
-Whole batch rows and heads while MIN_QUERY_ROWS query rows of each fit and their keys and values
-stay within SLICE_KV_ELEMENTS; else the first, the last and random other batch rows (up to
-MAX_ROWS) and heads (up to MAX_HEADS), and query rows spread over the sequence (one random row in
-each of equal strata). The graph always runs on its whole shape; the cotangent is zero outside the
-slice, so dk, dv and a broadcast dbias of the whole run hold the slice's contributions only and
-compare exactly.
+The graphs run one of two ways:
+- on a GPU with the executor, directly (`numerics_direct`): inputs made in NumPy, each graph run
+  once by the executor outside XLA, nothing compiled. Compiling an XLA program per config cost
+  more than the graph build it followed (docs/results/h100-2026-11-24-direct-check.md);
+- for a `candidate` (the CPU tests' stand-ins), in one jitted program: inputs drawn on the
+  device, the candidate forward and `jax.vjp`, which keys each query may attend to and the
+  positions `gen_index` reads from the XLA backend's mask code (`xla.positions_and_mask`), all
+  cut to the slice there.
+The graph always runs on its whole shape; the cotangent is zero outside the slice, so dk, dv and a
+broadcast dbias of the whole run hold the slice's contributions only and compare exactly.
 
 Errors are relative Frobenius errors per output (`o`, `lse`, `dq`, `dk`, `dv`, `dbias`) against
 tolerances per dtype (`TOLERANCES`, the bounds the GPU tests hold the backends to), plus
