@@ -14,7 +14,7 @@ class FakeLibrary:
     """Device memory in host buffers; `run_graph` doubles operand uid 1 into result uid 2."""
 
     def __init__(self):
-        self.buffers, self.freed, self.copies = {}, [], []
+        self.buffers, self.freed, self.copies, self.calls = {}, [], [], []
 
     def device_alloc(self, device, size):
         buffer = ctypes.create_string_buffer(size)  # zero-filled, as the executor's
@@ -24,9 +24,11 @@ class FakeLibrary:
     def device_free(self, device, address):
         self.freed.append(address)
 
-    def device_copy(self, device, destination, source, size, kind):
-        self.copies.append((kind, size))
-        ctypes.memmove(destination, source, size)
+    def device_copy(self, device, copies, kind):
+        self.calls.append(kind)
+        for destination, source, size in copies:  # in order, as on the executor's one stream
+            self.copies.append((kind, size))
+            ctypes.memmove(destination, source, size)
 
     def run_graph(self, digest, device, tensors, scalar_uids, scalar_words):
         size = len(self.buffers[tensors[2]])
@@ -51,9 +53,10 @@ def test_tiled_and_sparse_operands_arrive_whole_and_copy_little(monkeypatch):
             np.testing.assert_array_equal(device_array(library, address, operand.shape, np.float32), np.asarray(operand))
             assert arena.put(operand) == address  # copied once
         assert max(size for kind, size in library.copies if kind == "to_device") <= pool.nbytes
-        rows, columns = np.array([1, 2])[:, None, None], np.array([0, 3])[None, :, None]
-        np.testing.assert_array_equal(tiled.take(rows, columns, np.arange(4)), np.asarray(tiled)[[1, 2]][:, [0, 3]])
-        np.testing.assert_array_equal(tiled.leading([2, 0]), np.asarray(tiled)[[2, 0]])
+        assert library.calls == ["to_device", "within_device", "to_device"]  # each operand's blocks: one call
+        starts = np.array([[1, 2], [18, 57]])  # blocks that wrap the pool's end and the tensor's rows
+        whole = np.asarray(tiled).reshape(-1)
+        np.testing.assert_array_equal(tiled.blocks(starts, 3), whole[starts[..., None] + np.arange(3)])
     assert sorted(library.freed) == sorted(library.buffers)  # everything freed on close
 
 
@@ -66,6 +69,7 @@ def test_results_come_back_whole_or_by_blocks(monkeypatch):
                         [], [])["y"]
         np.testing.assert_array_equal(out[1], 2 * x[1])
         np.testing.assert_array_equal(out[4:], 2 * x[4:])
+        assert library.calls[-1] == "to_host" and library.copies[-2:] == [("to_host", 16), ("to_host", 32)]
         assert arena.put(out) == arena.put(out)  # a result is already on the device: no copy
         assert ("to_device", 24 * 4) not in library.copies[1:]
 

@@ -343,9 +343,12 @@ def test_a_slice_of_a_large_config_compares_exactly():
     chosen = numerics_draw.plan_slice(spec, slice_elements=1, rng=np.random.default_rng(7))
     assert len(chosen.rows) == numerics_draw.MAX_ROWS and {0, 3} <= set(chosen.rows) and chosen.heads == (0, 1, 2, 3)
     assert np.shape(chosen.queries) == (3, 4, 1) and chosen.queries[0][0] == (12,)  # the masked-out row
+    keys = chosen.keys  # dk and dv at the first, the last and one key in each stratum between
+    assert len(keys) == numerics_draw.MIN_KEY_ROWS and (keys[0], keys[-1]) == (0, 23) and keys == tuple(sorted(set(keys)))
     result = numerics.check_numerics(spec, ir, True, candidate=xla_candidate, slice_elements=1, seed=7)
     assert result.passed, result.summary()
-    assert result.slice.startswith("batch rows [0, ") and result.slice.endswith("1 of 24 query rows each")
+    assert result.slice.startswith("batch rows [0, ") and result.slice.endswith(
+        "1 of 24 query rows each, dk and dv at 8 of 24 keys")
     assert set(result.errors) == {"o", "lse", "dq", "dk", "dv", "dbias", "empty_rows"}
     assert result.errors["empty_rows"] == 0.0  # the masked-out query row: 0 on both sides
     assert all(0 < result.errors[name] < 1e-2 for name in ("o", "dq", "dk", "dv", "dbias"))

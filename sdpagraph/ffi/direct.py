@@ -41,16 +41,12 @@ class Tiled:
     def dtype(self) -> np.dtype:
         return self.pool.dtype
 
-    def take(self, *index: Any) -> np.ndarray:
-        """self[index] for integer index arrays (one per axis, broadcast together)."""
-        flat = np.ravel_multi_index(np.broadcast_arrays(*index), self.shape)
-        return self.pool[flat % len(self.pool)]
-
-    def leading(self, index: Sequence[int]) -> np.ndarray:
-        """self[index] along the first axis, materialized row by row (no per-element index math)."""
-        size = int(np.prod(self.shape[1:]))
-        rows = [np.resize(np.roll(self.pool, -(int(i) * size % len(self.pool))), size) for i in index]
-        return np.stack(rows).reshape(len(rows), *self.shape[1:])
+    def blocks(self, starts: Any, width: int) -> np.ndarray:
+        """The `width` consecutive flat elements from each flat index in `starts`, as an array of
+        shape starts.shape + (width,), without materializing the whole array."""
+        extended = np.resize(self.pool, len(self.pool) + width - 1)  # a block may wrap the pool's end
+        windows = np.lib.stride_tricks.sliding_window_view(extended, width)
+        return windows[np.asarray(starts) % len(self.pool)]
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         whole = np.resize(self.pool, int(np.prod(self.shape))).reshape(self.shape)
@@ -109,8 +105,9 @@ class DeviceArena:
         self.allocated_bytes += int(size)
         return address
 
-    def _copy(self, destination: int, source: int, size: int, kind: str) -> None:
-        self._library.device_copy(self.device, destination, source, size, kind)
+    def _copy(self, copies: Sequence[tuple[int, int, int]], kind: str) -> None:
+        """(destination, source, bytes) copies of one kind, made on one stream, waited for together."""
+        self._library.device_copy(self.device, copies, kind)
 
     def put(self, operand: Any) -> int:
         """The device address of a copy of `operand` (a C-contiguous host array, `Tiled` or
@@ -125,7 +122,7 @@ class DeviceArena:
         else:
             host = np.ascontiguousarray(operand)
             address = self._allocate(host.nbytes)
-            self._copy(address, host.ctypes.data, host.nbytes, "to_device")
+            self._copy([(address, host.ctypes.data, host.nbytes)], "to_device")
         self._on_device[id(operand)] = (operand, address)
         return address
 
@@ -134,11 +131,13 @@ class DeviceArena:
         total = int(np.prod(tiled.shape)) * item
         address = self._allocate(total)
         filled = min(pool.nbytes, total)
-        self._copy(address, pool.ctypes.data, filled, "to_device")
+        self._copy([(address, pool.ctypes.data, filled)], "to_device")
+        doublings = []
         while filled < total:  # double what is there: its length stays a multiple of the pool's
             step = min(filled, total - filled)
-            self._copy(address + filled, address, step, "within_device")
+            doublings.append((address + filled, address, step))  # in order on one stream: each reads the last
             filled += step
+        self._copy(doublings, "within_device")
         return address
 
     def _put_sparse(self, sparse: Sparse) -> int:
@@ -147,8 +146,8 @@ class DeviceArena:
         starts = np.ravel_multi_index(np.broadcast_arrays(*sparse.at), sparse.shape[:len(sparse.at)]).reshape(-1)
         values = np.ascontiguousarray(np.asarray(sparse.values, sparse.dtype).reshape(len(starts), block))
         size = block * sparse.dtype.itemsize
-        for row, start in enumerate(starts):
-            self._copy(address + int(start) * size, values[row].ctypes.data, size, "to_device")
+        self._copy([(address + int(start) * size, values.ctypes.data + row * size, size)
+                    for row, start in enumerate(starts)], "to_device")
         return address
 
     def run(self, digest: str, uids: Mapping[str, int], operands: Mapping[str, Any], results: Mapping[str, Result],
@@ -164,10 +163,12 @@ class DeviceArena:
             self._on_device[id(host)] = (host, address)
             outputs[role] = (host, address, result.blocks)
         self._library.run_graph(digest, self.device, tensors, scalar_uids, scalar_words)
+        copies = []
         for host, address, blocks in outputs.values():
             if blocks is None or host.nbytes <= WHOLE_BYTES:
                 blocks = [(0, host.size)]
             for start, count in blocks:
                 offset = int(start) * host.itemsize
-                self._copy(host.ctypes.data + offset, address + offset, int(count) * host.itemsize, "to_host")
+                copies.append((host.ctypes.data + offset, address + offset, int(count) * host.itemsize))
+        self._copy(copies, "to_host")
         return {role: host for role, (host, _, _) in outputs.items()}

@@ -924,10 +924,17 @@ class DeviceBuffer {
   void* pointer_ = nullptr;
 };
 
-// Copies `bytes` (host to device, device to host, or within the device) and waits for the copy.
-void CopySync(void* destination, const void* source, size_t bytes, cudaMemcpyKind kind) {
+// Makes `count` copies of one kind (host to device, device to host, or within the device) on one
+// stream and waits for them all: the check copies hundreds of small blocks, and a stream and a wait
+// per block would cost more than the bytes.
+void CopyAllSync(size_t count, void* const* destinations, const void* const* sources, const size_t* bytes,
+                 cudaMemcpyKind kind) {
   OwnedStream stream;
-  CheckCuda(fe_detail::cuda_mem_cpy_async(destination, source, bytes, kind, stream.get()), "cudaMemcpyAsync");
+  for (size_t i = 0; i < count; ++i) {
+    if (bytes[i] == 0) continue;
+    CheckCuda(fe_detail::cuda_mem_cpy_async(destinations[i], sources[i], bytes[i], kind, stream.get()),
+              "cudaMemcpyAsync");
+  }
   stream.Synchronize();
 }
 
@@ -1054,14 +1061,16 @@ SDPAGRAPH_EXPORT int sdpagraph_device_free(int device, void* pointer, char* erro
   });
 }
 
-// Copies `bytes` and waits for the copy: `kind` 0 device to host, 1 host to device, 2 device to device.
-SDPAGRAPH_EXPORT int sdpagraph_device_copy(int device, void* destination, const void* source, size_t bytes,
-                                           int kind, char* error, size_t error_size) {
+// Makes `count` copies (destinations[i] <- sources[i], bytes[i] each) and waits for them all: `kind`
+// 0 device to host, 1 host to device, 2 device to device.
+SDPAGRAPH_EXPORT int sdpagraph_device_copy(int device, size_t count, void* const* destinations,
+                                           const void* const* sources, const size_t* bytes, int kind, char* error,
+                                           size_t error_size) {
   return sdpagraph::GuardedEntry(error, error_size, [&] {
     constexpr cudaMemcpyKind kKinds[] = {cudaMemcpyDeviceToHost, cudaMemcpyHostToDevice, cudaMemcpyDeviceToDevice};
     if (kind < 0 || kind > 2) throw sdpagraph::InvalidCallError("copy kind must be 0, 1 or 2");
     sdpagraph::UseDevice(device);
-    if (bytes > 0) sdpagraph::CopySync(destination, source, bytes, kKinds[kind]);
+    if (count > 0) sdpagraph::CopyAllSync(count, destinations, sources, bytes, kKinds[kind]);
   });
 }
 

@@ -56,7 +56,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 EXECUTOR_TARGET = "sdpagraph_execute"
 LIBRARY_FILE = "_sdpagraph_executor.so"
@@ -129,7 +129,8 @@ class ExecutorLib:
             ctypes.c_int, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p), *error]
         library.sdpagraph_device_free.argtypes = [ctypes.c_int, ctypes.c_void_p, *error]
         library.sdpagraph_device_copy.argtypes = [
-            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, *error]
+            ctypes.c_int, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
+            ctypes.POINTER(ctypes.c_size_t), ctypes.c_int, *error]
         library.sdpagraph_run_graph.argtypes = [
             ctypes.c_char_p, ctypes.c_int, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int64),
             ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.POINTER(ctypes.c_int64),
@@ -174,10 +175,14 @@ class ExecutorLib:
 
     COPY_KINDS = ("to_host", "to_device", "within_device")
 
-    def device_copy(self, device: int, destination: int, source: int, size: int, kind: str) -> None:
-        """Copies `size` bytes (`kind`: one of COPY_KINDS) and waits for it."""
-        self._direct("sdpagraph_device_copy", device, ctypes.c_void_p(destination), ctypes.c_void_p(source),
-                     size, self.COPY_KINDS.index(kind))
+    def device_copy(self, device: int, copies: Sequence[tuple[int, int, int]], kind: str) -> None:
+        """Makes every (destination, source, size in bytes) copy of `copies` (`kind`: one of
+        COPY_KINDS) on one stream and waits for them."""
+        count = len(copies)
+        destinations, sources, sizes = zip(*copies) if count else ((), (), ())
+        self._direct("sdpagraph_device_copy", device, count, (ctypes.c_void_p * max(1, count))(*destinations),
+                     (ctypes.c_void_p * max(1, count))(*sources), (ctypes.c_size_t * max(1, count))(*sizes),
+                     self.COPY_KINDS.index(kind))
 
     def run_graph(self, digest: str, device: int, tensors: dict[int, int], scalar_uids: Any,
                   scalar_words: Any) -> None:

@@ -6,7 +6,8 @@ The numerical check (`jax_api.numerics`) compares cuDNN's results with it. It co
 on the host, so it compiles nothing (compiling an XLA float32 reference was nearly all of the
 check's time) and its own rounding is far below the check's bounds. The mod runs through
 `graphs.ir_eval` on NumPy, the backward through the IR's bprop as cuDNN's backward graph does.
-It computes only the scores of the picked (batch row, head, query row) elements, against every key.
+It computes only the scores of the picked (batch row, head, query row) elements, against every key,
+and dk and dv at the picked keys.
 """
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ from sdpagraph.spec import AttentionSpec
 def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks: Mapping[str, np.ndarray],
               data: Mapping[str, Any], scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Attention of the slice in float64 with NumPy: o (B', N', T', H_v), lse (B', N', T') and, when
-    training, dq (B', N', T', H), dk, dv (B', S, K', H) and dbias (B', N', T', S|1).
+    training, dq (B', N', T', H), dk, dv (B', S', K', H) and dbias (B', N', T', S|1).
 
-    `picks`: the slice's batch `rows` (B',), `heads` (N',), `kv_heads` (K',) and `queries`
-    (B', N', T'). `data`: the slice of the inputs, query-side as (B', N', T', ...): q, the cotangent,
+    `picks`: the slice's batch `rows` (B',), `heads` (N',), `kv_heads` (K',), `queries`
+    (B', N', T') and the `keys` (S') dk and dv are computed at. `data`: the slice of the inputs, query-side as (B', N', T', ...): q, the cotangent,
     k and v (B', S, K', H), `allowed` (where a query may attend, broadcastable to the scores), the
     positions `gen_index` reads (`q_pos` (B', N', T'), `kv_pos` (B', S)), the bias (None or
     broadcastable) and the mod's `arrays`; `scalars`: the mod's scalars."""
@@ -33,8 +34,7 @@ def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks:
     group = spec.num_heads // spec.num_kv_heads
     kv_of = np.searchsorted(picks["kv_heads"], picks["heads"] // group)  # each head's K' index
     q = f64(data["q"])  # (B', N', T', H)
-    k = f64(data["k"])[:, :, kv_of].transpose(0, 2, 1, 3)  # (B', N', S, H): one matmul per (row, head)
-    v = f64(data["v"])[:, :, kv_of].transpose(0, 2, 1, 3)
+    k, v = (_per_head(data[name], kv_of) for name in ("k", "v"))  # (B', N', S, H): one matmul per (row, head)
     score = spec.scale * (q @ k.swapaxes(-1, -2))  # (B', N', T', S)
     index = (np.asarray(picks["rows"], np.int32)[:, None, None, None],
              np.asarray(picks["heads"], np.int32)[None, :, None, None],
@@ -68,13 +68,31 @@ def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks:
         raise ValueError("the score_mod has no bprop, so its backward graph cannot be checked")
     d_score = d_logits if ir is None else mod(d_logits)
     result["dq"] = spec.scale * (d_score @ k)
-    per_head = {"dk": spec.scale * (d_score.swapaxes(-1, -2) @ q), "dv": probs.swapaxes(-1, -2) @ d_out}
-    for name, grads in per_head.items():  # (B', N', S, H) summed over each kv head's group
-        summed = np.stack([grads[:, kv_of == index].sum(axis=1) for index in range(len(picks["kv_heads"]))], axis=1)
-        result[name] = summed.transpose(0, 2, 1, 3)
+    at_keys = lambda x: np.ascontiguousarray(x[..., picks["keys"]].swapaxes(-1, -2))  # noqa: E731 - (B', N', S', T')
+    per_head = {"dk": spec.scale * (at_keys(d_score) @ q), "dv": at_keys(probs) @ d_out}  # (B', N', S', H)
+    for name, grads in per_head.items():
+        result[name] = _sum_groups(grads, kv_of).transpose(0, 2, 1, 3)
     if data["bias"] is not None:
         result["dbias"] = _bias_gradient(spec, picks, d_logits)
     return result
+
+
+def _per_head(x: Any, kv_of: np.ndarray) -> np.ndarray:
+    """(B', S, K', H) keys or values as (B', N', S, H) in float64: each picked head's kv head."""
+    x = np.asarray(x.transpose(0, 2, 1, 3), np.float64)  # converted straight from the strided view
+    return x if _identity(kv_of, x.shape[1]) else x[:, kv_of]
+
+
+def _sum_groups(grads: np.ndarray, kv_of: np.ndarray) -> np.ndarray:
+    """(B', N', ...) per head to (B', K', ...) per kv head: the sum over each kv head's group (the
+    picked heads are sorted, so a group's heads are adjacent)."""
+    if _identity(kv_of, grads.shape[1]):
+        return grads
+    return np.add.reduceat(grads, np.flatnonzero(np.r_[True, kv_of[1:] != kv_of[:-1]]), axis=1)
+
+
+def _identity(kv_of: np.ndarray, size: int) -> bool:
+    return len(kv_of) == size and bool(np.all(kv_of == np.arange(size)))
 
 
 def _bias_gradient(spec: AttentionSpec, picks: Mapping[str, np.ndarray], d_logits: np.ndarray) -> np.ndarray:

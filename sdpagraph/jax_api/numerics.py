@@ -267,15 +267,15 @@ def _candidate_program(spec: AttentionSpec, ir: ScoreModIR | None, training: boo
         ours = _run(lambda inp, q, k, v: candidate(spec, q, k, v, inp, ir, training=training),
                     spec, q, k, v, inputs, training, cotangent)
         q_pos, kv_pos, allowed = positions_and_mask(spec, inputs)
-        on_q, on_kv, on_score = slicers(spec, picks, jnp)
+        on_q, on_kv, on_kv_grad, on_score = slicers(spec, picks, jnp)
         data = {"q": on_q(q), "k": on_kv(k), "v": on_kv(v), "cotangent": on_q(cotangent),
                 "allowed": on_score(allowed), "q_pos": q_pos[rows, queries],
                 "kv_pos": jnp.take(kv_pos, picks["rows"], axis=0), "bias": on_score(inputs.bias),
                 "arrays": {name: on_score(x) for name, x in (inputs.mod_arrays or {}).items()},
                 "o": on_q(ours["o"])}
         if training:
-            data.update(lse=ours["lse"][rows, heads, queries], dq=on_q(ours["dq"]), dk=on_kv(ours["dk"]),
-                        dv=on_kv(ours["dv"]), dbias=on_score(ours["dbias"]))
+            data.update(lse=ours["lse"][rows, heads, queries], dq=on_q(ours["dq"]), dk=on_kv_grad(ours["dk"]),
+                        dv=on_kv_grad(ours["dv"]), dbias=on_score(ours["dbias"]))
         return data
 
     return program

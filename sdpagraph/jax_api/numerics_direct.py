@@ -270,7 +270,7 @@ def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Sli
     g = plan.graph_spec
     picks = chosen.indices()
     rows, heads, queries = picks["rows"][:, None, None], picks["heads"][None, :, None], picks["queries"]
-    on_q, on_kv, on_score = slicers(spec, picks, np)
+    on_q, on_kv, on_kv_grad, on_score = slicers(spec, picks, np)
     inputs = draw_inputs(spec, ir, seed)
     layout = _layout(spec, host["arrays"])
     allowed = _allowed_on_slice(spec, layout, picks, inputs["mask"], on_score)
@@ -283,12 +283,12 @@ def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Sli
     dtype = io_dtype(g.dtype)
     zero = np.zeros((), dtype)
     o_shape = (g.batch, g.q_len, g.num_heads, g.head_dim_v)
-    # Of the large results, only what the slice reads comes back: the (batch row, query) rows of o
-    # and dq, the batch rows of dk and dv.
-    query_rows = np.unique(picks["rows"][:, None, None] * g.q_len + picks["queries"])
-    token_blocks = lambda shape: [(row * shape[2] * shape[3], shape[2] * shape[3]) for row in query_rows]  # noqa: E731
-    batch_blocks = lambda shape: [(row * int(np.prod(shape[1:])), int(np.prod(shape[1:])))  # noqa: E731
-                                  for row in picks["rows"]]
+    # Of the large results, only what the slice reads comes back: the (batch row, query) tokens of o
+    # and dq, the (batch row, key) tokens of dk and dv.
+    query_tokens = np.unique(picks["rows"][:, None, None] * g.q_len + picks["queries"])
+    key_tokens = (picks["rows"][:, None] * g.kv_len + picks["keys"][None, :]).reshape(-1)
+    token_blocks = lambda shape, tokens: [(token * shape[2] * shape[3], shape[2] * shape[3])  # noqa: E731
+                                          for token in tokens]
 
     def run(direction: str, results: Mapping[str, Result]) -> dict[str, np.ndarray]:
         graph = cached_graph(spec, ir, direction)
@@ -296,10 +296,12 @@ def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Sli
         return execute(graph, {role: operands[role] for role in roles.operand_roles},
                        {role: results[role] for role in roles.result_roles}, host["scalars"])
 
-    forward = run("forward" if training else "inference", {"o": Result(o_shape, dtype, token_blocks(o_shape)),
-                                                           "stats": Result(stats_shape(g), np.float32)})
-    data = {"q": _cut_q(inputs["q"], on_q, picks), "k": _cut_kv(inputs["k"], on_kv, picks),
-            "v": _cut_kv(inputs["v"], on_kv, picks), "allowed": allowed,
+    forward = run("forward" if training else "inference",
+                  {"o": Result(o_shape, dtype, token_blocks(o_shape, query_tokens)),
+                   "stats": Result(stats_shape(g), np.float32)})
+    kv_index = (picks["rows"][:, None, None], np.arange(spec.kv_len)[None, :, None], picks["kv_heads"][None, None, :])
+    data = {"q": _cut(inputs["q"], on_q, rows, queries, heads), "k": _cut(inputs["k"], on_kv, *kv_index),
+            "v": _cut(inputs["v"], on_kv, *kv_index), "allowed": allowed,
             "q_pos": layout.q_pos[rows, queries], "kv_pos": layout.kv_pos[picks["rows"]],
             "bias": on_score(None if inputs["bias"] is None else np.asarray(inputs["bias"])),
             "arrays": {name: on_score(x) for name, x in inputs["arrays"].items()},
@@ -315,33 +317,29 @@ def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Sli
                     dO=Sparse(o_shape, dtype, np.broadcast_arrays(rows, queries, heads), data["cotangent"]))
     q_shape = (g.batch, g.q_len, g.num_heads, g.head_dim)
     k_shape, v_shape = (g.batch, g.kv_len, g.num_kv_heads, g.head_dim), (g.batch, g.kv_len, g.num_kv_heads, g.head_dim_v)
-    results = {"dq": Result(q_shape, dtype, token_blocks(q_shape)), "dk": Result(k_shape, dtype, batch_blocks(k_shape)),
-               "dv": Result(v_shape, dtype, batch_blocks(v_shape))}
+    results = {"dq": Result(q_shape, dtype, token_blocks(q_shape, query_tokens)),
+               "dk": Result(k_shape, dtype, token_blocks(k_shape, key_tokens)),
+               "dv": Result(v_shape, dtype, token_blocks(v_shape, key_tokens))}
     if plan.bias_shape is not None:
         results["dbias"] = Result(plan.bias_shape, dtype)
     grads = run("backward", results)
-    kv_kept = layout.kv_valid[picks["rows"]][:, :, None, None] if validity else True
+    kv_kept = layout.kv_valid[picks["rows"][:, None], picks["keys"]][:, :, None, None] if validity else True
     data["dq"] = np.where(q_kept[..., None], on_q(grads["dq"]), zero)
-    data["dk"], data["dv"] = (np.where(kv_kept, on_kv(grads[role]), zero) for role in ("dk", "dv"))
+    data["dk"], data["dv"] = (np.where(kv_kept, on_kv_grad(grads[role]), zero) for role in ("dk", "dv"))
     data["dbias"] = None
     if spec.bias_shape is not None:
         data["dbias"] = on_score(_user_bias_gradient(grads["dbias"], keep, spec.bias_shape))
     return data
 
 
-def _cut_q(x: np.ndarray | Tiled, on_q: Callable, picks: Mapping[str, np.ndarray]) -> np.ndarray:
-    """`on_q` of an input, without materializing a `Tiled` one."""
+def _cut(x: np.ndarray | Tiled, cut: Callable, *index: np.ndarray) -> np.ndarray:
+    """`cut(x)` of an input, which is x[index] (one index array per leading axis, broadcast
+    together); a `Tiled` input is read block by block, not materialized."""
     if not isinstance(x, Tiled):
-        return on_q(x)
-    rows, heads, queries = picks["rows"][:, None, None], picks["heads"][None, :, None], picks["queries"]
-    return x.take(rows[..., None], queries[..., None], heads[..., None], np.arange(x.shape[3]))
-
-
-def _cut_kv(x: np.ndarray | Tiled, on_kv: Callable, picks: Mapping[str, np.ndarray]) -> np.ndarray:
-    """`on_kv` of an input, without materializing a `Tiled` one."""
-    if not isinstance(x, Tiled):
-        return on_kv(x)
-    return np.take(x.leading(picks["rows"]), picks["kv_heads"], axis=2)
+        return cut(x)
+    index = np.broadcast_arrays(*index)
+    starts = np.ravel_multi_index((*index, np.zeros_like(index[0])), x.shape)
+    return x.blocks(starts, x.shape[-1])
 
 
 def _user_bias_gradient(dbias: np.ndarray, keep: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:

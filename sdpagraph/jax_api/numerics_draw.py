@@ -3,13 +3,16 @@ inputs' small host-side parts (valid lengths, packed segments, score_mod scalars
 
     plan_slice(spec, slice_elements, rng) -> Slice
     host_inputs(spec, ir, seed, given) -> {"arrays": {...}, "scalars": {...}}
-    slicers(spec, picks, xp) -> (on_q, on_kv, on_score)
+    slicers(spec, picks, xp) -> (on_q, on_kv, on_kv_grad, on_score)
 
 The slice (`plan_slice`, drawn from the seed): at most about `slice_elements` score elements.
 Whole batch rows and heads while MIN_QUERY_ROWS query rows of each fit and their keys and values
 stay within SLICE_KV_ELEMENTS; else the first, the last and random other batch rows (up to
 MAX_ROWS) and heads (up to MAX_HEADS), and query rows spread over the sequence (one random row in
-each of equal strata). Both ways of running the check (`jax_api.numerics_direct` on the host and
+each of equal strata). The reference reads every key and value of its rows and heads, but compares
+dk and dv at a sample of key positions only (`key_rows`: the first, the last and one in each
+stratum between), which keeps its key-side work and what comes back from the device small at long
+sequences. Both ways of running the check (`jax_api.numerics_direct` on the host and
 `jax_api.numerics`'s compiled program) cut their results to it with the same `slicers`.
 """
 from __future__ import annotations
@@ -29,6 +32,8 @@ SLICE_KV_ELEMENTS = 1 << 23  # key and value elements of the slice's heads (64 M
 MAX_ROWS = 3  # batch rows of a slice: the first, the last, random others
 MAX_HEADS = 4  # query heads of a slice: the first, the last, random others
 MIN_QUERY_ROWS = 2  # batch rows and heads are kept whole while this many query rows of each fit
+MAX_KEY_ROWS = 128  # key positions dk and dv are compared at (one per stratum of 32 keys at S = 4096)
+MIN_KEY_ROWS = 8
 SCALAR_RANGE = (1.0, 50.0)  # score_mod scalars: positive (softcap divides by its cap)
 MASK_KEEP = 0.7
 MAX_RANDOM_SEGMENTS = 8
@@ -36,30 +41,34 @@ MAX_RANDOM_SEGMENTS = 8
 
 @dataclass(frozen=True)
 class Slice:
-    """Which batch rows, query heads and key/value heads the reference computes, and for each
-    (batch row, head) pair which query rows: `queries[i][j]` for rows[i], heads[j]."""
+    """Which batch rows, query heads and key/value heads the reference computes, for each (batch
+    row, head) pair which query rows (`queries[i][j]` for rows[i], heads[j]), and at which key
+    positions dk and dv are compared (`keys`, the same in every row)."""
 
     rows: tuple[int, ...]
     heads: tuple[int, ...]
     kv_heads: tuple[int, ...]
     queries: tuple[tuple[tuple[int, ...], ...], ...]
+    keys: tuple[int, ...]
 
     def indices(self) -> dict[str, np.ndarray]:
         return {"rows": np.asarray(self.rows, np.int32), "heads": np.asarray(self.heads, np.int32),
-                "kv_heads": np.asarray(self.kv_heads, np.int32), "queries": np.asarray(self.queries, np.int32)}
+                "kv_heads": np.asarray(self.kv_heads, np.int32), "queries": np.asarray(self.queries, np.int32),
+                "keys": np.asarray(self.keys, np.int32)}
 
     def query_rows(self) -> int:
         return len(self.queries[0][0])
 
     def whole(self, spec: AttentionSpec) -> bool:
-        return (len(self.rows), len(self.heads), len(self.kv_heads), self.query_rows()) == (
-            spec.batch, spec.num_heads, spec.num_kv_heads, spec.q_len)
+        return (len(self.rows), len(self.heads), len(self.kv_heads), self.query_rows(), len(self.keys)) == (
+            spec.batch, spec.num_heads, spec.num_kv_heads, spec.q_len, spec.kv_len)
 
     def describe(self, spec: AttentionSpec) -> str:
         if self.whole(spec):
             return "whole"
+        keys = "" if len(self.keys) == spec.kv_len else f", dk and dv at {len(self.keys)} of {spec.kv_len} keys"
         return (f"batch rows {list(self.rows)}, heads {list(self.heads)}, kv heads {list(self.kv_heads)}, "
-                f"{self.query_rows()} of {spec.q_len} query rows each")
+                f"{self.query_rows()} of {spec.q_len} query rows each{keys}")
 
 
 def plan_slice(spec: AttentionSpec, slice_elements: int = SLICE_ELEMENTS,
@@ -80,7 +89,18 @@ def plan_slice(spec: AttentionSpec, slice_elements: int = SLICE_ELEMENTS,
     empty = t // 2 if spec.mask_shape is not None and spec.mask_shape[2] == t and t > 1 else None
     queries = tuple(tuple(_strata(rng, t, count, empty if (i, j) == (0, 0) else None) for j in range(len(heads)))
                     for i in range(len(rows)))
-    return Slice(rows, heads, tuple(sorted({head // group for head in heads})), queries)
+    # Within the bounds for whole rows and heads, dk and dv are small: compared at every key.
+    keys = tuple(range(s)) if whole(b, n) else key_rows(
+        rng, s, min(MAX_KEY_ROWS, max(MIN_KEY_ROWS, slice_elements >> 12)))
+    return Slice(rows, heads, tuple(sorted({head // group for head in heads})), queries, keys)
+
+
+def key_rows(rng: np.random.Generator, size: int, count: int) -> tuple[int, ...]:
+    """The first and last of range(size) and one random index in each of the `count` - 2 equal
+    strata between (all when size <= count): every tile of keys is sampled, the edges always."""
+    if size <= count:
+        return tuple(range(size))
+    return (0, *(1 + index for index in _strata(rng, size - 2, count - 2)), size - 1)
 
 
 def _ends_and_random(rng: np.random.Generator, size: int, count: int) -> tuple[int, ...]:
@@ -148,9 +168,10 @@ def random_segment_ids(rng: np.random.Generator, batch: int, length: int, count:
 
 
 def slicers(spec: AttentionSpec, picks: Mapping[str, Any], xp: Any) -> tuple[Callable, Callable, Callable]:
-    """(on_q, on_kv, on_score): cut a query-side (B, T, N, ...) array to (B', N', T', ...), a key-side
-    (B, S, K, ...) one to (B', S, K', ...), and a score-shaped (B|1, N|1, T|1, S|1) one (or None) to
-    (B', N', T', S|1); `picks` are `Slice.indices()`, as NumPy (xp=numpy) or traced (xp=jax.numpy)."""
+    """(on_q, on_kv, on_kv_grad, on_score): cut a query-side (B, T, N, ...) array to (B', N', T', ...),
+    a key-side (B, S, K, ...) one to (B', S, K', ...) (`on_kv_grad`: to the slice's keys, (B', S', K',
+    ...)), and a score-shaped (B|1, N|1, T|1, S|1) one (or None) to (B', N', T', S|1); `picks` are
+    `Slice.indices()`, as NumPy (xp=numpy) or traced (xp=jax.numpy)."""
     b, t, n = spec.batch, spec.q_len, spec.num_heads
     rows, heads, queries = picks["rows"][:, None, None], picks["heads"][None, :, None], picks["queries"]
     nowhere = xp.zeros((1, 1, 1), xp.int32)
@@ -161,10 +182,13 @@ def slicers(spec: AttentionSpec, picks: Mapping[str, Any], xp: Any) -> tuple[Cal
     def on_kv(x):
         return xp.take(xp.take(x, picks["rows"], axis=0), picks["kv_heads"], axis=2)
 
+    def on_kv_grad(x):  # one gather: only the picked elements of a large result are read
+        return x[picks["rows"][:, None, None], picks["keys"][None, :, None], picks["kv_heads"][None, None, :]]
+
     def on_score(x):
         if x is None:
             return None
         full = [size == whole for size, whole in zip(x.shape, (b, n, t))]
         return x[rows if full[0] else nowhere, heads if full[1] else nowhere, queries if full[2] else nowhere]
 
-    return on_q, on_kv, on_score
+    return on_q, on_kv, on_kv_grad, on_score
