@@ -1,0 +1,58 @@
+"""Where the numerical check's time goes (issue 15): cProfile of `check_numerics` after a cold build.
+
+    python bench/profile_numerics.py [B T N H] [--out DIR]      on a GPU
+
+Builds the forward and backward graphs of a bf16 causal + softcap(30) call (memory-only cache), then
+runs the check three times, profiling each, and prints the functions with the most time of their own
+(the first check and the last). Writes profile-B..-T..txt to --out (default: the working directory).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shape", nargs="*", type=int, default=[4, 4096, 16, 128])
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    b, t, n, h = args.shape
+    import jax
+    import jax.numpy as jnp
+
+    from sdpagraph import mods
+    from sdpagraph.cache import GraphCache, set_default_cache
+    from sdpagraph.cache.graphs import cached_graph
+    from sdpagraph.jax_api.call import prepare_call
+    from sdpagraph.jax_api.numerics import check_numerics
+
+    jnp.ones(8).block_until_ready()
+    set_default_cache(GraphCache())
+    q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
+    call = prepare_call(q, q, q, is_causal=True, score_mod=mods.softcap(30.0))
+    started = time.perf_counter()
+    for direction in ("forward", "backward"):
+        cached_graph(call.spec, call.score_mod, direction)
+    report = io.StringIO()
+    print(f"B{b} T{t} N{n} H{h}: build fwd+bwd {time.perf_counter() - started:.3f} s", file=report)
+    for index in range(3):
+        profile = cProfile.Profile()
+        profile.enable()
+        result = check_numerics(call.spec, call.score_mod, True, seed=index)
+        profile.disable()
+        print(f"\ncheck {index + 1}: {result.seconds:.3f} s, timings {result.timings}, {result.summary()}", file=report)
+        if index != 1:
+            pstats.Stats(profile, stream=report).sort_stats("tottime").print_stats(25)
+    text = report.getvalue()
+    print(text)
+    with open(os.path.join(args.out, f"profile-B{b}-T{t}.txt"), "w") as handle:
+        handle.write(text)
+
+
+if __name__ == "__main__":
+    main()
