@@ -44,7 +44,7 @@ def test_tiled_and_sparse_operands_arrive_whole_and_copy_little(monkeypatch):
     monkeypatch.setattr(direct, "WHOLE_BYTES", 64)
     library = FakeLibrary()
     pool = np.arange(7, dtype=np.float32)
-    tiled = Tiled(pool, (3, 5, 4))
+    tiled = Tiled(pool, (3, 5, 4), start=3)
     at = (np.array([0, 2])[:, None], np.array([[1, 4]]))  # broadcast: 2 x 2 blocks, as the check's (B', T')
     sparse = Sparse((3, 5, 4), np.dtype(np.float32), at, np.arange(16, dtype=np.float32).reshape(2, 2, 4) + 1)
     with DeviceArena(0, library) as arena:
@@ -56,23 +56,25 @@ def test_tiled_and_sparse_operands_arrive_whole_and_copy_little(monkeypatch):
         assert max(size for kind, size in library.copies if kind == "to_device") == max(pool.nbytes, 16 * 4) < 240
         # the pool, its doublings; the sparse values at once, then scattered on the device
         assert library.calls == ["to_device", "within_device", "to_device", "within_device"]
-        starts = np.array([[1, 2], [18, 57]])  # blocks that wrap the pool's end and the tensor's rows
+        starts = np.array([[1, 2], [18, 50]])  # blocks that wrap the pool's end and the tensor's rows
         whole = np.asarray(tiled).reshape(-1)
-        np.testing.assert_array_equal(tiled.blocks(starts, 3), whole[starts[..., None] + np.arange(3)])
+        for width in (3, 9):  # blocks shorter and longer than the pool
+            np.testing.assert_array_equal(tiled.blocks(starts, width), whole[starts[..., None] + np.arange(width)])
+        assert whole[0] == pool[3] and whole[4] == pool[0]  # from its start, wrapping
     assert sorted(library.freed) == sorted(library.buffers)  # everything freed on close
 
 
-def test_results_come_back_whole_or_by_blocks(monkeypatch):
-    monkeypatch.setattr(direct, "WHOLE_BYTES", 16)
+def test_results_come_back_whole_or_by_tokens():
     library = FakeLibrary()
-    x = np.arange(24, dtype=np.float32).reshape(6, 4)
+    x = np.arange(24, dtype=np.float32).reshape(3, 2, 4)
     with DeviceArena(0, library) as arena:
-        out = arena.run("0" * 64, {"x": 1, "y": 2}, {"x": x}, {"y": Result((6, 4), np.float32, [(4, 4), (16, 8)])},
-                        [], [])["y"]
-        np.testing.assert_array_equal(out[1], 2 * x[1])
-        np.testing.assert_array_equal(out[4:], 2 * x[4:])
-        # the blocks gathered on the device, then one copy back of their 16 + 32 bytes
+        given = {"y": Result((3, 2, 4), np.float32, [1, 4, 5]), "z": Result((3, 2, 4), np.float32)}
+        out = arena.run("0" * 64, {"x": 1, "y": 2, "z": 3}, {"x": x}, given, [], [])
+        np.testing.assert_array_equal(out["y"], 2 * x.reshape(6, 4)[[1, 4, 5]])  # the tokens alone
+        assert out["z"].shape == (3, 2, 4)  # whole
+        # the tokens gathered on the device, then one copy back of their 3 x 16 bytes
         assert library.calls[-2:] == ["within_device", "to_host"] and library.copies[-1] == ("to_host", 48)
+        out = out["y"]
         assert arena.put(out) == arena.put(out)  # a result is already on the device: no copy
         assert ("to_device", 24 * 4) not in library.copies[1:]
 

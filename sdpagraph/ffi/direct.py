@@ -12,14 +12,13 @@ executor's own.
 Operands are host arrays, or two lighter forms that keep the check's host-device traffic small
 at large shapes: a `Tiled` array (a random pool repeated: the pool is copied once and doubled on
 the device) and a `Sparse` one (zeros but for some contiguous blocks, copied block by block).
-A result can name the element blocks the caller will read (`Result.blocks`); only those are
-copied back (gathered on the device, then copied at once). An operand is copied to the device once per arena (a result fed back as the next
+A result can name the tokens the caller will read (`Result.tokens`); only those are copied back
+(gathered on the device, then copied at once). An operand is copied to the device once per arena (a result fed back as the next
 graph's operand is not copied at all), and every allocation is freed when the arena closes, also
 when a run raises.
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -33,24 +32,35 @@ WHOLE_BYTES = 8 << 20
 
 @dataclass(frozen=True, eq=False)
 class Tiled:
-    """An array of `shape` whose flat element i is pool[i % len(pool)]."""
+    """An array of `shape` whose flat element i is pool[(start + i) % len(pool)]: tensors can share
+    one pool at different starts."""
 
     pool: np.ndarray  # 1-D
     shape: tuple[int, ...]
+    start: int = 0
 
     @property
     def dtype(self) -> np.dtype:
         return self.pool.dtype
 
+    def rotated(self) -> tuple[np.ndarray, np.ndarray]:
+        """The pool from `start` on, in two pieces (no copy): the array's first len(pool) elements."""
+        return self.pool[self.start:], self.pool[:self.start]
+
     def blocks(self, starts: Any, width: int) -> np.ndarray:
         """The `width` consecutive flat elements from each flat index in `starts`, as an array of
         shape starts.shape + (width,), without materializing the whole array."""
-        extended = np.concatenate((self.pool, np.resize(self.pool, width - 1)))  # a block may wrap the pool's end
-        windows = np.lib.stride_tricks.sliding_window_view(extended, width)
-        return windows[np.asarray(starts) % len(self.pool)]
+        size = len(self.pool)
+        at = (np.asarray(starts) + self.start) % size
+        if width > size:
+            return self.pool[(at[..., None] + np.arange(width)) % size]
+        out = np.lib.stride_tricks.sliding_window_view(self.pool, width)[np.minimum(at, size - width)]
+        wrapping = at > size - width  # the few blocks that run past the pool's end
+        out[wrapping] = self.pool[(at[wrapping][:, None] + np.arange(width)) % size]
+        return out
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        whole = np.resize(self.pool, int(np.prod(self.shape))).reshape(self.shape)
+        whole = np.resize(np.concatenate(self.rotated()), int(np.prod(self.shape))).reshape(self.shape)
         return whole if dtype is None else whole.astype(dtype)
 
 
@@ -71,12 +81,13 @@ class Sparse:
 
 
 class Result(NamedTuple):
-    """A graph result to copy back: its shape, dtype, and the (start, count) element ranges the
-    caller reads (None: all of it)."""
+    """A graph result to copy back: its shape, dtype, and the tokens the caller reads (indices into
+    its first two axes flattened, each a contiguous block of the trailing axes), which come back
+    alone, as an array (len(tokens), *shape[2:]); None: all of it, as an array of `shape`."""
 
     shape: tuple[int, ...]
     dtype: Any
-    blocks: Sequence[tuple[int, int]] | None = None
+    tokens: Sequence[int] | None = None
 
 
 class DeviceArena:
@@ -128,11 +139,15 @@ class DeviceArena:
         return address
 
     def _put_tiled(self, tiled: Tiled) -> int:
-        item, pool = tiled.dtype.itemsize, np.ascontiguousarray(tiled.pool)
-        total = int(np.prod(tiled.shape)) * item
+        total = int(np.prod(tiled.shape)) * tiled.dtype.itemsize
         address = self._allocate(total)
-        filled = min(pool.nbytes, total)
-        self._copy([(address, pool.ctypes.data, filled)], "to_device")
+        pieces, filled = [], 0
+        for piece in tiled.rotated():  # the pool from its start, then its beginning
+            size = min(piece.nbytes, total - filled)
+            if size > 0:
+                pieces.append((address + filled, np.ascontiguousarray(piece).ctypes.data, size))
+                filled += size
+        self._copy(pieces, "to_device")
         doublings = []
         while filled < total:  # double what is there: its length stays a multiple of the pool's
             step = min(filled, total - filled)
@@ -156,37 +171,35 @@ class DeviceArena:
     def run(self, digest: str, uids: Mapping[str, int], operands: Mapping[str, Any], results: Mapping[str, Result],
             scalar_uids: Any, scalar_words: Any) -> dict[str, np.ndarray]:
         """Runs the registered graph `digest` on `operands` (role -> operand) and returns its
-        `results` (role -> `Result`) as host arrays, filled where their blocks say;
-        `uids`: role -> the graph's tensor uid."""
+        `results` (role -> `Result`) as host arrays: whole, or the tokens asked for;
+        `uids`: role -> the graph's tensor uid. A returned array passed as a later run's operand is
+        the whole device result it came from (not copied back in)."""
         tensors = {uids[role]: self.put(operand) for role, operand in operands.items()}
         outputs = {}
         for role, result in results.items():
-            host = np.empty(result.shape, result.dtype)
-            tensors[uids[role]] = address = self._allocate(host.nbytes)
+            item = np.dtype(result.dtype).itemsize
+            tensors[uids[role]] = address = self._allocate(int(np.prod(result.shape)) * item)
+            rows = None if result.tokens is None else np.asarray(result.tokens, np.int64)
+            host = np.empty(result.shape if rows is None else (len(rows), *result.shape[2:]), result.dtype)
             self._on_device[id(host)] = (host, address)
-            outputs[role] = (host, address, result.blocks)
+            outputs[role] = (host, address, rows)
         self._library.run_graph(digest, self.device, tensors, scalar_uids, scalar_words)
-        whole, blocks = [], []
-        for host, address, wanted in outputs.values():
-            if wanted is None or host.nbytes <= WHOLE_BYTES:
-                whole.append((host.ctypes.data, address, host.nbytes))
-            else:
-                blocks += [(host.ctypes.data + int(start) * host.itemsize, address + int(start) * host.itemsize,
-                            int(count) * host.itemsize) for start, count in wanted]
-        self._copy(whole, "to_host")
-        self._blocks_to_host(blocks)
+        self._copy([(host.ctypes.data, address, host.nbytes) for host, address, rows in outputs.values()
+                    if rows is None], "to_host")
+        for host, address, rows in outputs.values():
+            if rows is not None:
+                self._tokens_to_host(host, address, rows)
         return {role: host for role, (host, _, _) in outputs.items()}
 
-    def _blocks_to_host(self, blocks: Sequence[tuple[int, int, int]]) -> None:
-        """(host address, device address, bytes) copies: gathered on the device into one buffer that
-        is copied back at once (hundreds of small copies to pageable host memory cost more)."""
-        if not blocks:
+    def _tokens_to_host(self, host: np.ndarray, address: int, rows: np.ndarray) -> None:
+        """Rows `rows` of the device array at `address` into `host` (len(rows) rows): gathered on the
+        device into one buffer that is copied back at once. Hundreds of small copies to pageable host
+        memory cost more, and so did a whole-shape host array: writing blocks into it faulted in
+        (and zeroed) most of its pages."""
+        if not len(rows):
             return
-        total = sum(size for _, _, size in blocks)
-        staging, landed = self._allocate(total), np.empty(total, np.uint8)
-        offsets = np.cumsum([0] + [size for _, _, size in blocks])
-        self._copy([(staging + int(offset), source, size) for offset, (_, source, size) in zip(offsets, blocks)],
+        size = host.nbytes // len(rows)
+        staging = self._allocate(host.nbytes)
+        self._copy([(staging + i * size, address + int(row) * size, size) for i, row in enumerate(rows)],
                    "within_device")
-        self._copy([(landed.ctypes.data, staging, total)], "to_host")
-        for offset, (destination, _, size) in zip(offsets, blocks):
-            ctypes.memmove(destination, landed.ctypes.data + int(offset), size)
+        self._copy([(host.ctypes.data, staging, host.nbytes)], "to_host")

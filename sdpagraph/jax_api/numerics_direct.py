@@ -52,7 +52,7 @@ _IO_BITS = {"bfloat16": (0x81FF, 124 << 7), "float16": (0x8FFF, 12 << 10)}
 # a cotangent), more than the check may take. Larger tensors repeat a random pool of this many
 # values: an odd period, so no two rows of a power-of-two head dim hold the same values while the
 # tensor has fewer rows than the pool has values (a graph reading the wrong row still reads
-# different numbers), and each tensor draws its own pool.
+# different numbers). The large tensors of one check share a pool, each from a random start.
 POOL_VALUES = (1 << 22) + 1
 
 
@@ -65,19 +65,29 @@ def io_dtype(name: str) -> np.dtype:
     return np.dtype(jax.numpy.dtype(name))
 
 
-def random_io(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray | Tiled:
+def random_io(rng: np.random.Generator, shape: tuple[int, ...], dtype: str,
+              pool: np.ndarray | None = None) -> np.ndarray | Tiled:
     """Random values of `shape` in the spec's io dtype (float32: standard normal); beyond
-    POOL_VALUES elements, a random pool repeated (`ffi.direct.Tiled`)."""
+    POOL_VALUES elements, `pool` (drawn here when not given: `random_pool`) repeated from a random
+    start (`ffi.direct.Tiled`)."""
     count = int(np.prod(shape))
-    drawn = min(count, POOL_VALUES)
-    if dtype in _IO_BITS:
-        keep, base = _IO_BITS[dtype]
-        raw = rng.bit_generator.random_raw(-(-drawn // 4)).view(np.uint16)[:drawn]  # 5x faster than rng.bytes
-        bits = (raw & np.uint16(keep)) | np.uint16(base)
-        values = bits.view(io_dtype(dtype))
-    else:
-        values = rng.standard_normal(drawn, np.float32).astype(io_dtype(dtype))
-    return Tiled(values, tuple(shape)) if count > drawn else values.reshape(shape)
+    if count <= POOL_VALUES:
+        return _random_values(rng, count, dtype).reshape(shape)
+    pool = random_pool(rng, dtype) if pool is None else pool
+    return Tiled(pool, tuple(shape), int(rng.integers(len(pool))))
+
+
+def random_pool(rng: np.random.Generator, dtype: str) -> np.ndarray:
+    """POOL_VALUES random values, which the large tensors of one check share at random starts."""
+    return _random_values(rng, POOL_VALUES, dtype)
+
+
+def _random_values(rng: np.random.Generator, count: int, dtype: str) -> np.ndarray:
+    if dtype not in _IO_BITS:
+        return rng.standard_normal(count, np.float32).astype(io_dtype(dtype))
+    keep, base = _IO_BITS[dtype]
+    raw = rng.bit_generator.random_raw(-(-count // 4)).view(np.uint16)[:count]  # 5x faster than rng.bytes
+    return ((raw & np.uint16(keep)) | np.uint16(base)).view(io_dtype(dtype))
 
 
 # ----------------------------------------------------------------------------- token layout
@@ -221,11 +231,13 @@ def draw_inputs(spec: AttentionSpec, ir: ScoreModIR | None, seed: int) -> dict[s
     """q, k, v, the user's bias and boolean mask (one row emptied) and the mod's arrays."""
     rng = np.random.default_rng([seed, 2])
     b, t, s, n, kh = spec.batch, spec.q_len, spec.kv_len, spec.num_heads, spec.num_kv_heads
-    inputs = {"q": random_io(rng, (b, t, n, spec.head_dim), spec.dtype),
-              "k": random_io(rng, (b, s, kh, spec.head_dim), spec.dtype),
-              "v": random_io(rng, (b, s, kh, spec.head_dim_v), spec.dtype),
-              "bias": None if spec.bias_shape is None else random_io(rng, spec.bias_shape, spec.dtype),
-              "mask": None, "arrays": {}}
+    shapes = {"q": (b, t, n, spec.head_dim), "k": (b, s, kh, spec.head_dim), "v": (b, s, kh, spec.head_dim_v),
+              "bias": spec.bias_shape}
+    large = any(shape is not None and np.prod(shape) > POOL_VALUES for shape in shapes.values())
+    pool = random_pool(rng, spec.dtype) if large else None
+    inputs = {name: None if shape is None else random_io(rng, shape, spec.dtype, pool)
+              for name, shape in shapes.items()}
+    inputs.update(mask=None, arrays={})
     if spec.mask_shape is not None:
         mask = rng.random(spec.mask_shape) < MASK_KEEP
         if spec.mask_shape[2] == t and t > 1:
@@ -245,7 +257,8 @@ def run_direct(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chose
     """Run the call's graphs once (forward and backward, or the inference graph) on random inputs:
     (the slice data `numerics.compare` takes, {"device_mib": device memory the run allocated,
     "device_s": seconds in the executor's copies and runs}). `host`:
-    `numerics_draw.host_inputs`. `execute` runs one graph (default: the executor, through a
+    `numerics_draw.host_inputs`. `execute` runs one graph and returns its results as
+    `DeviceArena.run` does, only the tokens a `Result` names (default: the executor, through a
     `DeviceArena`; tests replace it, and then no device memory is counted)."""
     if execute is not None:
         return _run(spec, ir, training, chosen, host, seed, execute), {}
@@ -271,7 +284,7 @@ def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Sli
     g = plan.graph_spec
     picks = chosen.indices()
     rows, heads, queries = picks["rows"][:, None, None], picks["heads"][None, :, None], picks["queries"]
-    on_q, on_kv, on_kv_grad, on_score = slicers(spec, picks, np)
+    on_q, on_kv, _, on_score = slicers(spec, picks, np)
     inputs = draw_inputs(spec, ir, seed)
     layout = _layout(spec, host["arrays"])
     allowed = _allowed_on_slice(spec, layout, picks, inputs["mask"], on_score)
@@ -286,10 +299,12 @@ def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Sli
     o_shape = (g.batch, g.q_len, g.num_heads, g.head_dim_v)
     # Of the large results, only what the slice reads comes back: the (batch row, query) tokens of o
     # and dq, the (batch row, key) tokens of dk and dv.
-    query_tokens = np.unique(picks["rows"][:, None, None] * g.q_len + picks["queries"])
+    query_tokens = np.unique(rows * g.q_len + queries)
+    at_queries = np.searchsorted(query_tokens, rows * g.q_len + queries)  # (B', N', T'): each pick's token
+    on_q_tokens = lambda x: x[at_queries, heads]  # noqa: E731 - (tokens, N, H) -> (B', N', T', H)
     key_tokens = (picks["rows"][:, None] * g.kv_len + picks["keys"][None, :]).reshape(-1)
-    token_blocks = lambda shape, tokens: [(token * shape[2] * shape[3], shape[2] * shape[3])  # noqa: E731
-                                          for token in tokens]
+    on_key_tokens = lambda x: x.reshape(len(picks["rows"]), len(picks["keys"]), *x.shape[1:])[  # noqa: E731
+        :, :, picks["kv_heads"]]  # (tokens, K, H) -> (B', S', K', H)
 
     def run(direction: str, results: Mapping[str, Result]) -> dict[str, np.ndarray]:
         graph = cached_graph(spec, ir, direction)
@@ -298,7 +313,7 @@ def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Sli
                        {role: results[role] for role in roles.result_roles}, host["scalars"])
 
     forward = run("forward" if training else "inference",
-                  {"o": Result(o_shape, dtype, token_blocks(o_shape, query_tokens)),
+                  {"o": Result(o_shape, dtype, query_tokens),
                    "stats": Result(stats_shape(g), np.float32)})
     kv_index = (picks["rows"][:, None, None], np.arange(spec.kv_len)[None, :, None], picks["kv_heads"][None, None, :])
     data = {"q": _cut(inputs["q"], on_q, rows, queries, heads), "k": _cut(inputs["k"], on_kv, *kv_index),
@@ -306,7 +321,7 @@ def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Sli
             "q_pos": layout.q_pos[rows, queries], "kv_pos": layout.kv_pos[picks["rows"]],
             "bias": on_score(None if inputs["bias"] is None else np.asarray(inputs["bias"])),
             "arrays": {name: on_score(x) for name, x in inputs["arrays"].items()},
-            "o": np.where(kept[..., None], on_q(forward["o"]), zero)}
+            "o": np.where(kept[..., None], on_q_tokens(forward["o"]), zero)}
     if not training:
         return data
     stats = forward["stats"].swapaxes(1, 2) if g.segments else forward["stats"]  # (B, N, T)
@@ -318,15 +333,14 @@ def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Sli
                     dO=Sparse(o_shape, dtype, np.broadcast_arrays(rows, queries, heads), data["cotangent"]))
     q_shape = (g.batch, g.q_len, g.num_heads, g.head_dim)
     k_shape, v_shape = (g.batch, g.kv_len, g.num_kv_heads, g.head_dim), (g.batch, g.kv_len, g.num_kv_heads, g.head_dim_v)
-    results = {"dq": Result(q_shape, dtype, token_blocks(q_shape, query_tokens)),
-               "dk": Result(k_shape, dtype, token_blocks(k_shape, key_tokens)),
-               "dv": Result(v_shape, dtype, token_blocks(v_shape, key_tokens))}
+    results = {"dq": Result(q_shape, dtype, query_tokens), "dk": Result(k_shape, dtype, key_tokens),
+               "dv": Result(v_shape, dtype, key_tokens)}
     if plan.bias_shape is not None:
         results["dbias"] = Result(plan.bias_shape, dtype)
     grads = run("backward", results)
     kv_kept = layout.kv_valid[picks["rows"][:, None], picks["keys"]][:, :, None, None] if validity else True
-    data["dq"] = np.where(q_kept[..., None], on_q(grads["dq"]), zero)
-    data["dk"], data["dv"] = (np.where(kv_kept, on_kv_grad(grads[role]), zero) for role in ("dk", "dv"))
+    data["dq"] = np.where(q_kept[..., None], on_q_tokens(grads["dq"]), zero)
+    data["dk"], data["dv"] = (np.where(kv_kept, on_key_tokens(grads[role]), zero) for role in ("dk", "dv"))
     data["dbias"] = None
     if spec.bias_shape is not None:
         data["dbias"] = on_score(_user_bias_gradient(grads["dbias"], keep, spec.bias_shape))
