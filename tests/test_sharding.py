@@ -11,7 +11,6 @@ what the graph computes from the graph's own operands, on the shapes it is given
 shard when partitioned): packed sequences from the ragged offsets, padding from the sequence
 lengths, masks and folded padding from the bias operand, segment bounds, score_mod arrays.
 """
-import dataclasses
 import json
 import logging
 import re
@@ -29,14 +28,11 @@ from sdpagraph.cache.graphs import CachedGraph, graph_key
 from sdpagraph.deploy.specfile import load_specs
 from sdpagraph.graphs.builder import BuildEnvironment
 from sdpagraph.graphs.compiled import CompiledGraph
-from sdpagraph.graphs.ir_eval import evaluate
-from sdpagraph.graphs.masks import segment_ir
-from sdpagraph.graphs.operands import ARRAY_PREFIX, graph_io, graph_spec, uid_map
+from sdpagraph.graphs.operands import graph_io, graph_spec, uid_map
 from sdpagraph.graphs.support import Support
 from sdpagraph.jax_api import cudnn as cudnn_backend
-from sdpagraph.jax_api import sharding
-from sdpagraph.jax_api.call import RuntimeInputs
-from sdpagraph.jax_api.xla import xla_attention
+from sdpagraph.jax_api import numerics, sharding
+from sdpagraph.jax_api.graph_on_xla import run_on_xla
 from tests.devices import has_cpu_devices, rerun_with_cpu_devices
 
 DEVICES = 8
@@ -53,67 +49,14 @@ def test_in_a_process_with_eight_cpu_devices():
 
 # ----------------------------------------------------------------------------- the stand-in graph
 
-def packed_ids(seq_len, ragged, batch, length, max_segments, row_elements):
-    """Segment ids (B, L), 1..M by slot, decoded from a packed graph's seq lens and ragged element
-    offsets: wrong offsets (global ones on a shard, the wrong head count) give wrong ids."""
-    starts = ragged[:-1] // row_elements - (jnp.arange(batch, dtype=jnp.int32) * length).repeat(max_segments)
-    starts, lens = starts.reshape(batch, max_segments, 1), seq_len.reshape(batch, max_segments, 1)
-    token = jnp.arange(length, dtype=jnp.int32)[None, None, :]
-    inside = (token >= starts) & (token < starts + lens)
-    return jnp.sum(inside * jnp.arange(1, max_segments + 1, dtype=jnp.int32)[None, :, None], axis=1)
-
-
-def graph_on_xla(static, operands):
-    """The graph's forward, (q, k, v, bias) -> (o, stats in the graph's layout), as cuDNN computes it."""
-    spec = static.graph_spec
-    arrays = {name[len(ARRAY_PREFIX):]: x for name, x in operands.items() if name.startswith(ARRAY_PREFIX)}
-    scalars = dict(static.scalars)
-
-    def forward(q, k, v, bias):
-        if spec.segments:
-            ids_q = packed_ids(operands["seq_len_q"], operands["ragged_offset_q"], spec.batch, spec.q_len,
-                               spec.max_segments, spec.num_heads * spec.head_dim)
-            ids_kv = packed_ids(operands["seq_len_kv"], operands["ragged_offset_kv"], spec.batch, spec.kv_len,
-                                spec.max_segments, spec.num_kv_heads * spec.head_dim)
-            stats_ids = packed_ids(operands["seq_len_q"], operands["ragged_offset_stats"], spec.batch, spec.q_len,
-                                   spec.max_segments, spec.num_heads)
-            ids_q = jnp.where(stats_ids == ids_q, ids_q, -1)  # the stats offsets must agree
-            inputs = RuntimeInputs(q_segment_ids=ids_q, kv_segment_ids=ids_kv, mod_scalars=scalars, mod_arrays=arrays)
-            out, lse = xla_attention(spec, q, k, v, inputs, static.ir)
-            return out, jnp.swapaxes(lse, 1, 2)
-        mask = None
-        if spec.segment_mask:  # the dense twin: the bounds as the graph's extra mod stage reads them
-            b, t = spec.batch, spec.q_len
-            index = [None, None, None, jnp.arange(t, dtype=jnp.int32)[None, None, None, :]]
-            bounds = {name: x for name, x in operands.items() if name.startswith("segment_")}
-            masked, _ = evaluate(segment_ir(spec), jnp.zeros((b, 1, t, t), jnp.float32), scalars={}, arrays=bounds,
-                                 index=index)
-            mask = jnp.isfinite(masked)
-        plain = dataclasses.replace(spec, segment_mask=False, max_segments=0,
-                                    mask_shape=None if mask is None else mask.shape,
-                                    bias_shape=None if bias is None else bias.shape)
-        inputs = RuntimeInputs(bias=bias, mask=mask, q_lengths=operands.get("seq_len_q"),
-                               kv_lengths=operands.get("seq_len_kv"), mod_scalars=scalars, mod_arrays=arrays)
-        return xla_attention(plain, q, k, v, inputs, static.ir)
-
-    return forward
-
-
 def fake_executor(static, graph, operands, results):
-    forward = graph_on_xla(static, operands)
-    q, k, v, bias = (operands.get(role) for role in ("q", "k", "v", "bias"))
+    """The graph's computation on XLA (`jax_api.graph_on_xla`, what a shard whose graphs failed
+    their check runs), asked for on the operands' shapes."""
+    q, k = operands["q"], operands["k"]
     for role in ("o", "dq", "dk"):  # the results must be asked for on the operands' shapes
         if role in results:
             assert results[role].shape[:3] == (q if role != "dk" else k).shape[:3], (role, results[role], q.shape)
-    if "dq" not in results:
-        out, stats = forward(q, k, v, bias)
-        return {"o": out.astype(q.dtype), "stats": stats} if "stats" in results else {"o": out.astype(q.dtype)}
-    out, pullback = jax.vjp(lambda q, k, v, bias: forward(q, k, v, bias)[0], q, k, v, bias)
-    dq, dk, dv, dbias = pullback(operands["dO"].astype(out.dtype))
-    grads = {"dq": dq, "dk": dk, "dv": dv}
-    if "dbias" in results:
-        grads["dbias"] = dbias
-    return grads
+    return run_on_xla(static, operands, results)
 
 
 @pytest.fixture
@@ -432,3 +375,48 @@ def test_strict_mode_miss_of_a_per_device_graph_says_how_to_fix_it(cudnn_on_cpu,
     monkeypatch.setattr(cudnn_backend, "cached_graph", strict)
     with pytest.raises(Exception, match="per-device graph of a sharded call.*SDPAGRAPH_RECORD"):
         run_case("causal", "cudnn", np.random.default_rng(11))
+
+
+@needs_devices
+@pytest.mark.parametrize("name", ["causal", "packed", "bias_per_head_softcap"])
+def test_per_device_graphs_that_fail_their_check_run_on_xla(name, cudnn_on_cpu, monkeypatch):
+    """The per-device graphs are checked at XLA compile time with the check dispatch used; when the
+    check fails there, each shard runs the graphs' computation on XLA: the executor never runs
+    them, and the step still gives XLA's values and gradients."""
+    asked, executed = [], []
+    stand_in = cudnn_backend._call_executor
+
+    def support(spec, ir, training, verify=None):
+        asked.append((spec.batch, verify))
+        if spec.batch < B and verify is not None:  # the local graphs computed wrong values
+            return Support(False, "xla", "cuDNN's graphs for this config computed wrong values")
+        return Support(True, "cudnn", "stand-in")
+
+    def executor(static, graph, operands, results):
+        executed.append(static.spec.batch)
+        return stand_in(static, graph, operands, results)
+
+    monkeypatch.setattr(cudnn_backend, "support", support)
+    monkeypatch.setattr(cudnn_backend, "_call_executor", executor)
+    (value, grads), reference, _, _ = run_case(name, "cudnn", np.random.default_rng(5))
+    assert_same((value, grads), reference)
+    # No per-device graph reached the executor. (The global call is traced too, as the op's body that
+    # custom_partitioning replaces by the per-device function: it never runs.)
+    assert executed and all(batch == B for batch in executed)
+    local = [verify for batch, verify in asked if batch < B]
+    assert local and all(verify.func is numerics.check_numerics for verify in local)  # with the call's check
+
+
+@needs_devices
+def test_per_device_graphs_that_pass_their_check_run_on_the_executor(cudnn_on_cpu, monkeypatch):
+    executed = []
+    stand_in = cudnn_backend._call_executor
+
+    def executor(static, graph, operands, results):
+        executed.append(static.spec.batch)
+        return stand_in(static, graph, operands, results)
+
+    monkeypatch.setattr(cudnn_backend, "_call_executor", executor)
+    (value, grads), reference, _, _ = run_case("causal", "cudnn", np.random.default_rng(6))
+    assert_same((value, grads), reference)
+    assert B // 4 in executed  # the per-device graphs reached the executor

@@ -280,7 +280,7 @@ def attention(
         out, lse = small_seq_attention(call.spec, q, k, v, call.inputs, call.score_mod)
     else:  # the inference graph has no softmax stats: a residual needs the training graph
         out, lse = cudnn_backend.attention(call.spec, q, k, v, call.inputs, call.score_mod,
-                                           training=training or return_residual)
+                                           training=training or return_residual, verify=numerics.check_numerics)
     if call.unbatched:
         out, lse = out[0], lse[0]
     if return_residual:

@@ -25,6 +25,7 @@ from sdpagraph.graphs.operands import ARRAY_PREFIX, LayoutPlan, graph_io, plan_l
 from sdpagraph.graphs.support import Support, environment_reason
 from sdpagraph.jax_api import sharding
 from sdpagraph.jax_api.call import RuntimeInputs
+from sdpagraph.jax_api.graph_on_xla import run_on_xla
 from sdpagraph.jax_api.segments import segment_metadata, segment_positions, segment_run_ids
 from sdpagraph.jax_api.xla import attended_rows
 from sdpagraph.spec import AttentionSpec
@@ -49,6 +50,9 @@ class _Static:
     ir: ScoreModIR | None
     scalars: tuple[tuple[str, Any], ...]
     training: bool
+    # The numerical check dispatch chose cuDNN with (`jax_api.numerics.check_numerics`), or None: the
+    # graphs of a per-device spec, built at XLA compile time, are checked with it (`_execute`).
+    verify: Callable[..., Any] | None = None
 
 
 # ----------------------------------------------------------------------------- one FFI call
@@ -77,12 +81,26 @@ def _run_graph(static: _Static, direction: str, operands: Mapping[str, Any],
 def _execute(static: _Static, direction: str, operands: Mapping[str, Any],
              results: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
     """Build or fetch the `direction` graph of `static` (the whole call, or one device's shard of
-    it), register it with the executor, and call it on operands of those shapes."""
-    graph = cached_graph(static.spec, static.ir, direction)
-    ffi.register_graph(graph.digest, graph.compiled.blob)
+    it), register it with the executor, and call it on operands of those shapes; graphs that
+    failed their numerical check are not run: their computation runs on XLA instead."""
     if static.graph_spec.segments:
         operands = _ragged_operands(static.graph_spec, operands)
+    if not _checked(static):
+        return run_on_xla(static, operands, results)
+    graph = cached_graph(static.spec, static.ir, direction)
+    ffi.register_graph(graph.digest, graph.compiled.blob)
     return _call_executor(static, graph, operands, results)
+
+
+def _checked(static: _Static) -> bool:
+    """Whether the graphs of `static` passed the numerical check it carries (True without one).
+    For the call's own spec this is the answer dispatch already got (remembered per cache). A
+    sharded call's per-device spec (`sharding.localize`) is first seen here, at XLA compile time:
+    its graphs are built and checked now, once, and a failure (logged once) runs the shard on XLA."""
+    if static.verify is None:
+        return True
+    verify = functools.partial(static.verify, scalars=dict(static.scalars))
+    return support(static.spec, static.ir, training=static.training, verify=verify).supported
 
 
 def _varying_axes(x: Any) -> frozenset:
@@ -295,10 +313,14 @@ _core.defvjp(_core_fwd, _core_bwd)
 
 
 def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: RuntimeInputs,
-              score_mod: ScoreModIR | None, *, training: bool = True) -> tuple[Any, Any]:
-    """Return (output (B, T, N, H_v), logsumexp (B, N, T) or None for the inference graph)."""
+              score_mod: ScoreModIR | None, *, training: bool = True,
+              verify: Callable[..., Any] | None = None) -> tuple[Any, Any]:
+    """Return (output (B, T, N, H_v), logsumexp (B, N, T) or None for the inference graph).
+    `verify`: the numerical check the call's graphs passed (`support`); per-device graphs of a
+    sharded call are checked with it too."""
     plan = plan_layout(spec, score_mod)
-    static = _Static(spec, plan.graph_spec, score_mod, tuple(sorted((inputs.mod_scalars or {}).items())), training)
+    static = _Static(spec, plan.graph_spec, score_mod, tuple(sorted((inputs.mod_scalars or {}).items())), training,
+                     verify)
     aux, validity = _operands(plan.graph_spec, inputs, spec.max_segments)
     validity = validity._replace(attended=_attended(plan, inputs))
     bias = _bias_operand(plan, inputs, validity, query.dtype)
