@@ -14,7 +14,7 @@ NumPy, backward through the IR's bprop, as the cuDNN backward graph does) for th
 
 The graphs run one of two ways:
 - on a GPU with the executor, directly (`numerics_direct`): inputs made in NumPy, each graph run
-  once by the executor outside XLA, nothing compiled, the reference computed on a thread meanwhile. Compiling an XLA program per config cost
+  once by the executor outside XLA, nothing compiled. Compiling an XLA program per config cost
   more than the graph build it followed (docs/results/h100-2026-11-24-direct-check.md);
 - for a `candidate` (the CPU tests' stand-ins), in one jitted program: inputs drawn on the
   device, the candidate forward and `jax.vjp`, which keys each query may attend to and the
@@ -77,9 +77,7 @@ class NumericsResult:
     seed: int
     slice: str  # "whole" or which batch rows and heads the reference ran on
     training: bool
-    # run_s, reference_s (direct: on a thread while the graphs run); compiled: trace_s, compile_s;
-    # direct: device_s, device_mib
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # run_s, reference_s; compiled: trace_s, compile_s; direct: device_s, device_mib
     checked: float = field(default_factory=time.time)
 
     def failures(self) -> list[str]:
@@ -157,29 +155,14 @@ def _check_in_thread(spec, ir, training, cache, seed, slice_elements, candidate,
         chosen = plan_slice(spec, slice_elements, np.random.default_rng([seed, 1]))
         host = host_inputs(spec, ir, seed, scalars)
         if candidate is None and numerics_direct.available():
-            # The reference needs none of the graphs' results: it runs on a thread while they run
-            # (the executor's calls and NumPy's large operations release the GIL).
-            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdpagraph-reference") as pool:
-                pending = []
-                data, costs = numerics_direct.run_direct(
-                    spec, ir, training, chosen, host, seed, on_inputs=lambda inputs: pending.append(pool.submit(
-                        _timed_reference, spec, ir, training, chosen, inputs, host["scalars"])))
-                timings = {"run_s": time.perf_counter() - started, **costs}
-                theirs, timings["reference_s"] = pending[0].result()
-            errors = compare(spec, ir, training, chosen, data, host["scalars"], theirs)
+            data, costs = numerics_direct.run_direct(spec, ir, training, chosen, host, seed)
+            timings = {"run_s": time.perf_counter() - started, **costs}
         else:
             data, timings = _run_compiled(spec, ir, training, chosen, host, seed, candidate)
-            ran = time.perf_counter()
-            errors = compare(spec, ir, training, chosen, data, host["scalars"])
-            timings["reference_s"] = time.perf_counter() - ran
+        ran = time.perf_counter()
+        errors = compare(spec, ir, training, chosen, data, host["scalars"])
+        timings["reference_s"] = time.perf_counter() - ran
     return errors, chosen.describe(spec), timings
-
-
-def _timed_reference(spec, ir, training, chosen, inputs, scalars):
-    started = time.perf_counter()
-    with np.errstate(all="ignore"):
-        theirs = reference(spec, ir, training, chosen.indices(), inputs, scalars)
-    return theirs, time.perf_counter() - started
 
 
 def _run_compiled(spec, ir, training, chosen, host, seed, candidate):
@@ -311,12 +294,10 @@ def relative_error(actual: Any, expected: Any, where: Any = None) -> float:
 
 
 def compare(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Slice, data: Mapping[str, Any],
-            scalars: Mapping[str, Any], theirs: Mapping[str, Any] | None = None) -> dict[str, float]:
-    """The errors of the candidate's slice (`data`) against the float64 reference (`theirs`, when
-    already computed from the same inputs)."""
+            scalars: Mapping[str, Any]) -> dict[str, float]:
+    """The errors of the candidate's slice (`data`) against the float64 reference."""
     with np.errstate(all="ignore"):  # inf/NaN from a wrong candidate become inf errors, not warnings
-        if theirs is None:
-            theirs = reference(spec, ir, training, chosen.indices(), data, scalars)
+        theirs = reference(spec, ir, training, chosen.indices(), data, scalars)
         errors = {"o": relative_error(data["o"], theirs["o"])}
         attends = np.isfinite(theirs["lse"])  # (B', N', T')
         empty = ~attends[..., None]

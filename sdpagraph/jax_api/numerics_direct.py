@@ -252,17 +252,16 @@ def draw_inputs(spec: AttentionSpec, ir: ScoreModIR | None, seed: int) -> dict[s
 
 
 def run_direct(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Slice,
-               host: Mapping[str, Any], seed: int, execute: Execute | None = None,
-               on_inputs: Callable[[dict[str, Any]], None] | None = None) -> tuple[dict[str, Any], dict[str, float]]:
+               host: Mapping[str, Any], seed: int,
+               execute: Execute | None = None) -> tuple[dict[str, Any], dict[str, float]]:
     """Run the call's graphs once (forward and backward, or the inference graph) on random inputs:
     (the slice data `numerics.compare` takes, {"device_mib": device memory the run allocated,
     "device_s": seconds in the executor's copies and runs}). `host`:
-    `numerics_draw.host_inputs`. `on_inputs` is given the slice's inputs (all the reference
-    reads) before any graph runs. `execute` runs one graph and returns its results as
+    `numerics_draw.host_inputs`. `execute` runs one graph and returns its results as
     `DeviceArena.run` does, only the tokens a `Result` names (default: the executor, through a
     `DeviceArena`; tests replace it, and then no device memory is counted)."""
     if execute is not None:
-        return _run(spec, ir, training, chosen, host, seed, execute, on_inputs), {}
+        return _run(spec, ir, training, chosen, host, seed, execute), {}
     device = jax.local_devices()[0]
     ordinal = getattr(device, "local_hardware_id", None)
     on_graphs = [0.0]  # seconds inside the arena's runs: copies in and out, and the graphs
@@ -275,12 +274,12 @@ def run_direct(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chose
             on_graphs[0] += time.perf_counter() - started
             return outputs
 
-        data = _run(spec, ir, training, chosen, host, seed, on_device, on_inputs)
+        data = _run(spec, ir, training, chosen, host, seed, on_device)
         return data, {"device_mib": arena.allocated_bytes / 2**20, "device_s": on_graphs[0]}
 
 
 def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Slice, host: Mapping[str, Any],
-         seed: int, execute: Execute, on_inputs: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+         seed: int, execute: Execute) -> dict[str, Any]:
     plan = plan_layout(spec, ir)
     g = plan.graph_spec
     picks = chosen.indices()
@@ -313,25 +312,23 @@ def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Sli
         return execute(graph, {role: operands[role] for role in roles.operand_roles},
                        {role: results[role] for role in roles.result_roles}, host["scalars"])
 
+    forward = run("forward" if training else "inference",
+                  {"o": Result(o_shape, dtype, query_tokens),
+                   "stats": Result(stats_shape(g), np.float32)})
     kv_index = (picks["rows"][:, None, None], np.arange(spec.kv_len)[None, :, None], picks["kv_heads"][None, None, :])
     data = {"q": _cut(inputs["q"], on_q, rows, queries, heads), "k": _cut(inputs["k"], on_kv, *kv_index),
             "v": _cut(inputs["v"], on_kv, *kv_index), "allowed": allowed,
             "q_pos": layout.q_pos[rows, queries], "kv_pos": layout.kv_pos[picks["rows"]],
             "bias": on_score(None if inputs["bias"] is None else np.asarray(inputs["bias"])),
-            "arrays": {name: on_score(x) for name, x in inputs["arrays"].items()}}
-    if training:  # only the slice sends gradients back, so the whole run's dk, dv and dbias are the slice's
-        drawn = random_io(np.random.default_rng([seed, 3]), (*kept.shape, g.head_dim_v), g.dtype)
-        data["cotangent"] = np.where(kept[..., None], np.asarray(drawn), zero)
-    if on_inputs is not None:
-        on_inputs(dict(data))
-    forward = run("forward" if training else "inference",
-                  {"o": Result(o_shape, dtype, query_tokens),
-                   "stats": Result(stats_shape(g), np.float32)})
-    data["o"] = np.where(kept[..., None], on_q_tokens(forward["o"]), zero)
+            "arrays": {name: on_score(x) for name, x in inputs["arrays"].items()},
+            "o": np.where(kept[..., None], on_q_tokens(forward["o"]), zero)}
     if not training:
         return data
     stats = forward["stats"].swapaxes(1, 2) if g.segments else forward["stats"]  # (B, N, T)
     data["lse"] = np.where(kept, stats[rows, heads, queries], -np.inf)
+    # Only the slice sends gradients back, so the whole run's dk, dv and dbias are the slice's.
+    drawn = random_io(np.random.default_rng([seed, 3]), (*kept.shape, g.head_dim_v), g.dtype)
+    data["cotangent"] = np.where(kept[..., None], np.asarray(drawn), zero)
     operands.update(o=forward["o"], stats=forward["stats"],
                     dO=Sparse(o_shape, dtype, np.broadcast_arrays(rows, queries, heads), data["cotangent"]))
     q_shape = (g.batch, g.q_len, g.num_heads, g.head_dim)
