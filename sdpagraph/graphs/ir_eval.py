@@ -97,11 +97,26 @@ def evaluate(
     `scalars`/`arrays` map the names in `ir.scalar_names`/`ir.array_names` to values.
     `module`: JAX (float32, traceable) or NUMPY_FLOAT64.
     """
+    # Without dscore only the forward's nodes are evaluated: the bprop's would cost as much again.
+    wanted = ir.output if dscore is None or ir.grad_output is None else None
+    needed = None if wanted is None else _ancestors(ir, wanted)
     values: list[Any] = []
-    for node in ir.nodes:
-        values.append(_node_value(ir, node, values, score, dscore, scalars, arrays, index, module))
+    for position, node in enumerate(ir.nodes):
+        skip = needed is not None and position not in needed
+        values.append(None if skip else _node_value(ir, node, values, score, dscore, scalars, arrays, index, module))
     grad = None if ir.grad_output is None or dscore is None else values[ir.grad_output]
     return values[ir.output], grad
+
+
+def _ancestors(ir: ScoreModIR, root: int) -> set[int]:
+    """The nodes `root` reads, directly or not, and itself."""
+    found, stack = set(), [root]
+    while stack:
+        position = stack.pop()
+        if position not in found:
+            found.add(position)
+            stack.extend(ir.nodes[position].args)
+    return found
 
 
 def _node_value(ir: ScoreModIR, node: Node, values: list, score, dscore, scalars, arrays, index, m: ArrayModule):
@@ -127,4 +142,5 @@ def _node_value(ir: ScoreModIR, node: Node, values: list, score, dscore, scalars
         out = _UNARY[op](m, args[0])
     else:
         out = _BINARY[op](m, *args)
-    return out.astype(m.dtype(node.dtype))
+    dtype = m.dtype(node.dtype)
+    return out if out.dtype == dtype else out.astype(dtype)  # astype copies even to its own dtype
