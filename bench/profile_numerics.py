@@ -4,7 +4,8 @@
 
 Builds the forward and backward graphs of a bf16 causal + softcap(30) call (memory-only cache), then
 runs the check three times, profiling each, and prints the functions with the most time of their own
-(the first check and the last). Writes profile-B..-T..txt to --out (default: the working directory).
+(the first check and the last) and the executor's entry points (allocations, frees, copies, runs)
+with their counts and times. Writes profile-B..-T..txt to --out (default: the working directory).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def main() -> None:
     started = time.perf_counter()
     for direction in ("forward", "backward"):
         cached_graph(call.spec, call.score_mod, direction)
+    calls = _time_executor_calls()
     report = io.StringIO()
     print(f"B{b} T{t} N{n} H{h}: build fwd+bwd {time.perf_counter() - started:.3f} s", file=report)
     for index in range(3):
@@ -46,12 +48,33 @@ def main() -> None:
         result = check_numerics(call.spec, call.score_mod, True, seed=index)
         profile.disable()
         print(f"\ncheck {index + 1}: {result.seconds:.3f} s, timings {result.timings}, {result.summary()}", file=report)
+        print("executor calls: " + ", ".join(f"{name} {count} x, {seconds * 1e3:.1f} ms"
+                                             for name, (count, seconds) in sorted(calls.items())), file=report)
+        calls.clear()
         if index != 1:
             pstats.Stats(profile, stream=report).sort_stats("tottime").print_stats(25)
     text = report.getvalue()
     print(text)
     with open(os.path.join(args.out, f"profile-B{b}-T{t}.txt"), "w") as handle:
         handle.write(text)
+
+
+def _time_executor_calls() -> dict[str, list]:
+    """Count and time the executor's direct-run entry points (name -> [calls, seconds])."""
+    from sdpagraph.ffi.loader import _loaded
+
+    library, calls = _loaded(), {}
+    for name in ("device_alloc", "device_free", "device_copy", "run_graph"):
+        def timed(*args, _name=name, _real=getattr(library, name)):
+            started = time.perf_counter()
+            try:
+                return _real(*args)
+            finally:
+                entry = calls.setdefault(_name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += time.perf_counter() - started
+        setattr(library, name, timed)
+    return calls
 
 
 if __name__ == "__main__":
