@@ -54,8 +54,11 @@ def test_tiled_and_sparse_operands_arrive_whole_and_copy_little(monkeypatch):
             assert arena.put(operand) == address  # copied once
         # neither travels whole: the pool, and the sparse values, are copied in
         assert max(size for kind, size in library.copies if kind == "to_device") == max(pool.nbytes, 16 * 4) < 240
-        # the pool, its doublings; the sparse values at once, then scattered on the device
-        assert library.calls == ["to_device", "within_device", "to_device", "within_device"]
+        other = Tiled(pool, (2, 9), start=5)  # shares the pool: it is not copied in again
+        np.testing.assert_array_equal(device_array(library, arena.put(other), other.shape, np.float32), np.asarray(other))
+        # the pool, its rotation and doublings; the sparse values at once, then scattered on the device;
+        # the other tensor from the pool already there
+        assert library.calls == ["to_device", "within_device", "to_device", "within_device", "within_device"]
         starts = np.array([[1, 2], [18, 50]])  # blocks that wrap the pool's end and the tensor's rows
         whole = np.asarray(tiled).reshape(-1)
         for width in (3, 9):  # blocks shorter and longer than the pool
@@ -64,7 +67,9 @@ def test_tiled_and_sparse_operands_arrive_whole_and_copy_little(monkeypatch):
     assert sorted(library.freed) == sorted(library.buffers)  # everything freed on close
 
 
-def test_results_come_back_whole_or_by_tokens():
+@pytest.mark.parametrize("whole_bytes", [16, 1 << 20])  # gathered on the device; small: whole, cut on the host
+def test_results_come_back_whole_or_by_tokens(monkeypatch, whole_bytes):
+    monkeypatch.setattr(direct, "WHOLE_BYTES", whole_bytes)
     library = FakeLibrary()
     x = np.arange(24, dtype=np.float32).reshape(3, 2, 4)
     with DeviceArena(0, library) as arena:
@@ -72,8 +77,10 @@ def test_results_come_back_whole_or_by_tokens():
         out = arena.run("0" * 64, {"x": 1, "y": 2, "z": 3}, {"x": x}, given, [], [])
         np.testing.assert_array_equal(out["y"], 2 * x.reshape(6, 4)[[1, 4, 5]])  # the tokens alone
         assert out["z"].shape == (3, 2, 4)  # whole
-        # the tokens gathered on the device, then one copy back of their 3 x 16 bytes
-        assert library.calls[-2:] == ["within_device", "to_host"] and library.copies[-1] == ("to_host", 48)
+        if whole_bytes == 16:  # the tokens gathered on the device, then one copy back of their 3 x 16 bytes
+            assert library.calls[-2:] == ["within_device", "to_host"] and library.copies[-1] == ("to_host", 48)
+        else:
+            assert "within_device" not in library.calls and library.copies[-1] == ("to_host", 96)
         out = out["y"]
         assert arena.put(out) == arena.put(out)  # a result is already on the device: no copy
         assert ("to_device", 24 * 4) not in library.copies[1:]

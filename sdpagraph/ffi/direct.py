@@ -43,10 +43,6 @@ class Tiled:
     def dtype(self) -> np.dtype:
         return self.pool.dtype
 
-    def rotated(self) -> tuple[np.ndarray, np.ndarray]:
-        """The pool from `start` on, in two pieces (no copy): the array's first len(pool) elements."""
-        return self.pool[self.start:], self.pool[:self.start]
-
     def blocks(self, starts: Any, width: int) -> np.ndarray:
         """The `width` consecutive flat elements from each flat index in `starts`, as an array of
         shape starts.shape + (width,), without materializing the whole array."""
@@ -60,7 +56,8 @@ class Tiled:
         return out
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        whole = np.resize(np.concatenate(self.rotated()), int(np.prod(self.shape))).reshape(self.shape)
+        rotated = np.concatenate((self.pool[self.start:], self.pool[:self.start]))
+        whole = np.resize(rotated, int(np.prod(self.shape))).reshape(self.shape)
         return whole if dtype is None else whole.astype(dtype)
 
 
@@ -139,21 +136,20 @@ class DeviceArena:
         return address
 
     def _put_tiled(self, tiled: Tiled) -> int:
-        total = int(np.prod(tiled.shape)) * tiled.dtype.itemsize
+        item, total = tiled.dtype.itemsize, int(np.prod(tiled.shape)) * tiled.dtype.itemsize
+        pool = self.put(tiled.pool)  # copied in once for every tensor that shares it
         address = self._allocate(total)
-        pieces, filled = [], 0
-        for piece in tiled.rotated():  # the pool from its start, then its beginning
-            size = min(piece.nbytes, total - filled)
+        copies, filled = [], 0
+        for offset, count in ((tiled.start, len(tiled.pool) - tiled.start), (0, tiled.start)):  # from its start
+            size = min(count * item, total - filled)
             if size > 0:
-                pieces.append((address + filled, np.ascontiguousarray(piece).ctypes.data, size))
+                copies.append((address + filled, pool + offset * item, size))
                 filled += size
-        self._copy(pieces, "to_device")
-        doublings = []
         while filled < total:  # double what is there: its length stays a multiple of the pool's
             step = min(filled, total - filled)
-            doublings.append((address + filled, address, step))  # in order on one stream: each reads the last
+            copies.append((address + filled, address, step))  # in order on one stream: each reads the last
             filled += step
-        self._copy(doublings, "within_device")
+        self._copy(copies, "within_device")
         return address
 
     def _put_sparse(self, sparse: Sparse) -> int:
@@ -186,8 +182,15 @@ class DeviceArena:
         self._library.run_graph(digest, self.device, tensors, scalar_uids, scalar_words)
         self._copy([(host.ctypes.data, address, host.nbytes) for host, address, rows in outputs.values()
                     if rows is None], "to_host")
-        for host, address, rows in outputs.values():
-            if rows is not None:
+        for role, (host, address, rows) in outputs.items():
+            if rows is None:
+                continue
+            whole = int(np.prod(results[role].shape)) * host.itemsize
+            if whole <= WHOLE_BYTES:  # small: copied back whole, the tokens taken on the host
+                everything = np.empty(results[role].shape, host.dtype)
+                self._copy([(everything.ctypes.data, address, whole)], "to_host")
+                host[...] = everything.reshape(-1, *host.shape[1:])[rows]
+            else:
                 self._tokens_to_host(host, address, rows)
         return {role: host for role, (host, _, _) in outputs.items()}
 

@@ -90,20 +90,28 @@ def evaluate(
     index: Sequence[Any],
     dscore: Any = None,
     module: ArrayModule = JAX,
+    memo: list | None = None,
 ) -> tuple[Any, Any]:
     """Return (modified score, bprop(dscore) or None).
 
     `index[axis]` is the array `gen_index(axis)` yields, broadcastable to the score.
     `scalars`/`arrays` map the names in `ir.scalar_names`/`ir.array_names` to values.
-    `module`: JAX (float32, traceable) or NUMPY_FLOAT64.
+    `module`: JAX (float32, traceable) or NUMPY_FLOAT64. `memo`: a list the nodes' values are kept
+    in; given again (same score and inputs) with dscore, the forward's values are not recomputed.
     """
     # Without dscore only the forward's nodes are evaluated: the bprop's would cost as much again.
     wanted = ir.output if dscore is None or ir.grad_output is None else None
     needed = None if wanted is None else _ancestors(ir, wanted)
+    known = memo if memo is not None else []
     values: list[Any] = []
     for position, node in enumerate(ir.nodes):
+        if position < len(known) and known[position] is not None:
+            values.append(known[position])
+            continue
         skip = needed is not None and position not in needed
         values.append(None if skip else _node_value(ir, node, values, score, dscore, scalars, arrays, index, module))
+    if memo is not None:
+        memo[:] = values
     grad = None if ir.grad_output is None or dscore is None else values[ir.grad_output]
     return values[ir.output], grad
 

@@ -45,8 +45,11 @@ def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks:
              np.asarray(data["kv_pos"], np.int32)[:, None, None, :])
     arrays = {name: np.asarray(x) for name, x in data["arrays"].items()}
 
+    forward_values: list = []  # the backward's call reuses the forward's nodes
+
     def mod(dscore=None):
-        out = evaluate(ir, score, scalars=scalars, arrays=arrays, index=index, dscore=dscore, module=NUMPY_FLOAT64)
+        out = evaluate(ir, score, scalars=scalars, arrays=arrays, index=index, dscore=dscore, module=NUMPY_FLOAT64,
+                       memo=forward_values)
         return np.broadcast_to(out[0] if dscore is None else out[1], score.shape)
 
     logits = score if ir is None else mod()
