@@ -79,6 +79,7 @@ def test_results_come_back_whole_or_by_tokens(monkeypatch, whole_bytes):
         assert out["z"].shape == (3, 2, 4)  # whole
         if whole_bytes == 16:  # the tokens gathered on the device, then one copy back of their 3 x 16 bytes
             assert library.calls[-2:] == ["within_device", "to_host"] and library.copies[-1] == ("to_host", 48)
+            assert library.copies[-3:-1] == [("within_device", 16), ("within_device", 32)]  # tokens 4, 5: one copy
         else:
             assert "within_device" not in library.calls and library.copies[-1] == ("to_host", 96)
         out = out["y"]

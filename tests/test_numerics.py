@@ -343,7 +343,7 @@ def test_a_slice_of_a_large_config_compares_exactly():
     chosen = numerics_draw.plan_slice(spec, slice_elements=1, rng=np.random.default_rng(7))
     assert len(chosen.rows) == numerics_draw.MAX_ROWS and {0, 3} <= set(chosen.rows) and chosen.heads == (0, 1, 2, 3)
     assert np.shape(chosen.queries) == (3, 4, 1) and chosen.queries[0][0] == (12,)  # the masked-out row
-    keys = chosen.keys  # dk and dv at the first, the last and one key in each stratum between
+    keys = chosen.keys  # dk and dv at blocks of adjacent keys: the first, the last, one per stratum between
     assert len(keys) == numerics_draw.MIN_KEY_ROWS and (keys[0], keys[-1]) == (0, 23) and keys == tuple(sorted(set(keys)))
     result = numerics.check_numerics(spec, ir, True, candidate=xla_candidate, slice_elements=1, seed=7)
     assert result.passed, result.summary()

@@ -203,6 +203,8 @@ class DeviceArena:
             return
         size = host.nbytes // len(rows)
         staging = self._allocate(host.nbytes)
-        self._copy([(staging + i * size, address + int(row) * size, size) for i, row in enumerate(rows)],
-                   "within_device")
+        starts = np.flatnonzero(np.r_[True, np.diff(rows) != 1])  # runs of adjacent rows: one copy each
+        ends = np.r_[starts[1:], len(rows)]
+        self._copy([(staging + int(first) * size, address + int(rows[first]) * size, int(last - first) * size)
+                    for first, last in zip(starts, ends)], "within_device")
         self._copy([(host.ctypes.data, staging, host.nbytes)], "to_host")
