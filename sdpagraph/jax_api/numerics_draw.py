@@ -33,9 +33,9 @@ MAX_ROWS = 3  # batch rows of a slice: the first, the last, random others
 MAX_HEADS = 4  # query heads of a slice: the first, the last, random others
 MIN_QUERY_ROWS = 2  # batch rows and heads are kept whole while this many query rows of each fit
 # Key positions dk and dv are compared at: blocks of KEY_BLOCK adjacent keys, one per stratum (at
-# S = 4096, one block of 8 in every 32 keys). 128 single keys let one key's rounding swing the
+# S = 4096, one block of 8 in every 64 keys). 128 single keys let one key's rounding swing the
 # relative error: a correct graph measured dk 1.0e-2 once on an H100, against 2e-3 over all keys.
-MAX_KEY_ROWS = 1024
+MAX_KEY_ROWS = 512
 MIN_KEY_ROWS = 8
 KEY_BLOCK = 8
 SCALAR_RANGE = (1.0, 50.0)  # score_mod scalars: positive (softcap divides by its cap)
@@ -95,7 +95,7 @@ def plan_slice(spec: AttentionSpec, slice_elements: int = SLICE_ELEMENTS,
                     for i in range(len(rows)))
     # Within the bounds for whole rows and heads, dk and dv are small: compared at every key.
     keys = tuple(range(s)) if whole(b, n) else key_rows(
-        rng, s, min(MAX_KEY_ROWS, max(MIN_KEY_ROWS, slice_elements >> 9)))
+        rng, s, min(MAX_KEY_ROWS, max(MIN_KEY_ROWS, slice_elements >> 10)))
     return Slice(rows, heads, tuple(sorted({head // group for head in heads})), queries, keys)
 
 
