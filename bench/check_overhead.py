@@ -1,0 +1,95 @@
+"""What the numerical check adds to a cold build, as a user meets it (issue 15: <= 20%).
+
+    python bench/check_overhead.py [--repeat N] [--out DIR]      on a GPU
+
+For each config (bf16, causal + softcap(30), training), fresh processes alternate between
+SDPAGRAPH_VERIFY=off and =build, each with an empty cache directory of its own. Each process times
+`sdpagraph.check_support(..., implementation="cudnn")` after JAX is up: the cold build of the
+forward and backward graphs, plus, with `build`, their numerical check (including whatever the
+check's first run in a process costs). The difference of the medians is the check's cost in the
+cold path; the table gives it against the build alone (`off`).
+
+Prints the table and writes check_overhead.json (and .md) to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+CONFIGS = {"small": (2, 256, 8, 64), "medium": (4, 1024, 16, 128), "large": (4, 4096, 16, 128)}  # B, T, N(=K), H
+TARGET = 0.2
+
+CHILD = r"""
+import json, sys, time
+import jax, jax.numpy as jnp
+import sdpagraph
+from sdpagraph import mods
+b, t, n, h = json.loads(sys.argv[1])
+jnp.ones(8).block_until_ready()  # the backend is up before anything is timed
+q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
+started = time.perf_counter()
+answer = sdpagraph.check_support(q, q, q, is_causal=True, score_mod=mods.softcap(30.0), implementation="cudnn")
+print("RESULT " + json.dumps({"seconds": time.perf_counter() - started, "supported": answer.supported,
+                              "reason": answer.reason}))
+"""
+
+
+def run_child(shape: tuple[int, ...], verify: str) -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as cache_dir:
+        env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "SDPAGRAPH_VERIFY": verify,
+               "SDPAGRAPH_CACHE_DIR": cache_dir, "SDPAGRAPH_CACHE_MODE": "readwrite"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(shape)], env=env, capture_output=True,
+                              text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{shape} verify={verify} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    if not result["supported"]:
+        raise RuntimeError(f"{shape} verify={verify}: cuDNN does not run it here: {result['reason']}")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3, help="processes per config and mode")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rows = []
+    for name, shape in CONFIGS.items():
+        times = {"off": [], "build": []}
+        for _ in range(args.repeat):
+            for verify in times:  # alternating, so drift on the machine hits both alike
+                times[verify].append(run_child(shape, verify)["seconds"])
+                print(f"{name} verify={verify}: {times[verify][-1]:.3f} s", flush=True)
+        off, on = statistics.median(times["off"]), statistics.median(times["build"])
+        rows.append({"name": name, "shape": shape, "off_s": times["off"], "build_s": times["build"],
+                     "added_s": on - off, "added_fraction": (on - off) / off})
+    lines = ["| config | cold build, check off (median) | cold build + check (median) | the check adds | of the build | runs (off / build) |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        b, t, n, h = row["shape"]
+        runs = " / ".join(", ".join(f"{x:.2f}" for x in row[key]) for key in ("off_s", "build_s"))
+        lines.append(f"| B{b} T{t} N{n} H{h} bf16 causal softcap | {statistics.median(row['off_s']):.2f} s | "
+                     f"{statistics.median(row['build_s']):.2f} s | {row['added_s']:.2f} s | {row['added_fraction']:.0%} | "
+                     f"{runs} |")
+    verdicts = ", ".join(f"{row['name']} {'met' if row['added_fraction'] <= TARGET else 'NOT met'}" for row in rows)
+    lines.append(f"\ntarget, the check adds <= {TARGET:.0%} to the cold build: {verdicts}")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "check_overhead.json"), "w") as handle:
+            json.dump(rows, handle, indent=1)
+        with open(os.path.join(args.out, "check_overhead.md"), "w") as handle:
+            handle.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
