@@ -234,8 +234,9 @@ def attention(
         `ppermute`, overlapped with compute; causal blocks in the future are skipped),
         "all_to_all" (heads <-> sequence with `all_to_all`: each device attends the whole
         sequence on N/cp heads; N and K must be divisible by cp), or "auto" (all_to_all
-        when the heads divide cp and T <= 16384 or the ring would run XLA blocks, else
-        ring; a rule not yet measured).
+        when the heads divide cp and T <= 65536 or the ring would run XLA blocks, else
+        ring; measured on two H200s, where all_to_all was 1.33x / 1.04x faster at T16384 /
+        T65536).
       mesh: the mesh of `context_parallel_axis`, when no `jax.set_mesh` is active.
 
     Returns:

@@ -40,9 +40,11 @@ from sdpagraph.spec import AttentionSpec
 
 logger = logging.getLogger("sdpagraph")
 STRATEGIES = ("ring", "all_to_all", "auto")
-# "auto" takes all_to_all up to this sequence length when the heads divide the axis (not yet
-# measured on two GPUs: see docs/multi-gpu.md and bench/multi_gpu.py --part cp).
-AUTO_ALL_TO_ALL_MAX_LEN = 16384
+# "auto" takes all_to_all up to this sequence length when the heads divide the axis: on two H200s
+# all_to_all beat the load-balanced ring at both lengths measured, 1.33x at T16384 and 1.04x at
+# T65536 (bench/multi_gpu.py, docs/results/h200x2-2026-11-24-multi-gpu.md). Beyond the longest
+# length measured the ring, whose transfers hide better the longer its blocks, is kept.
+AUTO_ALL_TO_ALL_MAX_LEN = 65536
 _logged = BoundedMemo(1024)
 
 
@@ -104,9 +106,9 @@ def check(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh
 def choose_strategy(spec: AttentionSpec, cp: int, strategy: str, ring_on_xla: bool = False) -> str:
     """'auto': all_to_all when the heads divide cp and either T <= AUTO_ALL_TO_ALL_MAX_LEN or the
     ring would run XLA blocks (`ring_on_xla`: windows, packed segments, mask_mods; all_to_all runs
-    those on cuDNN); else ring. Not measured yet: the ring's transfers hide behind its blocks'
-    compute only when blocks are long, while all_to_all runs one whole-sequence call per device but
-    moves q, k, v and o unhidden."""
+    those on cuDNN); else ring. Measured on two GPUs up to T65536 (AUTO_ALL_TO_ALL_MAX_LEN): the
+    ring's transfers hide behind its blocks' compute only when blocks are long, while all_to_all
+    runs one whole-sequence call per device but moves q, k, v and o unhidden."""
     if strategy != "auto":
         return strategy
     heads_divide = spec.num_heads % cp == 0 and spec.num_kv_heads % cp == 0
