@@ -20,9 +20,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
+
+from child import run_child  # bench/ is on sys.path when a script here runs
 
 CONFIGS = {"small": (2, 256, 8, 64), "medium": (4, 1024, 16, 128), "large": (4, 4096, 16, 128)}  # B, T, N(=K), H
 TARGET = 0.2
@@ -48,18 +48,11 @@ print("RESULT " + json.dumps({"seconds": supported - started, "first_step_s": ti
 """
 
 
-def run_child(shape: tuple[int, ...], verify: str) -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def run_process(shape: tuple[int, ...], verify: str) -> dict:
     with tempfile.TemporaryDirectory() as cache_dir:
-        env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "SDPAGRAPH_VERIFY": verify,
-               "SDPAGRAPH_CACHE_DIR": cache_dir, "SDPAGRAPH_CACHE_MODE": "readwrite"}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(shape)], env=env, capture_output=True,
-                              text=True, timeout=600)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{shape} verify={verify} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
+        result = run_child(CHILD, [json.dumps(shape)], timeout=600, label=f"{shape} verify={verify}",
+                           env={"SDPAGRAPH_VERIFY": verify, "SDPAGRAPH_CACHE_DIR": cache_dir,
+                                "SDPAGRAPH_CACHE_MODE": "readwrite"})
     if not result["supported"]:
         raise RuntimeError(f"{shape} verify={verify}: cuDNN does not run it here: {result['reason']}")
     return result
@@ -75,7 +68,7 @@ def main() -> None:
         times, totals = {"off": [], "build": []}, {"off": [], "build": []}
         for _ in range(args.repeat):
             for verify in times:  # alternating, so drift on the machine hits both alike
-                result = run_child(shape, verify)
+                result = run_process(shape, verify)
                 times[verify].append(result["seconds"])
                 totals[verify].append(result["seconds"] + result["first_step_s"])
                 print(f"{name} verify={verify}: {times[verify][-1]:.3f} s, with the first step "

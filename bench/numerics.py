@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
+
+from child import run_child  # bench/ is on sys.path when a script here runs
 
 CONFIGS = {"small": (2, 256, 8, 64), "medium": (4, 1024, 16, 128), "large": (4, 4096, 16, 128)}  # B, T, N(=K), H
 TARGET = 0.2  # issue 15: the check must stay under 20% of the build it follows
@@ -104,16 +104,8 @@ print("RESULT " + json.dumps(row))
 """
 
 
-def run_child(mode: str, shape: tuple[int, ...], repeat: int, options: str = "{}") -> dict:
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", CHILD, mode, json.dumps(shape), str(repeat), options], env=env,
-                          capture_output=True, text=True, timeout=900)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{mode} {shape} failed (rc {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+def run_mode(mode: str, shape: tuple[int, ...], repeat: int, options: str = "{}") -> dict:
+    return run_child(CHILD, [mode, json.dumps(shape), str(repeat), options], label=f"{mode} {shape}")
 
 
 def table(rows: list[dict]) -> str:
@@ -158,9 +150,9 @@ def main() -> None:
         if args.only and name != args.only:
             continue
         step = {} if args.no_step or args.quick else {
-            k: v for k, v in run_child("step", shape, 1).items() if k.startswith("step")}
+            k: v for k, v in run_mode("step", shape, 1).items() if k.startswith("step")}
         for mode in ["quick"] if args.quick else ["check"] + ([] if args.direct_only else ["compiled"]):
-            row = run_child(mode, shape, args.repeat, args.compile_options)
+            row = run_mode(mode, shape, args.repeat, args.compile_options)
             row.update(step, compile_options=json.loads(args.compile_options), name=name)
             if mode == "check":
                 row["mode"] = "direct"
