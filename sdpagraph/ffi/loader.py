@@ -155,11 +155,8 @@ class ExecutorLib:
     def register_entry_file(self, digest: str, path: str | os.PathLike) -> None:
         """Verifies the disk-cache entry at ``path`` the way the handler does on a registry miss
         and registers its graph under ``digest``; raises ValueError with the reason."""
-        error = ctypes.create_string_buffer(_ERROR_BUFFER_SIZE)
-        status = self._library.sdpagraph_register_entry_file(
-            digest.encode(), os.fsencode(path), error, _ERROR_BUFFER_SIZE)
-        if status != 0:
-            reason = error.value.decode(errors="replace") or _STATUS_MESSAGES.get(status, str(status))
+        reason = self._failure("sdpagraph_register_entry_file", digest.encode(), os.fsencode(path))
+        if reason is not None:
             raise ValueError(f"cache entry {os.fspath(path)}: {reason}")
 
     # Direct runs (executor.cc, section 8; `ffi.direct` wraps them): raw device addresses as ints.
@@ -201,11 +198,17 @@ class ExecutorLib:
             words.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)))
 
     def _direct(self, name: str, *arguments: Any) -> None:
+        reason = self._failure(name, *arguments)
+        if reason is not None:
+            raise RuntimeError(f"{name}: {reason}")
+
+    def _failure(self, name: str, *arguments: Any) -> str | None:
+        """Calls the entry point `name`, which takes an error buffer last: None, or why it failed."""
         error = ctypes.create_string_buffer(_ERROR_BUFFER_SIZE)
         status = getattr(self._library, name)(*arguments, error, _ERROR_BUFFER_SIZE)
-        if status != 0:
-            reason = error.value.decode(errors="replace") or _STATUS_MESSAGES.get(status, str(status))
-            raise RuntimeError(f"{name}: {reason}")
+        if status == 0:
+            return None
+        return error.value.decode(errors="replace") or _STATUS_MESSAGES.get(status, str(status))
 
     def deserialize_count(self) -> int:
         """Graph deserializations so far in this process, over all graphs and devices."""
