@@ -920,6 +920,9 @@ class DeviceBuffer {
 
   void* get() const { return pointer_; }
 
+  // Hands the memory to the caller (sdpagraph_device_free frees it), once it is ready.
+  void* Release() { return std::exchange(pointer_, nullptr); }
+
  private:
   void* pointer_ = nullptr;
 };
@@ -1039,18 +1042,12 @@ SDPAGRAPH_EXPORT int sdpagraph_device_alloc(int device, size_t bytes, void** poi
     sdpagraph::UseDevice(device);
     *pointer = nullptr;
     if (bytes == 0) return;
-    void* allocated = nullptr;
-    sdpagraph::CheckCuda(cudnn_frontend::detail::cuda_malloc(&allocated, bytes), "cudaMalloc");
-    try {
-      sdpagraph::OwnedStream stream;
-      sdpagraph::CheckCuda(cudnn_frontend::detail::cuda_mem_set_async(allocated, 0, bytes, stream.get()),
-                           "cudaMemsetAsync");
-      stream.Synchronize();
-    } catch (...) {
-      cudnn_frontend::detail::cuda_free(allocated);
-      throw;
-    }
-    *pointer = allocated;
+    sdpagraph::DeviceBuffer buffer(bytes);  // freed if zero-filling fails
+    sdpagraph::OwnedStream stream;
+    sdpagraph::CheckCuda(cudnn_frontend::detail::cuda_mem_set_async(buffer.get(), 0, bytes, stream.get()),
+                         "cudaMemsetAsync");
+    stream.Synchronize();
+    *pointer = buffer.Release();
   });
 }
 
