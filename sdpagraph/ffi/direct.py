@@ -10,12 +10,14 @@ allocates (zero-filled) and frees, copies in and out, and one synchronous run on
 executor's own.
 
 Operands are host arrays, or two lighter forms that keep the check's host-device traffic small
-at large shapes: a `Tiled` array (a random pool repeated: the pool is copied once and doubled on
-the device) and a `Sparse` one (zeros but for some contiguous blocks, copied block by block).
-A result can name the tokens the caller will read (`Result.tokens`); only those are copied back
-(gathered on the device, then copied at once). An operand is copied to the device once per arena (a result fed back as the next
-graph's operand is not copied at all), and every allocation is freed when the arena closes, also
-when a run raises.
+at large shapes: a `Tiled` array (a random pool repeated from a start: the pool is copied in once
+per arena, and each tensor is made from it and doubled on the device) and a `Sparse` one (zeros
+but for some contiguous blocks: the blocks' values are copied in at once and scattered on the
+device). A result can name the tokens the caller will read (`Result.tokens`); only those come
+back (small results whole, then cut on the host; large ones gathered on the device, then copied at
+once). Copies of one kind are made in one call, on one stream. An operand is copied to the device
+once per arena (a result fed back as the next graph's operand is not copied at all), and every
+allocation is freed when the arena closes, also when a run raises.
 """
 from __future__ import annotations
 
@@ -180,18 +182,20 @@ class DeviceArena:
             self._on_device[id(host)] = (host, address)
             outputs[role] = (host, address, rows)
         self._library.run_graph(digest, self.device, tensors, scalar_uids, scalar_words)
-        self._copy([(host.ctypes.data, address, host.nbytes) for host, address, rows in outputs.values()
-                    if rows is None], "to_host")
+        whole, small, large = [], [], []  # copied back in one batch; of it, cut on the host; gathered
         for role, (host, address, rows) in outputs.items():
-            if rows is None:
+            if rows is not None and int(np.prod(results[role].shape)) * host.itemsize > WHOLE_BYTES:
+                large.append((host, address, rows))
                 continue
-            whole = int(np.prod(results[role].shape)) * host.itemsize
-            if whole <= WHOLE_BYTES:  # small: copied back whole, the tokens taken on the host
-                everything = np.empty(results[role].shape, host.dtype)
-                self._copy([(everything.ctypes.data, address, whole)], "to_host")
-                host[...] = everything.reshape(-1, *host.shape[1:])[rows]
-            else:
-                self._tokens_to_host(host, address, rows)
+            everything = host if rows is None else np.empty(results[role].shape, host.dtype)
+            whole.append((everything.ctypes.data, address, everything.nbytes))
+            if rows is not None:  # small: copied back whole, the tokens taken on the host
+                small.append((host, everything, rows))
+        self._copy(whole, "to_host")
+        for host, everything, rows in small:
+            host[...] = everything.reshape(-1, *host.shape[1:])[rows]
+        for host, address, rows in large:
+            self._tokens_to_host(host, address, rows)
         return {role: host for role, (host, _, _) in outputs.items()}
 
     def _tokens_to_host(self, host: np.ndarray, address: int, rows: np.ndarray) -> None:
