@@ -7,8 +7,8 @@ host, so it compiles nothing (compiling an XLA float32 reference was nearly all 
 time), in float64 but for the four products over every key (q.k, p.v, dO.v, dS.k), which run in
 float32 on keys and values held in float32: a product of bf16 or fp16 values is exact there and the
 sums round at about 1e-7, far below the check's bounds (1e-2), at half the memory traffic of the
-largest arrays. The mod runs through
-`graphs.ir_eval` on NumPy, the backward through the IR's bprop as cuDNN's backward graph does.
+largest arrays. The mod runs through `graphs.ir_eval` on NumPy, the backward through the IR's
+bprop as cuDNN's backward graph does.
 It computes only the scores of the picked (batch row, head, query row) elements, against every key,
 and dk and dv at the picked keys.
 """
@@ -25,14 +25,15 @@ from sdpagraph.spec import AttentionSpec
 
 def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks: Mapping[str, np.ndarray],
               data: Mapping[str, Any], scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Attention of the slice with NumPy (module docstring): o (B', N', T', H_v), lse (B', N', T') and, when
-    training, dq (B', N', T', H), dk, dv (B', S', K', H) and dbias (B', N', T', S|1).
+    """Attention of the slice with NumPy (module docstring): o (B', N', T', H_v), lse (B', N', T')
+    and, when training, dq (B', N', T', H), dk, dv (B', S', K', H) and dbias (B', N', T', S|1).
 
     `picks`: the slice's batch `rows` (B',), `heads` (N',), `kv_heads` (K',), `queries`
     (B', N', T') and the `keys` (S') dk and dv are computed at. `data`: the slice of the inputs,
-    query-side as (B', N', T', ...): q, the cotangent, k and v (B', S, K', H), `allowed` (where a query may attend, broadcastable to the scores), the
-    positions `gen_index` reads (`q_pos` (B', N', T'), `kv_pos` (B', S)), the bias (None or
-    broadcastable) and the mod's `arrays`; `scalars`: the mod's scalars."""
+    query-side as (B', N', T', ...): q, the cotangent, k and v (B', S, K', H), `allowed` (where a
+    query may attend, broadcastable to the scores), the positions `gen_index` reads (`q_pos`
+    (B', N', T'), `kv_pos` (B', S)), the bias (None or broadcastable) and the mod's `arrays`;
+    `scalars`: the mod's scalars."""
     f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
     group = spec.num_heads // spec.num_kv_heads
     kv_of = np.searchsorted(picks["kv_heads"], picks["heads"] // group)  # each head's K' index

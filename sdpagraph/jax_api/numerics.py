@@ -77,7 +77,8 @@ class NumericsResult:
     seed: int
     slice: str  # "whole" or which batch rows and heads the reference ran on
     training: bool
-    timings: dict[str, float] = field(default_factory=dict)  # run_s, reference_s; compiled: trace_s, compile_s; direct: device_s, device_mib
+    # run_s, reference_s; compiled: trace_s, compile_s; direct: device_s, device_mib
+    timings: dict[str, float] = field(default_factory=dict)
     checked: float = field(default_factory=time.time)
 
     def failures(self) -> list[str]:

@@ -10,8 +10,8 @@ Whole batch rows and heads while MIN_QUERY_ROWS query rows of each fit and their
 stay within SLICE_KV_ELEMENTS; else the first, the last and random other batch rows (up to
 MAX_ROWS) and heads (up to MAX_HEADS), and query rows spread over the sequence (one random row in
 each of equal strata). The reference reads every key and value of its rows and heads, but compares
-dk and dv at a sample of key positions only (`key_rows`: the first, the last and one in each
-stratum between), which keeps its key-side work and what comes back from the device small at long
+dk and dv at a sample of key positions only (`key_rows`: blocks of adjacent keys, the first, the
+last and one in each stratum between), which keeps its key-side work and what comes back from the device small at long
 sequences. Both ways of running the check (`jax_api.numerics_direct` on the host and
 `jax_api.numerics`'s compiled program) cut their results to it with the same `slicers`.
 """
@@ -176,7 +176,7 @@ def random_segment_ids(rng: np.random.Generator, batch: int, length: int, count:
     return ids
 
 
-def slicers(spec: AttentionSpec, picks: Mapping[str, Any], xp: Any) -> tuple[Callable, Callable, Callable]:
+def slicers(spec: AttentionSpec, picks: Mapping[str, Any], xp: Any) -> tuple[Callable, Callable, Callable, Callable]:
     """(on_q, on_kv, on_kv_grad, on_score): cut a query-side (B, T, N, ...) array to (B', N', T', ...),
     a key-side (B, S, K, ...) one to (B', S, K', ...) (`on_kv_grad`: to the slice's keys, (B', S', K',
     ...)), and a score-shaped (B|1, N|1, T|1, S|1) one (or None) to (B', N', T', S|1); `picks` are
