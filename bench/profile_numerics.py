@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import os
 import pstats
@@ -42,12 +43,23 @@ def main() -> None:
     calls = _time_executor_calls()
     report = io.StringIO()
     print(f"B{b} T{t} N{n} H{h}: build fwd+bwd {time.perf_counter() - started:.3f} s", file=report)
+    collecting = [0.0, 0.0, 0]  # seconds in the garbage collector, when the current one started, collections
+
+    def on_gc(phase, info):
+        if phase == "start":
+            collecting[1] = time.perf_counter()
+        else:
+            collecting[0] += time.perf_counter() - collecting[1]
+            collecting[2] += 1
+    gc.callbacks.append(on_gc)
     for index in range(3):
+        collecting[0], collecting[2] = 0.0, 0
         profile = cProfile.Profile()
         profile.enable()
         result = check_numerics(call.spec, call.score_mod, True, seed=index)
         profile.disable()
-        print(f"\ncheck {index + 1}: {result.seconds:.3f} s, timings {result.timings}, {result.summary()}", file=report)
+        print(f"\ncheck {index + 1}: {result.seconds:.3f} s, timings {result.timings}, {result.summary()}; "
+              f"garbage collector {collecting[2]} x, {collecting[0] * 1e3:.1f} ms", file=report)
         print("executor calls: " + ", ".join(f"{name} {count} x, {seconds * 1e3:.1f} ms"
                                              for name, (count, seconds) in sorted(calls.items())), file=report)
         calls.clear()
