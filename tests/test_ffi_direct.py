@@ -77,11 +77,11 @@ def test_results_come_back_whole_or_by_tokens(monkeypatch, whole_bytes):
         out = arena.run("0" * 64, {"x": 1, "y": 2, "z": 3}, {"x": x}, given, [], [])
         np.testing.assert_array_equal(out["y"], 2 * x.reshape(6, 4)[[1, 4, 5]])  # the tokens alone
         assert out["z"].shape == (3, 2, 4)  # whole
-        if whole_bytes == 16:  # the tokens gathered on the device, then one copy back of their 3 x 16 bytes
-            assert library.calls[-2:] == ["within_device", "to_host"] and library.copies[-1] == ("to_host", 48)
-            assert library.copies[-3:-1] == [("within_device", 16), ("within_device", 32)]  # tokens 4, 5: one copy
-        else:
-            assert "within_device" not in library.calls and library.copies[-1] == ("to_host", 96)
+        if whole_bytes == 16:  # y's tokens gathered on the device (4, 5: one copy), then back with z in one call
+            assert library.calls == ["to_device", "within_device", "to_host"]
+            assert library.copies[-4:] == [("within_device", 16), ("within_device", 32), ("to_host", 96), ("to_host", 48)]
+        else:  # both back whole in one call, y cut on the host
+            assert library.calls == ["to_device", "to_host"] and library.copies[-2:] == [("to_host", 96)] * 2
         out = out["y"]
         assert arena.put(out) == arena.put(out)  # a result is already on the device: no copy
         assert ("to_device", 24 * 4) not in library.copies[1:]
@@ -93,3 +93,15 @@ def test_an_arena_frees_its_memory_when_a_run_fails():
         with DeviceArena(0, library) as arena:
             arena.run("0" * 64, {"x": 1, "y": 2}, {"x": np.ones(4, np.float32)}, {}, [], [])
     assert len(library.freed) == len(library.buffers) == 1
+
+
+def test_a_run_copies_in_and_out_in_three_calls():
+    """A run's operands (a tiled one among them) arrive before the graph runs, with one call per kind
+    of copy: the pool in, the tensor made from it on the device, the result back."""
+    library = FakeLibrary()
+    pool = np.arange(5, dtype=np.float32) + 1
+    with DeviceArena(0, library) as arena:
+        tiled = Tiled(pool, (3, 4), start=2)
+        out = arena.run("0" * 64, {"x": 1, "y": 2}, {"x": tiled}, {"y": Result((3, 4), np.float32)}, [], [])
+        np.testing.assert_array_equal(out["y"], 2 * np.asarray(tiled))
+        assert library.calls == ["to_device", "within_device", "to_host"]

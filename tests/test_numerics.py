@@ -334,7 +334,7 @@ def spec_and_ir(batch=4, heads=(4, 2), length=24, dtype=jnp.bfloat16, **kwargs):
 
 def test_a_slice_of_a_large_config_compares_exactly():
     """Sliced (the first, the last and a random batch row, a few query rows per row and head; zero
-    cotangent elsewhere), the float64 reference agrees with a full-size run of the XLA backend to
+    cotangent elsewhere), the float32 reference agrees with a full-size run of the XLA backend to
     bf16 rounding, gradients and a broadcast bias's gradient included."""
     bias = jax.ShapeDtypeStruct((1, 4, 24, 24), jnp.bfloat16)
     mask = jax.ShapeDtypeStruct((4, 1, 24, 24), jnp.bool_)
@@ -354,7 +354,7 @@ def test_a_slice_of_a_large_config_compares_exactly():
     assert all(0 < result.errors[name] < 1e-2 for name in ("o", "dq", "dk", "dv", "dbias"))
 
 
-# Configs the float64 reference must compute exactly as the XLA backend does (float32 inputs).
+# Configs the float32 reference must compute exactly as the XLA backend does (float32 inputs).
 REFERENCE_CONFIGS = {
     "softcap_alibi_bias_mask": dict(bias=jax.ShapeDtypeStruct((1, 4, 24, 24), jnp.float32),
                                     mask=jax.ShapeDtypeStruct((4, 1, 24, 24), jnp.bool_), is_causal=True,
@@ -371,7 +371,7 @@ REFERENCE_CONFIGS = {
 
 
 @pytest.mark.parametrize("name", REFERENCE_CONFIGS)
-def test_the_float64_reference_matches_the_xla_backend(name):
+def test_the_float32_reference_matches_the_xla_backend(name):
     """In float32 the XLA backend's errors against the reference are float32 rounding (1e-6), on
     slices of every shape: masks, padding, segments, score_mod arrays and a broadcast bias agree."""
     spec, ir = spec_and_ir(dtype=jnp.float32, **dict(REFERENCE_CONFIGS[name]))
@@ -381,7 +381,7 @@ def test_the_float64_reference_matches_the_xla_backend(name):
         assert all(error < 2e-5 for error in result.errors.values()), (name, result.slice, result.errors)
 
 
-def test_the_float64_reference_agrees_with_jax_dot_product_attention():
+def test_the_float32_reference_agrees_with_jax_dot_product_attention():
     """Fresh random inputs: forward and gradients (q, k, v, bias) of jax's own XLA attention, GQA,
     causal, with a bias."""
     rng = np.random.default_rng(11)

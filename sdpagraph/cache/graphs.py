@@ -190,7 +190,7 @@ def failure_reason(record: Mapping[str, Any], directions: tuple[str, ...] = ()) 
     what = "graphs" if len(directions) != 1 else "graph"
     failures = record_failures(record) or [str(record.get("detail") or "the check did not pass")]
     return (f"cuDNN's {what} for this config computed wrong values on this GPU ({', '.join(failures)}; "
-            f"checked against a float64 reference, seed {record.get('seed')}); the call runs on XLA")
+            f"checked against a float32 NumPy reference, seed {record.get('seed')}); the call runs on XLA")
 
 
 def _number(value: float) -> str:

@@ -50,7 +50,7 @@ def add_verify_command(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--specs", nargs="+", required=True, metavar="SPECS.json", help="spec files")
     parser.add_argument("--cache-dir", required=True, help="the cache directory to check")
     parser.add_argument("--numerics", action="store_true",
-                        help="instead: run every entry's graphs on random inputs against a float64 reference, record "
+                        help="instead: run every entry's graphs on random inputs against a float32 NumPy reference, record "
                              "the errors in the entries, and exit 1 on any failure (needs this GPU type)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(handler=_handle_verify)

@@ -5,7 +5,7 @@
 
 For each entry of the spec file, the graphs the runtime would use (its own keys, on this
 machine's GPU, cuDNN and frontend) are found in DIR (never built), run once on random inputs
-of the entry's shapes and compared with a float64 reference (`jax_api.numerics`); the
+of the entry's shapes and compared with a float32 NumPy reference (`jax_api.numerics`); the
 result is written into their entries' metadata (same key, same blob), which is what the runtime
 reads: a failed graph is never used, and strict serving runs checked graphs only.
 
@@ -106,7 +106,7 @@ class NumericsReport:
                      + f"; {format_age(self.elapsed_s)}")
         bounds = sorted({(name, bound) for check in self.checks for name, bound in check.tolerances.items()})
         if bounds:
-            lines.append("relative errors against the float64 reference; bounds: "
+            lines.append("relative errors against the float32 NumPy reference; bounds: "
                          + ", ".join(f"{name} {bound:g}" for name, bound in _merge_bounds(bounds)))
         if counts["failed"]:
             lines.append("failed graphs are recorded as failed in their entries: the runtime runs those configs "

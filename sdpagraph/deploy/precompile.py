@@ -246,7 +246,7 @@ def _precompile_entry(task: tuple[int, SpecEntry, str, Builder]) -> list[GraphRe
 
 def _checked_numerics(index: int, entry: SpecEntry, cache: GraphCache, builder: Builder,
                       results: list[GraphResult]) -> list[GraphResult]:
-    """Run the entry's graphs once against the float64 reference (recorded in their cache entries, so
+    """Run the entry's graphs once against the float32 NumPy reference (recorded in their cache entries, so
     a strict server accepts them); graphs that compute wrong values are unsupported here."""
     check = builder.check_numerics(entry, cache, index=index)
     if check.status == "failed":

@@ -15,7 +15,8 @@ per arena, and each tensor is made from it and doubled on the device) and a `Spa
 but for some contiguous blocks: the blocks' values are copied in at once and scattered on the
 device). A result can name the tokens the caller will read (`Result.tokens`); only those come
 back (small results whole, then cut on the host; large ones gathered on the device, then copied at
-once). Copies of one kind are made in one call, on one stream. An operand is copied to the device
+once). A run's copies are queued and made in at most three calls (in, within the device, out),
+each on one stream. An operand is copied to the device
 once per arena (a result fed back as the next graph's operand is not copied at all), and every
 allocation is freed when the arena closes, also when a run raises.
 """
@@ -30,6 +31,7 @@ from sdpagraph.ffi.loader import ExecutorLib, _loaded
 
 # Below this many bytes an array travels whole: one copy costs less than many small ones.
 WHOLE_BYTES = 8 << 20
+_FLUSH_ORDER = ("to_device", "within_device", "to_host")
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,6 +100,10 @@ class DeviceArena:
         self._allocations: list[int] = []
         self.allocated_bytes = 0  # all of it held until close: the arena's peak device memory
         self._on_device: dict[int, tuple[Any, int]] = {}  # id(operand) -> (operand, address)
+        # Copies queued until the next flush, one executor call per kind: each call waits for its
+        # copies, and at B4 T4096 sixteen calls cost 10 ms. The host arrays they read are kept alive.
+        self._queued: dict[str, list[tuple[int, int, int]]] = {kind: [] for kind in _FLUSH_ORDER}
+        self._sources: list[np.ndarray] = []
 
     def __enter__(self) -> "DeviceArena":
         return self
@@ -107,6 +113,7 @@ class DeviceArena:
 
     def close(self) -> None:
         allocations, self._allocations, self._on_device = self._allocations, [], {}
+        self._queued, self._sources = {kind: [] for kind in _FLUSH_ORDER}, []
         for address in allocations:
             self._library.device_free(self.device, address)
 
@@ -116,13 +123,29 @@ class DeviceArena:
         self.allocated_bytes += int(size)
         return address
 
-    def _copy(self, copies: Sequence[tuple[int, int, int]], kind: str) -> None:
-        """(destination, source, bytes) copies of one kind, made on one stream, waited for together."""
-        self._library.device_copy(self.device, copies, kind)
+    def _copy(self, copies: Sequence[tuple[int, int, int]], kind: str, *sources: np.ndarray) -> None:
+        """Queues (destination, source, bytes) copies of one kind; `sources`: host arrays they read."""
+        self._queued[kind].extend(copies)
+        self._sources.extend(sources)
+
+    def _flush(self) -> None:
+        """Makes the queued copies: host to device, then within the device (reading what came in),
+        then to the host (reading what was gathered); each kind in one call, on one stream."""
+        for kind in _FLUSH_ORDER:
+            copies, self._queued[kind] = self._queued[kind], []
+            if copies:
+                self._library.device_copy(self.device, copies, kind)
+        self._sources = []
 
     def put(self, operand: Any) -> int:
         """The device address of a copy of `operand` (a C-contiguous host array, `Tiled` or
         `Sparse`), copied once per arena."""
+        address = self._place(operand)
+        self._flush()
+        return address
+
+    def _place(self, operand: Any) -> int:
+        """`put` with the copies queued."""
         known = self._on_device.get(id(operand))
         if known is not None and known[0] is operand:
             return known[1]
@@ -133,13 +156,13 @@ class DeviceArena:
         else:
             host = np.ascontiguousarray(operand)
             address = self._allocate(host.nbytes)
-            self._copy([(address, host.ctypes.data, host.nbytes)], "to_device")
+            self._copy([(address, host.ctypes.data, host.nbytes)], "to_device", host)
         self._on_device[id(operand)] = (operand, address)
         return address
 
     def _put_tiled(self, tiled: Tiled) -> int:
         item, total = tiled.dtype.itemsize, int(np.prod(tiled.shape)) * tiled.dtype.itemsize
-        pool = self.put(tiled.pool)  # copied in once for every tensor that shares it
+        pool = self._place(tiled.pool)  # copied in once for every tensor that shares it
         address = self._allocate(total)
         copies, filled = [], 0
         for offset, count in ((tiled.start, len(tiled.pool) - tiled.start), (0, tiled.start)):  # from its start
@@ -161,7 +184,7 @@ class DeviceArena:
         values = np.ascontiguousarray(np.asarray(sparse.values, sparse.dtype).reshape(len(starts), block))
         size = block * sparse.dtype.itemsize
         staging = self._allocate(values.nbytes)  # one copy in, then the blocks scattered on the device
-        self._copy([(staging, values.ctypes.data, values.nbytes)], "to_device")
+        self._copy([(staging, values.ctypes.data, values.nbytes)], "to_device", values)
         self._copy([(address + int(start) * size, staging + row * size, size) for row, start in enumerate(starts)],
                    "within_device")
         return address
@@ -172,7 +195,7 @@ class DeviceArena:
         `results` (role -> `Result`) as host arrays: whole, or the tokens asked for;
         `uids`: role -> the graph's tensor uid. A returned array passed as a later run's operand is
         the whole device result it came from (not copied back in)."""
-        tensors = {uids[role]: self.put(operand) for role, operand in operands.items()}
+        tensors = {uids[role]: self._place(operand) for role, operand in operands.items()}
         outputs = {}
         for role, result in results.items():
             item = np.dtype(result.dtype).itemsize
@@ -181,28 +204,29 @@ class DeviceArena:
             host = np.empty(result.shape if rows is None else (len(rows), *result.shape[2:]), result.dtype)
             self._on_device[id(host)] = (host, address)
             outputs[role] = (host, address, rows)
+        self._flush()
         self._library.run_graph(digest, self.device, tensors, scalar_uids, scalar_words)
-        whole, small, large = [], [], []  # copied back in one batch; of it, cut on the host; gathered
+        small, gathered = [], []  # cut on the host after the copies; gathered on the device first
         for role, (host, address, rows) in outputs.items():
             if rows is not None and int(np.prod(results[role].shape)) * host.itemsize > WHOLE_BYTES:
-                large.append((host, address, rows))
+                gathered.append((host, address, rows))
                 continue
             everything = host if rows is None else np.empty(results[role].shape, host.dtype)
-            whole.append((everything.ctypes.data, address, everything.nbytes))
+            self._copy([(everything.ctypes.data, address, everything.nbytes)], "to_host")
             if rows is not None:  # small: copied back whole, the tokens taken on the host
                 small.append((host, everything, rows))
-        self._copy(whole, "to_host")
+        for host, address, rows in gathered:
+            self._tokens_to_host(host, address, rows)
+        self._flush()
         for host, everything, rows in small:
             host[...] = everything.reshape(-1, *host.shape[1:])[rows]
-        for host, address, rows in large:
-            self._tokens_to_host(host, address, rows)
         return {role: host for role, (host, _, _) in outputs.items()}
 
     def _tokens_to_host(self, host: np.ndarray, address: int, rows: np.ndarray) -> None:
-        """Rows `rows` of the device array at `address` into `host` (len(rows) rows): gathered on the
-        device into one buffer that is copied back at once. Hundreds of small copies to pageable host
-        memory cost more, and so did a whole-shape host array: writing blocks into it faulted in
-        (and zeroed) most of its pages."""
+        """Queues rows `rows` of the device array at `address` into `host` (len(rows) rows): gathered
+        on the device into one buffer that is copied back at once. Hundreds of small copies to
+        pageable host memory cost more, and so did a whole-shape host array: writing blocks into it
+        faulted in (and zeroed) most of its pages."""
         if not len(rows):
             return
         size = host.nbytes // len(rows)

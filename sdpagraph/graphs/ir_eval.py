@@ -1,5 +1,5 @@
 """Evaluate a ScoreModIR with jax.numpy (the XLA backend, the tests) or NumPy (the numerical
-check's float64 reference, `jax_api.numerics`).
+check's reference, `graphs.reference`), both in float32.
 
 Values broadcast against the score `(B, N, T, S)`; `gen_index` reads the position
 arrays the caller supplies (per-segment positions when sequences are packed), so the
@@ -54,7 +54,7 @@ class ArrayModule:
 
 
 JAX = ArrayModule(jnp, jnp.float32, _jax_erf, _jax_sigmoid)
-NUMPY_FLOAT64 = ArrayModule(np, np.float64, _numpy_erf, _numpy_sigmoid)
+NUMPY_FLOAT32 = ArrayModule(np, np.float32, _numpy_erf, _numpy_sigmoid)
 
 # Each op: (array module, *args) -> value.
 _UNARY: dict[str, Callable] = {
@@ -96,7 +96,7 @@ def evaluate(
 
     `index[axis]` is the array `gen_index(axis)` yields, broadcastable to the score.
     `scalars`/`arrays` map the names in `ir.scalar_names`/`ir.array_names` to values.
-    `module`: JAX (float32, traceable) or NUMPY_FLOAT64. `memo`: a list the nodes' values are kept
+    `module`: JAX (traceable) or NUMPY_FLOAT32. `memo`: a list the nodes' values are kept
     in; given again (same score and inputs) with dscore, the forward's values are not recomputed.
     """
     # Without dscore only the forward's nodes are evaluated: the bprop's would cost as much again.

@@ -1,14 +1,14 @@
-"""A float64 NumPy reference of attention with a score_mod IR, on a slice of the scores.
+"""A float32 NumPy reference of attention with a score_mod IR, on a slice of the scores.
 
     reference(spec, ir, training, picks, data, scalars) -> {"o", "lse", "dq", "dk", "dv", "dbias"}
 
 The numerical check (`jax_api.numerics`) compares cuDNN's results with it. It computes on the
 host, so it compiles nothing (compiling an XLA float32 reference was nearly all of the check's
-time), in float64 but for the four products over every key (q.k, p.v, dO.v, dS.k), which run in
-float32 on keys and values held in float32: a product of bf16 or fp16 values is exact there and the
-sums round at about 1e-7, far below the check's bounds (1e-2), at half the memory traffic of the
-largest arrays. The mod runs through `graphs.ir_eval` on NumPy, the backward through the IR's
-bprop as cuDNN's backward graph does.
+time). It computes in float32, as the XLA backend and cuDNN's own arithmetic do: products of bf16
+or fp16 values are exact there and its rounding (about 1e-6 relative) is far below the check's
+bounds (1e-2) and the bf16 rounding of the results it judges (2e-3); float64 cost twice the memory
+traffic and the transcendental functions' vector speed (docs/results/). The mod runs through
+`graphs.ir_eval` on NumPy, the backward through the IR's bprop as cuDNN's backward graph does.
 It computes only the scores of the picked (batch row, head, query row) elements, against every key,
 and dk and dv at the picked keys.
 """
@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from sdpagraph.graphs.ir import ScoreModIR
-from sdpagraph.graphs.ir_eval import NUMPY_FLOAT64, evaluate
+from sdpagraph.graphs.ir_eval import NUMPY_FLOAT32, evaluate
 from sdpagraph.spec import AttentionSpec
 
 
@@ -34,12 +34,12 @@ def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks:
     query may attend, broadcastable to the scores), the positions `gen_index` reads (`q_pos`
     (B', N', T'), `kv_pos` (B', S)), the bias (None or broadcastable) and the mod's `arrays`;
     `scalars`: the mod's scalars."""
-    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
     group = spec.num_heads // spec.num_kv_heads
     kv_of = np.searchsorted(picks["kv_heads"], picks["heads"] // group)  # each head's K' index
-    q = f64(data["q"])  # (B', N', T', H)
+    q = f32(data["q"])  # (B', N', T', H)
     k, v = (_per_head(data[name], kv_of) for name in ("k", "v"))  # (B', N', S, H): one matmul per (row, head)
-    score = spec.scale * _over_keys(q, k.swapaxes(-1, -2))  # (B', N', T', S)
+    score = np.float32(spec.scale) * (q @ k.swapaxes(-1, -2))  # (B', N', T', S)
     index = (np.asarray(picks["rows"], np.int32)[:, None, None, None],
              np.asarray(picks["heads"], np.int32)[None, :, None, None],
              np.asarray(data["q_pos"], np.int32)[..., None],
@@ -49,13 +49,13 @@ def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks:
     forward_values: list = []  # the backward's call reuses the forward's nodes
 
     def mod(dscore=None):
-        out = evaluate(ir, score, scalars=scalars, arrays=arrays, index=index, dscore=dscore, module=NUMPY_FLOAT64,
+        out = evaluate(ir, score, scalars=scalars, arrays=arrays, index=index, dscore=dscore, module=NUMPY_FLOAT32,
                        memo=forward_values)
         return np.broadcast_to(out[0] if dscore is None else out[1], score.shape)
 
     logits = score if ir is None else mod()
     if data["bias"] is not None:
-        logits = logits + f64(data["bias"])
+        logits = logits + f32(data["bias"])
     allowed = np.broadcast_to(np.asarray(data["allowed"], bool), logits.shape)
     row_max = np.max(np.where(allowed, logits, -np.inf), axis=-1, keepdims=True)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
@@ -63,20 +63,20 @@ def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks:
     total = np.sum(weights, axis=-1, keepdims=True)
     probs = weights / np.where(total > 0, total, 1.0)  # rows with no allowed key: 0
     lse = np.where(total > 0, row_max + np.log(np.where(total > 0, total, 1.0)), -np.inf)[..., 0]
-    out = _over_keys(probs, v)
+    out = probs @ v
     result = {"o": out, "lse": lse}
     if not training:
         return result
     # Backward as the cuDNN graph computes it: through the softmax, then the mod's bprop (the IR's
     # derived one equals the XLA backend's autodiff; a user's is what both backends run).
-    d_out = f64(data["cotangent"])
-    d_logits = probs * (_over_keys(d_out, v.swapaxes(-1, -2)) - np.sum(d_out * out, axis=-1, keepdims=True))
+    d_out = f32(data["cotangent"])
+    d_logits = probs * (d_out @ v.swapaxes(-1, -2) - np.sum(d_out * out, axis=-1, keepdims=True))
     if ir is not None and ir.grad_output is None:
         raise ValueError("the score_mod has no bprop, so its backward graph cannot be checked")
     d_score = d_logits if ir is None else mod(d_logits)
-    result["dq"] = spec.scale * _over_keys(d_score, k)
-    at_keys = lambda x: np.ascontiguousarray(x[..., picks["keys"]].swapaxes(-1, -2))  # noqa: E731 - (B', N', S', T')
-    per_head = {"dk": spec.scale * (at_keys(d_score) @ q), "dv": at_keys(probs) @ d_out}  # (B', N', S', H)
+    result["dq"] = np.float32(spec.scale) * (d_score @ k)
+    at_keys = lambda x: np.take(x, picks["keys"], axis=-1).swapaxes(-1, -2)  # noqa: E731 - (B', N', S', T')
+    per_head = {"dk": np.float32(spec.scale) * (at_keys(d_score) @ q), "dv": at_keys(probs) @ d_out}  # (B', N', S', H)
     for name, grads in per_head.items():
         result[name] = _sum_groups(grads, kv_of).transpose(0, 2, 1, 3)
     if data["bias"] is not None:
@@ -88,11 +88,6 @@ def _per_head(x: Any, kv_of: np.ndarray) -> np.ndarray:
     """(B', S, K', H) keys or values as (B', N', S, H) in float32: each picked head's kv head."""
     x = np.asarray(x.transpose(0, 2, 1, 3), np.float32)  # converted straight from the strided view
     return x if _identity(kv_of, x.shape[1]) else x[:, kv_of]
-
-
-def _over_keys(small: np.ndarray, keys_side: np.ndarray) -> np.ndarray:
-    """small @ keys_side in float32 (module docstring), as float64."""
-    return np.matmul(small.astype(np.float32), keys_side).astype(np.float64)
 
 
 def _sum_groups(grads: np.ndarray, kv_of: np.ndarray) -> np.ndarray:
@@ -119,6 +114,6 @@ def _bias_gradient(spec: AttentionSpec, picks: Mapping[str, np.ndarray], d_logit
         d_logits = np.sum(d_logits, axis=-1, keepdims=True)
     _, inverse = np.unique(np.stack([w.ravel() for w in where]), axis=1, return_inverse=True)
     inverse = inverse.ravel()
-    summed = np.zeros((inverse.max() + 1, d_logits.shape[-1]))
+    summed = np.zeros((inverse.max() + 1, d_logits.shape[-1]), d_logits.dtype)
     np.add.at(summed, inverse, d_logits.reshape(-1, d_logits.shape[-1]))
     return summed[inverse].reshape(*where[0].shape, d_logits.shape[-1])

@@ -26,9 +26,9 @@ from sdpagraph.graphs.ir import INT, ScoreModIR
 from sdpagraph.spec import AttentionSpec
 
 # The reference computes at most about this many score elements (rows x heads x query rows x S):
-# its float64 matmuls then take milliseconds on the host. Above it, a slice (`plan_slice`).
+# its float32 matmuls then take milliseconds on the host. Above it, a slice (`plan_slice`).
 SLICE_ELEMENTS = 1 << 19
-SLICE_KV_ELEMENTS = 1 << 23  # key and value elements of the slice's heads (64 MiB in float64)
+SLICE_KV_ELEMENTS = 1 << 23  # key and value elements of the slice's heads (32 MiB in float32)
 MAX_ROWS = 3  # batch rows of a slice: the first, the last, random others
 MAX_HEADS = 4  # query heads of a slice: the first, the last, random others
 MIN_QUERY_ROWS = 2  # batch rows and heads are kept whole while this many query rows of each fit
@@ -82,7 +82,7 @@ def plan_slice(spec: AttentionSpec, slice_elements: int = SLICE_ELEMENTS,
     b, n, t, s = spec.batch, spec.num_heads, spec.q_len, spec.kv_len
     few = min(t, MIN_QUERY_ROWS)
     # Whole only while the scores fit and the keys and values the reference reads stay small: whole K
-    # and V of B4 S4096 N16 H128 in float64 cost the reference 1.65 s on an H100's host.
+    # and V of B4 S4096 N16 H128 (in float64 then) cost the reference 1.65 s on an H100's host.
     kv_per_head = s * (spec.head_dim + spec.head_dim_v) * max(1, spec.num_kv_heads) // n
     whole = lambda r, h: r * h * few * s <= slice_elements and r * h * kv_per_head <= SLICE_KV_ELEMENTS  # noqa: E731
     rows = tuple(range(b)) if whole(b, n) else _ends_and_random(rng, b, MAX_ROWS)
