@@ -1,12 +1,14 @@
-"""NumPy's BLAS held to one thread while the numerical check's reference multiplies.
+"""NumPy's BLAS held to a few threads while the numerical check's reference multiplies.
 
-    with one_blas_thread():
+    with few_blas_threads():
         ...
 
 The reference (`graphs.reference`) multiplies small matrices: 10 to 128 query rows against up to
 4096 keys, a dozen (batch row, head) pairs per product. OpenBLAS spreads each product over every
 core. On an H100 host with 16 cores, waking those threads made one such product take 1 to 66 ms,
-and the most in a process's first check; it needs about 1 ms on one thread (docs/results/).
+the most in a process's first check; on 4 threads it took 1.4 to 2.8 ms. One thread removed that
+cost but read the large keys and values too slowly: the check's reference at B4 T4096 took 0.07 s
+on one thread, 0.035 s on 16 (docs/results/h100-2026-11-24-check-cost.md).
 
 The thread count is process-wide, so it is set for the block and restored when the last block
 open in any thread ends. Where NumPy's BLAS is not a loaded OpenBLAS, or its controls cannot be
@@ -31,16 +33,17 @@ _SUFFIXES = ("64_", "")
 _lock = threading.Lock()
 _open = 0  # blocks open now, in any thread
 _restore: list[tuple[Any, int]] = []  # (set function, thread count) to put back when the last one ends
+FEW_THREADS = 4
 
 
 @contextlib.contextmanager
-def one_blas_thread() -> Iterator[None]:
+def few_blas_threads() -> Iterator[None]:
     global _open
     with _lock:
         if _open == 0:
             _restore[:] = [(setter, getter()) for getter, setter in _controls()]
-            for setter, _ in _restore:
-                setter(1)
+            for setter, threads in _restore:
+                setter(min(threads, FEW_THREADS))
         _open += 1
     try:
         yield

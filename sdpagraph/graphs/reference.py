@@ -7,8 +7,8 @@ host, so it compiles nothing (compiling an XLA float32 reference was nearly all 
 time). It computes in float32, as the XLA backend and cuDNN's own arithmetic do: products of bf16
 or fp16 values are exact there and its rounding (about 1e-6 relative) is far below the check's
 bounds (1e-2) and the bf16 rounding of the results it judges (2e-3); float64 cost twice the memory
-traffic and the transcendental functions' vector speed (docs/results/). Its products run on one
-BLAS thread (`graphs.host_blas`). The mod runs through
+traffic and the transcendental functions' vector speed (docs/results/). Its products run on a few
+BLAS threads (`graphs.host_blas`). The mod runs through
 `graphs.ir_eval` on NumPy, the backward through the IR's bprop as cuDNN's backward graph does.
 It computes only the scores of the picked (batch row, head, query row) elements, against every key,
 and dk and dv at the picked keys.
@@ -19,13 +19,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from sdpagraph.graphs.host_blas import one_blas_thread
+from sdpagraph.graphs.host_blas import few_blas_threads
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.ir_eval import NUMPY_FLOAT32, evaluate
 from sdpagraph.spec import AttentionSpec
 
 
-@one_blas_thread()  # its products are small: OpenBLAS's threads cost more than they give
+@few_blas_threads()  # its products are small: waking every OpenBLAS thread costs more than it gives
 def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks: Mapping[str, np.ndarray],
               data: Mapping[str, Any], scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Attention of the slice with NumPy (module docstring): o (B', N', T', H_v), lse (B', N', T')
