@@ -561,3 +561,17 @@ def test_verify_numerics_says_when_this_machine_cannot_run_graphs(tmp_path, monk
     assert report.exit_code == 2 and not report.ok
     assert report.text().startswith("cannot check graphs numerically on this machine: no GPU visible to JAX")
     assert json.loads(report.to_json())["unavailable"] == "no GPU visible to JAX"
+
+
+@pytest.mark.parametrize("longest", [None, 1, 5, 16])
+def test_drawn_segments_keep_to_the_length_hint(longest):
+    """The check's random segments never exceed the call's `max_seqlen_*` hint (a dense twin's
+    window relies on it), number 1, 2, ... per row, and stay within the segment count."""
+    rng = np.random.default_rng()
+    for _ in range(50):
+        ids = numerics_draw.random_segment_ids(rng, 3, 64, 8, longest)
+        for row in ids:
+            labels, sizes = np.unique(row[row > 0], return_counts=True)
+            assert list(labels) == list(range(1, len(labels) + 1)) and len(labels) <= 8
+            assert sizes.max() <= (longest or 64)
+            assert np.all(np.diff(np.flatnonzero(row)) == 1)  # segments first, then padding

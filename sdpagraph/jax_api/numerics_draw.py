@@ -144,9 +144,9 @@ def host_inputs(spec: AttentionSpec, ir: ScoreModIR | None, seed: int,
         arrays["kv_lengths"] = _lengths(rng, b, s)
     if spec.segments:
         count = max(1, min(spec.max_segments or t, MAX_RANDOM_SEGMENTS))
-        arrays["q_segment_ids"] = random_segment_ids(rng, b, t, count)
+        arrays["q_segment_ids"] = random_segment_ids(rng, b, t, count, spec.max_seqlen_q)
         if spec.segments == "cross":
-            arrays["kv_segment_ids"] = random_segment_ids(rng, b, s, count)
+            arrays["kv_segment_ids"] = random_segment_ids(rng, b, s, count, spec.max_seqlen_kv)
     scalars = {}
     if ir is not None:
         for _, node in ir.slots("scalar"):
@@ -163,17 +163,33 @@ def _lengths(rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
     return lengths
 
 
-def random_segment_ids(rng: np.random.Generator, batch: int, length: int, count: int) -> np.ndarray:
-    """Per row: 1..count contiguous segments numbered 1, 2, ..., then some padding (0)."""
+def random_segment_ids(rng: np.random.Generator, batch: int, length: int, count: int,
+                       longest: int | None = None) -> np.ndarray:
+    """Per row: 1..count contiguous segments numbered 1, 2, ..., then some padding (0); none longer
+    than `longest` (the call's `max_seqlen_*` hint, which the graphs may rely on), so a row holds
+    at most count * longest tokens of segments."""
+    longest = length if longest is None else max(1, min(longest, length))
     ids = np.zeros((batch, length), np.int32)
     for row in range(batch):
-        used = length - int(rng.integers(0, max(1, length // 8)))
-        segments = int(rng.integers(1, min(count, used) + 1))
-        cuts = sorted(rng.choice(np.arange(1, used), segments - 1, replace=False)) if segments > 1 else []
-        bounds = [0, *(int(c) for c in cuts), used]
-        for number in range(segments):
-            ids[row, bounds[number]:bounds[number + 1]] = number + 1
+        used = min(length - int(rng.integers(0, max(1, length // 8))), count * longest)
+        fewest = -(-used // longest)
+        segments = int(rng.integers(fewest, min(count, used) + 1))
+        for number, (start, end) in enumerate(_cuts(rng, used, segments, longest)):
+            ids[row, start:end] = number + 1
     return ids
+
+
+def _cuts(rng: np.random.Generator, used: int, segments: int, longest: int) -> list[tuple[int, int]]:
+    """`segments` contiguous (start, end) runs covering range(used), each 1..longest long, at random
+    cut points (even cuts when random ones keep giving a run over `longest`)."""
+    for _ in range(16):
+        cuts = sorted(int(c) for c in rng.choice(np.arange(1, used), segments - 1, replace=False)) if segments > 1 else []
+        bounds = [0, *cuts, used]
+        if max(np.diff(bounds)) <= longest:
+            break
+    else:
+        bounds = np.linspace(0, used, segments + 1).round().astype(int).tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def slicers(spec: AttentionSpec, picks: Mapping[str, Any], xp: Any) -> tuple[Callable, Callable, Callable, Callable]:

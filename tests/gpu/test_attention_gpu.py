@@ -41,6 +41,14 @@ def random_ids(rng, B, T, max_segments):
     return jnp.asarray(ids)
 
 
+def segments_with_hint(rng, B, T, max_segments, **kwargs):
+    """Packed segments and `max_seqlen_kv` = the longest of them (about T / 3 with 6 segments)."""
+    ids = random_ids(rng, B, T, max_segments)
+    runs = np.asarray(ids)
+    longest = max(int(np.sum(row == m)) for row in runs for m in range(1, max_segments + 1))
+    return dict(segment_ids=ids, max_segments_per_seq=max_segments, max_seqlen_kv=longest, **kwargs)
+
+
 def case_kwargs(name, rng, B, T, S, N):
     slopes = rng.random(N).astype(np.float32) * 0.2
     table = rng.standard_normal((N, 9)).astype(np.float32)
@@ -66,6 +74,8 @@ def case_kwargs(name, rng, B, T, S, N):
         # Packed segments the THD layout cannot take run as a dense graph masking by segment bounds.
         "segments_softcap": dict(is_causal=True, score_mod=mods.softcap(30.0), segment_ids=random_ids(rng, B, T, 3),
                                  max_segments_per_seq=3),
+        # With the longest segment as a hint the dense graph runs in a window of that many tokens.
+        "segments_softcap_length_hint": segments_with_hint(rng, B, T, 6, is_causal=True, score_mod=mods.softcap(30.0)),
         "segments_mask_window_dropped": dict(local_window_size=(64, 0), mask=boolean_mask(rng, B, 1, T, S),
                                              segment_ids=random_ids(rng, B, T, 3), max_segments_per_seq=2),
         "chunk": dict(is_causal=True, chunk_size=128),
@@ -94,7 +104,7 @@ CASES = ["plain", "causal", "bottom_right", "window_left", "window_two_sided", "
          "softcap_causal", "alibi", "relative_bias", "prefix_lm", "sliding_window_mod", "chunked_mod", "mask",
          "mask_softcap", "mask_bias", "key_bias", "padding_softcap",
          "kv_padding_softcap", "q_padding_softcap", "padding_softcap_noncausal", "segments_softcap",
-         "segments_mask_window_dropped"]
+         "segments_softcap_length_hint", "segments_mask_window_dropped"]
 # Every case in bf16 with 8/8 heads; head layouts and fp16 where they change the graph most.
 GRID = ([(name, (8, 8), "bfloat16") for name in CASES]
         + [(name, heads, "bfloat16") for name in ("causal", "padding", "softcap_causal") for heads in ((8, 2), (8, 1))]
@@ -115,6 +125,7 @@ def test_cudnn_matches_xla_forward_and_grads(name, heads, dtype, report, monkeyp
     support = sdpagraph.check_support(q, k, v, **kwargs)
     if not support.supported:
         report(f"unsupported {name} {heads} {dtype}: {support.reason}")
+        assert name != "segments_softcap_length_hint", support.reason  # the windowed twin must build
         pytest.xfail(support.reason)
 
     def loss(impl, q, k, v):
