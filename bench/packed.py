@@ -2,9 +2,8 @@
 
     python bench/packed.py [--out DIR] [--no-flex]
 
-Per case (bf16, N16 H128, causal; some with a softcap, one with `max_seqlen_q/kv` hints): sdpagraph's
-packed call (cuDNN), the same documents as rows of their own (dense causal at B*docs x doc length:
-what the packed call could at best cost), dense
+Per case (bf16, N16 H128, causal): sdpagraph's packed call (cuDNN), the same documents as rows of
+their own (dense causal at B*docs x doc length: what the packed call could at best cost), dense
 causal over the whole rows (the rate the issue compares with), the packed call's segment
 metadata alone (the XLA ops before cuDNN), and FlexAttention with a document block mask. Prints
 ms, real-token TFLOP/s and ratios; writes packed.md / packed.json to --out.
@@ -48,13 +47,11 @@ def random_docs(B, T, low, high, seed=0):
     return ids
 
 
-CASES = [  # (name, ids, score_mod name, max_seqlen hint)
-    ("B4 T4096, 4 docs of 1024", lambda: equal_docs(4, 4096, 4), None, None),
-    ("B4 T4096, 16 docs of 256", lambda: equal_docs(4, 4096, 16), None, None),
-    ("B8 T8192, docs 64-2048", lambda: random_docs(8, 8192, 64, 2048), None, None),
-    ("B8 T8192, docs 64-2048, softcap30", lambda: random_docs(8, 8192, 64, 2048), "softcap", None),
-    # The same with the longest document's bound as a hint: the dense twin runs in a 2048-token window.
-    ("B8 T8192, docs 64-2048, softcap30, max_seqlen 2048", lambda: random_docs(8, 8192, 64, 2048), "softcap", 2048),
+CASES = [  # (name, ids, score_mod name)
+    ("B4 T4096, 4 docs of 1024", lambda: equal_docs(4, 4096, 4), None),
+    ("B4 T4096, 16 docs of 256", lambda: equal_docs(4, 4096, 16), None),
+    ("B8 T8192, docs 64-2048", lambda: random_docs(8, 8192, 64, 2048), None),
+    ("B8 T8192, docs 64-2048, softcap30", lambda: random_docs(8, 8192, 64, 2048), "softcap"),
 ]
 
 
@@ -80,7 +77,7 @@ def jitted(fn, backward):
 
 def run(with_flex):
     rows = []
-    for name, make_ids, mod, hint in CASES:
+    for name, make_ids, mod in CASES:
         ids = make_ids()
         B, T = ids.shape
         lengths = doc_lengths(ids)
@@ -94,7 +91,7 @@ def run(with_flex):
             variants = {
                 "packed": lambda q, k, v: sdpagraph.attention(
                     q, k, v, is_causal=True, segment_ids=seg, max_segments_per_seq=M, score_mod=score_mod,
-                    max_seqlen_q=hint, max_seqlen_kv=hint, implementation="cudnn", training=backward),
+                    implementation="cudnn", training=backward),
                 "dense rows": lambda q, k, v: sdpagraph.attention(
                     q, k, v, is_causal=True, score_mod=score_mod, implementation="cudnn", training=backward),
             }

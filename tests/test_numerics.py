@@ -565,8 +565,8 @@ def test_verify_numerics_says_when_this_machine_cannot_run_graphs(tmp_path, monk
 
 @pytest.mark.parametrize("longest", [None, 1, 5, 16])
 def test_drawn_segments_keep_to_the_length_hint(longest):
-    """The check's random segments never exceed the call's `max_seqlen_*` hint (a dense twin's
-    window relies on it), number 1, 2, ... per row, and stay within the segment count."""
+    """The check's random segments never exceed the call's `max_seqlen_*` hint (as the call's own
+    never do), number 1, 2, ... per row, and stay within the segment count."""
     rng = np.random.default_rng()
     for _ in range(50):
         ids = numerics_draw.random_segment_ids(rng, 3, 64, 8, longest)

@@ -37,7 +37,7 @@ CONFIGS = {
                                       causal_alignment="bottom_right"),
     "packed_softcap_dense_twin": dict(segment_ids=IDS, max_segments_per_seq=8, is_causal=True,
                                       score_mod=mods.softcap(20.0)),
-    # The length hint narrows the twin to a window: the check's segments must keep to it.
+    # The check's segments keep to the length hint, as the call's must.
     "packed_softcap_dense_twin_length_hint": dict(segment_ids=IDS, max_segments_per_seq=8, is_causal=True,
                                                   score_mod=mods.softcap(20.0), max_seqlen_kv=5),
     "relative_bias_array": dict(is_causal=True, score_mod=mods.relative_position_bias(

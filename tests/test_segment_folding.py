@@ -58,10 +58,6 @@ FOLDED = {
     "mask_causal": dict(is_causal=True),  # the mask is drawn in the test
     "bias": dict(),  # the bias is drawn in the test
     "dropped_segments": dict(is_causal=True, score_mod=mods.softcap(5.0), max_segments=2),
-    # Segments of at most 11 tokens (`random_segment_ids` at T 48): the hint narrows the twin's window.
-    "softcap_causal_length_hint": dict(is_causal=True, score_mod=mods.softcap(5.0), max_seqlen_kv=12),
-    "softcap_length_hint": dict(score_mod=mods.softcap(5.0), max_seqlen_q=12),
-    "softcap_window_length_hint": dict(local_window_size=(20, 2), score_mod=mods.softcap(5.0), max_seqlen_kv=12),
 }
 
 
@@ -102,9 +98,6 @@ def test_dense_twin_matches_the_packed_call_on_xla(name, monkeypatch):
     (q, k, v), call = call_for(rng, **kwargs)
     dense = graph_spec(call.spec, call.score_mod)
     assert dense.segment_mask and dense.segments is None and dense.causal_alignment == "top_left"
-    if name.endswith("length_hint"):  # the window the hint allows: 11 tokens on each side, the causal side left
-        assert dense.window == {"softcap_causal_length_hint": (11, -1), "softcap_length_hint": (11, 11),
-                                "softcap_window_length_hint": (11, 2)}[name]
 
     packed = lambda q, k, v: xla_attention(call.spec, q, k, v, call.inputs, call.score_mod)  # noqa: E731
     twin = lambda q, k, v: cudnn_backend.attention(call.spec, q, k, v, call.inputs, call.score_mod)  # noqa: E731

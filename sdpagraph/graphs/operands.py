@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from sdpagraph.graphs.ir import FLOAT, INT, ScoreModIR
 from sdpagraph.graphs.masks import SEGMENT_ARRAYS, needs_mod, segment_arrays
-from sdpagraph.spec import DIRECTIONS, UNBOUNDED, AttentionSpec
+from sdpagraph.spec import DIRECTIONS, AttentionSpec
 
 ARRAY_PREFIX = "array:"
 SCALAR_PREFIX = "scalar:"
@@ -78,34 +78,14 @@ def graph_spec(spec: AttentionSpec, ir: ScoreModIR | None) -> AttentionSpec:
     (`segment_mask`). The graph does not depend on max_segments (the JAX side applies it to the
     bounds it passes), so the twin drops it and one graph serves every bound. Self-attention
     has T == S, where both causal alignments agree, so the twin takes top-left (cuDNN declines
-    bottom-right with a bias).
-
-    The segment length hints (`max_seqlen_q`, `max_seqlen_kv`) leave the packed (THD) graph as it
-    is: cuDNN already skips the tiles between its segments. The twin computes those tiles, so a
-    hint narrows it to a window (`twin_window`): the tiles outside it are skipped."""
-    longest = spec.max_seqlen_kv
+    bottom-right with a bias). The small-sequence backend's segment length hints (`max_seqlen_q`,
+    `max_seqlen_kv`) do not change a cuDNN graph either: they are dropped too."""
     if spec.max_seqlen_q is not None or spec.max_seqlen_kv is not None:
         spec = dataclasses.replace(spec, max_seqlen_q=None, max_seqlen_kv=None)
     if not folds_segments(spec, ir):
         return spec
-    twin = dataclasses.replace(spec, segments=None, max_segments=0, causal_alignment="top_left", segment_mask=True)
-    return dataclasses.replace(twin, window=twin_window(twin, longest))
-
-
-def twin_window(twin: AttentionSpec, longest: int | None) -> tuple[int, int]:
-    """The dense twin's window when no segment is longer than `longest` tokens (the hint, which
-    `attention` checks when the call runs): the segments are contiguous and shared by queries and
-    keys, so a query's keys lie within `longest - 1` tokens on either side, and the twin's window
-    may shrink to that without changing what any query attends to. The mask is written in the
-    form cuDNN skips tiles for (`graphs.masks`): at T 8192 with a 2048-token hint, 56% of a causal
-    twin's tiles lie outside the window."""
-    if longest is None or longest >= twin.q_len:
-        return twin.window
-    reach = longest - 1
-    left, right = (reach if side == UNBOUNDED else min(side, reach) for side in twin.window)
-    if twin.is_causal and twin.window[1] == UNBOUNDED:
-        right = UNBOUNDED  # the causal mask already bounds this side, more tightly
-    return left, right
+    return dataclasses.replace(spec, segments=None, max_segments=0, causal_alignment="top_left",
+                               segment_mask=True)
 
 
 def bias_operand_shape(spec: AttentionSpec, ir: ScoreModIR | None) -> tuple[int, int, int, int] | None:

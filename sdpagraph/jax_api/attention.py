@@ -215,13 +215,10 @@ def attention(
         at trace time, so these hints say when a packed call is in the small-sequence
         regime (`max_seqlen_q` <= 4, `max_seqlen_kv` <= 32; without a hint it is not).
         In self-attention (one ids array) a segment has as many keys as queries, so the
-        smaller hint given bounds both. On cuDNN, packed self-attention with a score_mod,
-        a bias or a mask runs as a dense graph that masks the keys of other segments; a
-        hint narrows it to a window of that many tokens, so cuDNN skips the tiles farther
-        apart. XLA only validates them. A longer segment raises `ValueError` (concrete
-        ids) or fails the jitted call when it runs, as `max_segments_per_seq` does (and
-        `SDPAGRAPH_CHECK_SEGMENTS=0` switches that off: the small-sequence backend and
-        cuDNN's windowed graph then drop keys past the bound).
+        smaller hint given bounds both. Other backends only validate them. A longer
+        segment raises `ValueError` (concrete ids) or fails the jitted call when it runs,
+        as `max_segments_per_seq` does (and `SDPAGRAPH_CHECK_SEGMENTS=0` switches that
+        off: the small-sequence backend then drops keys past the bound).
       context_parallel_axis: a mesh axis name: q, k, v (and `segment_ids`) are split
         along the sequence (dim 1) over it, and attention runs without gathering k or v
         (docs/multi-gpu.md). The mesh is `jax.set_mesh(...)`'s or `mesh=`; inside a

@@ -166,8 +166,8 @@ def _lengths(rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
 def random_segment_ids(rng: np.random.Generator, batch: int, length: int, count: int,
                        longest: int | None = None) -> np.ndarray:
     """Per row: 1..count contiguous segments numbered 1, 2, ..., then some padding (0); none longer
-    than `longest` (the call's `max_seqlen_*` hint, which the graphs may rely on), so a row holds
-    at most count * longest tokens of segments."""
+    than `longest` (the call's `max_seqlen_*` hint: a call never gets longer ones, `attention`
+    checks), so a row holds at most count * longest tokens of segments."""
     longest = length if longest is None else max(1, min(longest, length))
     ids = np.zeros((batch, length), np.int32)
     for row in range(batch):
