@@ -52,6 +52,9 @@ ops the IR lacks (`atan2`, `round`, bitwise ops on the score's path, ...). The r
 the mod on XLA by calling the Python function itself (`apply_jnp_score_mod` /
 `apply_jnp_mask_mod`).
 
+The interpreter is here; the values it interprets into are in `graphs.jnp_values`, the rule for
+each primitive in `graphs.jnp_rules`.
+
 The IR depends only on what the function computes: no object ids or tracer names enter it, so
 the same function gives the same IR and digest in every process; captured values and lifted literals
 enter only the returned tensors, never the IR (captured arrays' shapes and dtypes do).
@@ -69,8 +72,10 @@ import numpy as np
 
 from sdpagraph.graphs.ir import BOOL, FLOAT, INT, RecordingGraph, ScoreModIR, reachable, result_type
 from sdpagraph.graphs.ir_eval import evaluate
-from sdpagraph.graphs.jnp_dag import MIRROR, Dag, and_, combine, formula_nodes, not_, or_, replay, xor_
+from sdpagraph.graphs.jnp_dag import MIRROR, Dag, and_, combine, formula_nodes, or_, replay
 from sdpagraph.graphs.jnp_literals import lifted_literals, literal_name
+from sdpagraph.graphs.jnp_rules import PrimitiveRules
+from sdpagraph.graphs.jnp_values import Grid, Pred, Sym, is_symbolic, kind_of
 from sdpagraph.graphs.mod_lowering import Unsupported
 from sdpagraph.graphs.trace import TensorInfo, trace_score_mod
 
@@ -182,65 +187,17 @@ def apply_jnp_mask_mod(fn: Callable, index: Sequence[Any], shape: Sequence[int])
     return jnp.reshape(jax.vmap(fn)(*flat), tuple(shape))
 
 
-# ----------------------------------------------------------------------------- values
-
-@dataclass(frozen=True)
-class _Sym:
-    """A number computed from the score or the positions: a node of the DAG.
-
-    `int_source`: when this float is a cast of an integer node, that node (an op whose result is
-    float anyway can read the integer directly, as mods.alibi does)."""
-
-    node: int
-    int_source: int | None = None
-
-
-@dataclass(frozen=True)
-class _Pred:
-    """A boolean: a formula over comparisons (see `_Bools`)."""
-
-    formula: tuple
-
-
-@dataclass(frozen=True, eq=False)
-class _Grid:
-    """A non-scalar value computed from positions only (a row of a captured array picked by b, ...),
-    held by its values over the grid of the axes it reads: shape (sizes of sorted axes) + inner."""
-
-    values: Any
-    axes: frozenset
-
-
-def _symbolic(x: Any) -> bool:
-    return isinstance(x, (_Sym, _Pred, _Grid))
-
-
-def _kind(dtype: Any) -> str:
-    if dtype == jnp.bool_:
-        return BOOL
-    if jnp.issubdtype(dtype, jnp.integer):
-        return INT
-    if jnp.issubdtype(dtype, jnp.floating):
-        return FLOAT
-    raise TypeError(f"unsupported dtype {dtype} in a jnp mod")
-
-
-
 # ----------------------------------------------------------------------------- the converter
 
-_JAX_CMP = {"eq": "cmp_eq", "ne": "cmp_neq", "lt": "cmp_lt", "le": "cmp_le", "gt": "cmp_gt", "ge": "cmp_ge"}
-
 _INLINE = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "checkpoint", "remat", "remat2")
-_FLOAT_UNARY = {"exp": "exp", "log": "log", "tanh": "tanh", "logistic": "sigmoid", "sqrt": "sqrt",
-                "rsqrt": "rsqrt", "erf": "erf", "sin": "sin", "cos": "cos", "tan": "tan"}
-_KEEP_TYPE_UNARY = ("abs", "neg", "floor", "ceil")
-_PASS_THROUGH = ("copy", "copy_p", "reduce_precision", "squeeze", "reshape", "broadcast_in_dim",
-                 "expand_dims", "optimization_barrier")
 _CONTROL_FLOW = ("cond", "while", "scan", "switch", "fori_loop")
 _LOOKUPS = ("gather", "dynamic_slice", "dynamic_index_in_dim", "take", "take_along_axis")
 
 
-class _Converter:
+class _Converter(PrimitiveRules):
+    """Interprets a jaxpr into a DAG of IR ops: inlining, folding, operands and materialized
+    grids here; one rule per primitive in `PrimitiveRules`."""
+
     def __init__(self, what: str, shape: tuple[int, ...] | None, prefix: str):
         self.what = what
         self.shape = shape
@@ -282,18 +239,12 @@ class _Converter:
         sub = _inline_jaxpr(eqn) if name in _INLINE else None
         if sub is not None:
             return self.run(sub[0], sub[1], ins)
-        if not any(_symbolic(x) for x in ins):
+        if not any(is_symbolic(x) for x in ins):
             return _bind(eqn, ins)
-        scalar = not any(isinstance(x, _Grid) for x in ins) and all(
+        scalar = not any(isinstance(x, Grid) for x in ins) and all(
             _size(v.aval.shape) == 1 for v in list(eqn.invars) + list(eqn.outvars))
         if scalar:
-            rule = getattr(self, "rule_" + name, None)
-            if rule is None and name in _FLOAT_UNARY:
-                rule = self.float_unary
-            elif rule is None and name in _KEEP_TYPE_UNARY:
-                rule = self.keep_type_unary
-            elif rule is None and name in _PASS_THROUGH:
-                rule = self.pass_through
+            rule = self.rule_for(name)
             if rule is not None:
                 result = rule(eqn, ins)
                 if result is not NotImplemented:
@@ -304,26 +255,26 @@ class _Converter:
         """jax.nn.softplus as the IR's softplus op; jnp's integer floor_divide / remainder in 3 / 5 ops
         (their inlined bodies take ~15 each)."""
         name = eqn.params["name"]
-        symbolic = [x for x in ins if _symbolic(x)]
-        if not symbolic or not all(isinstance(x, _Sym) for x in symbolic) or not _matches_reference(eqn):
+        symbolic = [x for x in ins if is_symbolic(x)]
+        if not symbolic or not all(isinstance(x, Sym) for x in symbolic) or not _matches_reference(eqn):
             return NotImplemented  # all concrete (folded when inlined), or booleans / grids: inline the body
         if name == "softplus":
-            return _Sym(self.dag.op("softplus", (self.float_operand(ins[0]),)))
+            return Sym(self.dag.op("softplus", (self.float_operand(ins[0]),)))
         a, b = (self.num(x, INT) for x in ins)
         floor = self.dag.op("identity", (self.dag.op("floor", (self.dag.op("div", (a, b)),)),), dtype=INT)
         if name == "floor_divide":  # exact for |a| < 2**24
-            return _Sym(floor)
-        return _Sym(self.dag.op("sub", (a, self.dag.op("mul", (b, floor)))))
+            return Sym(floor)
+        return Sym(self.dag.op("sub", (a, self.dag.op("mul", (b, floor)))))
 
     # -- operands ------------------------------------------------------------------------------
     def kinds(self, eqn: Any) -> list[str]:
-        return [_kind(v.aval.dtype) for v in eqn.invars]
+        return [kind_of(v.aval.dtype) for v in eqn.invars]
 
     def num(self, x: Any, kind: str) -> int:
         """The node of a numeric scalar (its own jax kind)."""
-        if isinstance(x, _Sym):
+        if isinstance(x, Sym):
             return x.node
-        if isinstance(x, _Pred):
+        if isinstance(x, Pred):
             one, zero = (1.0, 0.0) if kind == FLOAT else (1, 0)
             return self.select(x.formula, self.dag.const(one, kind), self.dag.const(zero, kind))
         return self.constant(x, kind)
@@ -336,38 +287,38 @@ class _Converter:
         return self.dag.const(scalar, kind)
 
     def pred(self, x: Any) -> tuple:
-        if isinstance(x, _Pred):
+        if isinstance(x, Pred):
             return x.formula
-        if isinstance(x, _Sym):
+        if isinstance(x, Sym):
             return ("cmp", "cmp_neq", x.node, self.dag.const(0, self.dag.dtype(x.node)), self.dag.dtype(x.node) == INT)
         if isinstance(x, jax.core.Tracer):
             node = self.constant(jnp.asarray(x, jnp.int32), INT)
             return ("cmp", "cmp_neq", node, self.dag.const(0, INT), True)
         return ("const", bool(np.asarray(x).reshape(()).item()))
 
-    def float_operand(self, x: _Sym) -> int:
+    def float_operand(self, x: Sym) -> int:
         """For ops whose result is float whatever their input: the integer before a cast, if any."""
         return x.int_source if x.int_source is not None else x.node
 
-    def arith(self, op: str, xs: Sequence[Any], kinds: Sequence[str], out_kind: str) -> _Sym:
+    def arith(self, op: str, xs: Sequence[Any], kinds: Sequence[str], out_kind: str) -> Sym:
         """`op` over numbers; a concrete float operand of float arithmetic is a literal of its own,
         which `graphs.jnp_literals` may bind as a scalar."""
         nodes = [self.dag.literal(np.asarray(x).reshape(()).item())
-                 if k == out_kind == FLOAT and not _symbolic(x) and not isinstance(x, jax.core.Tracer)
+                 if k == out_kind == FLOAT and not is_symbolic(x) and not isinstance(x, jax.core.Tracer)
                  else self.num(x, k) for x, k in zip(xs, kinds)]
         for i, x in enumerate(xs):
-            if isinstance(x, _Sym) and x.int_source is not None:
+            if isinstance(x, Sym) and x.int_source is not None:
                 trial = nodes[:i] + [x.int_source] + nodes[i + 1:]
                 if result_type(op, tuple(self.dag.dtype(n) for n in trial)) == out_kind:
                     nodes = trial
         node = self.dag.op(op, nodes)
         if self.dag.dtype(node) != out_kind:
             node = self.dag.op(op, nodes, dtype=out_kind)
-        return _Sym(node)
+        return Sym(node)
 
     def int_valued(self, x: Any, kind: str) -> int | None:
         """The INT node of a value that is an integer (an int, a cast int, an integral float literal)."""
-        if isinstance(x, _Sym):
+        if isinstance(x, Sym):
             if kind == INT:
                 return x.node
             return x.int_source
@@ -453,9 +404,9 @@ class _Converter:
         return self.dag.array(name, shape4, kind, axes)
 
     def deps(self, x: Any) -> tuple[frozenset, bool]:
-        if isinstance(x, _Grid):
+        if isinstance(x, Grid):
             return x.axes, False
-        nodes = [x.node] if isinstance(x, _Sym) else formula_nodes(x.formula) if isinstance(x, _Pred) else []
+        nodes = [x.node] if isinstance(x, Sym) else formula_nodes(x.formula) if isinstance(x, Pred) else []
         axes = frozenset().union(*(self.dag.axes[n] for n in nodes))
         return axes, any(self.dag.score_dep[n] for n in nodes)
 
@@ -466,7 +417,7 @@ class _Converter:
     def numeric(self, x: Any) -> Any:
         """The values of a score-independent scalar over its axes' grid: shape (sizes of sorted axes)."""
         axes, _ = self.deps(x)
-        node = x.node if isinstance(x, _Sym) else self.select(x.formula, self.dag.const(1, INT), self.dag.const(0, INT))
+        node = x.node if isinstance(x, Sym) else self.select(x.formula, self.dag.const(1, INT), self.dag.const(0, INT))
         graph = RecordingGraph()
         score = graph.leaf("score")
         leaves = {i: graph.leaf("array", (("shape", self.infos[n].shape),), self.infos[n].dtype, name=n)
@@ -477,7 +428,7 @@ class _Converter:
                  for axis, n in enumerate(self.shape)]
         value, _ = evaluate(ir, jnp.zeros((), jnp.float32), scalars={}, arrays=self.arrays, index=index)
         value = jnp.broadcast_to(value, self.grid_shape(axes))
-        if isinstance(x, _Pred):
+        if isinstance(x, Pred):
             value = value != 0
         return value.reshape(tuple(self.shape[a] for a in sorted(axes)))
 
@@ -502,14 +453,14 @@ class _Converter:
         order = sorted(axes)
         batched, in_axes_per = [], []
         for x, (x_axes, _) in zip(ins, deps):
-            if _symbolic(x) and x_axes:
-                batched.append(x.values if isinstance(x, _Grid) else self.numeric(x))
+            if is_symbolic(x) and x_axes:
+                batched.append(x.values if isinstance(x, Grid) else self.numeric(x))
                 in_axes_per.append(x_axes)
             else:
                 batched.append(None)
                 in_axes_per.append(frozenset())
-        static = [None if b is not None else x.values if isinstance(x, _Grid) else self.numeric(x)
-                  if _symbolic(x) else x for x, b in zip(ins, batched)]
+        static = [None if b is not None else x.values if isinstance(x, Grid) else self.numeric(x)
+                  if is_symbolic(x) else x for x, b in zip(ins, batched)]
         positions = [i for i, b in enumerate(batched) if b is not None]
 
         def point(*values: Any) -> list[Any]:
@@ -526,16 +477,16 @@ class _Converter:
         results = []
         for value, var in zip(outs, eqn.outvars):
             if _size(var.aval.shape) != 1:
-                results.append(_Grid(value, axes))
+                results.append(Grid(value, axes))
                 continue
             value = jnp.reshape(value, self.grid_shape(axes))
-            kind = _kind(var.aval.dtype)
+            kind = kind_of(var.aval.dtype)
             if kind == BOOL:
                 node = self.new_array(value.astype(jnp.int32), INT, axes)
-                results.append(_Pred(("cmp", "cmp_neq", node, self.dag.const(0, INT), True)))
+                results.append(Pred(("cmp", "cmp_neq", node, self.dag.const(0, INT), True)))
             else:
                 value = value.astype(jnp.float32 if kind == FLOAT else jnp.int32)
-                results.append(_Sym(self.new_array(value, kind, axes)))
+                results.append(Sym(self.new_array(value, kind, axes)))
         self._materialized[key] = (results, ins)  # ins keeps the keyed objects alive
         return results
 
@@ -557,189 +508,6 @@ class _Converter:
             return f"computes a non-scalar value with `{name}` (shape {big}); a mod computes one score at a time"
         return f"uses `{name}`"
 
-    # -- rules: one per primitive; (eqn, inputs) -> value(s) or NotImplemented ---------------------
-    def float_unary(self, eqn: Any, ins: list[Any]) -> Any:
-        (x,) = ins
-        if not isinstance(x, _Sym):
-            return NotImplemented
-        return _Sym(self.dag.op(_FLOAT_UNARY[eqn.primitive.name], (self.float_operand(x),)))
-
-    def keep_type_unary(self, eqn: Any, ins: list[Any]) -> Any:
-        (x,) = ins
-        if not isinstance(x, _Sym):
-            return NotImplemented
-        return _Sym(self.dag.op(eqn.primitive.name, (x.node,)))
-
-    def pass_through(self, eqn: Any, ins: list[Any]) -> Any:
-        return list(ins) if eqn.primitive.multiple_results else ins[0]
-
-    def rule_stop_gradient(self, eqn: Any, ins: list[Any]) -> Any:
-        if self.deps(ins[0])[1]:
-            return NotImplemented  # -> describe(): the derived gradient would flow through it
-        return ins[0]
-
-    def rule_convert_element_type(self, eqn: Any, ins: list[Any]) -> Any:
-        (x,) = ins
-        src, dst = _kind(eqn.invars[0].aval.dtype), _kind(eqn.params["new_dtype"])
-        if src == dst:
-            return x
-        if dst == BOOL:
-            return _Pred(self.pred(x))
-        if src == BOOL:
-            return _Sym(self.num(x, dst))
-        if dst == FLOAT:  # int -> float: an identity retyped, skipped by float consumers
-            return _Sym(self.dag.op("identity", (x.node,), dtype=FLOAT), int_source=x.node)
-        if x.int_source is not None:  # float -> int of a cast int: the int itself
-            return _Sym(x.int_source)
-        return _Sym(self.dag.op("identity", (x.node,), dtype=INT))  # truncates, as XLA's convert
-
-    def _binary(self, eqn: Any, ins: list[Any], op: str) -> Any:
-        kinds = self.kinds(eqn)
-        out = _kind(eqn.outvars[0].aval.dtype)
-        if BOOL in kinds or out == BOOL:
-            return NotImplemented
-        return self.arith(op, ins, kinds, out)
-
-    def rule_add(self, eqn, ins):
-        return self._binary(eqn, ins, "add")
-
-    def rule_sub(self, eqn, ins):
-        return self._binary(eqn, ins, "sub")
-
-    def rule_mul(self, eqn, ins):
-        return self._binary(eqn, ins, "mul")
-
-    def rule_rem(self, eqn, ins):
-        return self._binary(eqn, ins, "mod")  # C's fmod / %, as the IR's mod
-
-    def rule_pow(self, eqn, ins):
-        return self._binary(eqn, ins, "pow")
-
-    def rule_max(self, eqn, ins):
-        if _kind(eqn.outvars[0].aval.dtype) == BOOL:
-            return _Pred(or_(self.pred(ins[0]), self.pred(ins[1])))
-        return self._binary(eqn, ins, "max")
-
-    def rule_min(self, eqn, ins):
-        if _kind(eqn.outvars[0].aval.dtype) == BOOL:
-            return _Pred(and_(self.pred(ins[0]), self.pred(ins[1])))
-        return self._binary(eqn, ins, "min")
-
-    def rule_div(self, eqn, ins):
-        kinds = self.kinds(eqn)
-        if _kind(eqn.outvars[0].aval.dtype) == FLOAT:
-            return self._binary(eqn, ins, "div")
-        if BOOL in kinds:
-            return NotImplemented
-        # integer division rounds toward zero: (a - a % b) / b divides an exact multiple
-        a, b = (self.num(x, k) for x, k in zip(ins, kinds))
-        exact = self.dag.op("sub", (a, self.dag.op("mod", (a, b))))
-        return _Sym(self.dag.op("identity", (self.dag.op("div", (exact, b)),), dtype=INT))
-
-    def rule_square(self, eqn, ins):
-        x = self.num(ins[0], self.kinds(eqn)[0])
-        return _Sym(self.dag.op("mul", (x, x)))
-
-    def rule_integer_pow(self, eqn, ins):
-        kind = self.kinds(eqn)[0]
-        x, y = self.num(ins[0], kind), int(eqn.params["y"])
-        if y == 0:
-            return _Sym(self.dag.const(1, kind))
-        result, base, n = None, x, abs(y)
-        while n:
-            if n & 1:
-                result = base if result is None else self.dag.op("mul", (result, base))
-            n >>= 1
-            if n:
-                base = self.dag.op("mul", (base, base))
-        if y < 0:
-            result = self.dag.op("div", (self.dag.const(1.0, FLOAT), result))
-        return _Sym(result)
-
-    def rule_exp2(self, eqn, ins):
-        x = self.float_operand(ins[0])
-        return _Sym(self.dag.op("exp", (self.dag.op("mul", (x, self.dag.const(math.log(2.0), FLOAT))),)))
-
-    def rule_log1p(self, eqn, ins):
-        x = self.float_operand(ins[0])
-        return _Sym(self.dag.op("log", (self.dag.op("add", (x, self.dag.const(1.0, FLOAT))),)))
-
-    def rule_expm1(self, eqn, ins):
-        x = self.float_operand(ins[0])
-        return _Sym(self.dag.op("sub", (self.dag.op("exp", (x,)), self.dag.const(1.0, FLOAT))))
-
-    def rule_erfc(self, eqn, ins):
-        x = self.float_operand(ins[0])
-        return _Sym(self.dag.op("sub", (self.dag.const(1.0, FLOAT), self.dag.op("erf", (x,)))))
-
-    def rule_sign(self, eqn, ins):
-        kind = self.kinds(eqn)[0]
-        x, zero = ins[0].node, self.dag.const(0, kind)
-        positive = ("cmp", "cmp_gt", x, zero, kind == INT)
-        negative = ("cmp", "cmp_lt", x, zero, kind == INT)
-        inner = self.select(negative, self.dag.const(-1, kind), zero)
-        return _Sym(self.select(positive, self.dag.const(1, kind), inner))
-
-    def rule_is_finite(self, eqn, ins):
-        x = ins[0].node
-        return _Pred(("cmp", "cmp_lt", self.dag.op("abs", (x,)), self.dag.const(math.inf, FLOAT), False))
-
-    def rule_clamp(self, eqn, ins):
-        lo, x, hi = ins
-        klo, kx, khi = self.kinds(eqn)
-        if BOOL in (klo, kx, khi):
-            return NotImplemented
-        inner = self.arith("max", (x, lo), (kx, klo), kx)
-        return self.arith("min", (inner, hi), (kx, khi), kx)
-
-    def _compare_rule(self, eqn, ins):
-        op = _JAX_CMP[eqn.primitive.name]
-        kx, ky = self.kinds(eqn)
-        x, y = ins
-        if kx == BOOL or ky == BOOL:
-            if op == "cmp_eq":
-                return _Pred(not_(xor_(self.pred(x), self.pred(y))))
-            if op == "cmp_neq":
-                return _Pred(xor_(self.pred(x), self.pred(y)))
-            return NotImplemented
-        return _Pred(self.comparison(op, x, y, kx, ky))
-
-    rule_eq = rule_ne = rule_lt = rule_le = rule_gt = rule_ge = _compare_rule
-
-    def _logical(self, eqn, ins, combine):
-        if any(k != BOOL for k in self.kinds(eqn)):
-            return NotImplemented  # bitwise ops on integers: no IR op
-        return _Pred(combine(*(self.pred(x) for x in ins)))
-
-    def rule_and(self, eqn, ins):
-        return self._logical(eqn, ins, and_)
-
-    def rule_or(self, eqn, ins):
-        return self._logical(eqn, ins, or_)
-
-    def rule_xor(self, eqn, ins):
-        return self._logical(eqn, ins, xor_)
-
-    def rule_not(self, eqn, ins):
-        return self._logical(eqn, ins, not_)
-
-    def rule_select_n(self, eqn, ins):
-        which, *cases = ins
-        kinds = self.kinds(eqn)
-        out = _kind(eqn.outvars[0].aval.dtype)
-        if kinds[0] == BOOL:
-            conditions = [self.pred(which)]
-        else:  # an integer index picks cases[index]
-            conditions = [self.comparison("cmp_eq", which, np.int32(i), kinds[0], INT) for i in range(1, len(cases))]
-        if out == BOOL:
-            result = self.pred(cases[0])
-            for cond, case in zip(conditions, cases[1:]):
-                result = or_(and_(cond, self.pred(case)), and_(not_(cond), result))
-            return _Pred(result)
-        result = self.num(cases[0], out)
-        for cond, case in zip(conditions, cases[1:]):
-            result = self.select(cond, self.num(case, out), result)
-        return _Sym(result)
 
 
 def _is_random(name: str) -> bool:
@@ -751,9 +519,9 @@ def _size(shape: Sequence[int]) -> int:
 
 
 def _value_key(x: Any) -> Any:
-    if isinstance(x, _Sym):
+    if isinstance(x, Sym):
         return ("node", x.node)
-    if isinstance(x, _Pred):
+    if isinstance(x, Pred):
         return ("pred", x.formula)
     return ("object", id(x))
 
@@ -828,10 +596,10 @@ def _convert(fn: Callable, what: str, shape: Sequence[int] | None, prefix: str, 
 
     conv = _Converter(what, shape, prefix)
     dag = conv.dag
-    inputs = ([_Sym(dag.score)] if what == "score_mod" else []) + [_Sym(dag.gen(axis)) for axis in range(4)]
+    inputs = ([Sym(dag.score)] if what == "score_mod" else []) + [Sym(dag.gen(axis)) for axis in range(4)]
     (out,) = conv.run(closed.jaxpr, closed.consts, inputs)
     if what == "score_mod":
-        root = out.node if isinstance(out, _Sym) else conv.constant(out, FLOAT)
+        root = out.node if isinstance(out, Sym) else conv.constant(out, FLOAT)
     else:
         root = conv.select(conv.pred(out), dag.score, dag.const(masked, FLOAT))
     nodes = tuple(dag.nodes)
