@@ -1,7 +1,9 @@
 """Probe: can a Pallas (Triton) kernel run the small-sequence forward closer to HBM bandwidth than
 the XLA formulation (issue 14: >= 85% of the datasheet's 3.35 TB/s at B30720 T1 S2-16 N16 H128)?
 
-    python bench/probe_small_seq_pallas.py [--quick]        on a GPU (--quick: a CPU, interpret mode)
+    python bench/probe_small_seq_pallas.py [--quick] [--backend-only]
+                                    on a GPU (--quick: a CPU, interpret mode; --backend-only: no sweep
+                                    of kernel settings, just sdpagraph's small_seq beside XLA)
 
 One program per block of batch rows and heads reads q, K and V once and writes o: scores over the
 S keys, softmax, the weighted sum of values, all in fp32 registers. Prints, per S and kernel
@@ -62,13 +64,14 @@ def xla_attention(q, k, v):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--backend-only", action="store_true")
     args = parser.parse_args()
     import sdpagraph
     if args.quick:
         shapes, settings = [(4, 1, 2, 4, 16)], [(2, 4, 4)]
     else:
         shapes = [(30720, 1, s, 16, 128) for s in (2, 4, 8, 16)]
-        settings = list(itertools.product((1, 2, 4, 8), (4, 8, 16), (4, 8)))
+        settings = [] if args.backend_only else list(itertools.product((1, 2, 4, 8), (4, 8, 16), (4, 8)))
     from jax_timing import time_ms
     rows_out = []
     for b, t, s, n, h in shapes:
@@ -82,6 +85,9 @@ def main() -> None:
             base["xla"] = time_ms(jax.jit(xla_attention), q, k, v)
             base["small_seq"] = time_ms(jax.jit(functools.partial(sdpagraph.attention, implementation="small_seq")),
                                         q, k, v)
+            print(json.dumps({"S": s, **base, **{f"{name} TB/s": nbytes / value / 1e9 for name, value in base.items()},
+                              **{f"{name} % peak": 100 * nbytes / value / 1e9 / PEAK_TBS
+                                 for name, value in base.items()}}), flush=True)
         for rows, heads, warps in settings:
             if b % rows or n % heads or rows * s * heads * h > 32768:
                 continue

@@ -1,6 +1,5 @@
-"""The small-sequence forward kernel (`jax_api.small_seq_kernel`), in Pallas' interpreter on a CPU:
-its output, logsumexp and probabilities against the XLA formulation and the XLA backend, the
-backend's gradients when the kernel runs its forward, and where it is used."""
+"""The small-sequence inference kernel (`jax_api.small_seq_kernel`), in Pallas' interpreter on a CPU:
+its output and logsumexp against the XLA formulation and the XLA backend, and where it is used."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,41 +16,29 @@ def draw(rng, shape, dtype):
     return jnp.asarray(rng.standard_normal(shape), dtype)
 
 
-@pytest.mark.parametrize("t,s,n,h,dtype", [(1, 2, 4, 16, "float32"), (2, 8, 8, 32, "float32"),
-                                           (4, 32, 4, 16, "bfloat16"), (1, 16, 2, 64, "float16")])
-def test_the_kernel_computes_what_the_xla_formulation_does(t, s, n, h, dtype):
+@pytest.mark.parametrize("s,n,h,dtype", [(2, 4, 16, "float32"), (8, 8, 32, "float32"), (16, 4, 16, "bfloat16"),
+                                         (4, 2, 64, "float16")])
+def test_the_kernel_computes_what_the_xla_formulation_does(s, n, h, dtype):
     rng = np.random.default_rng()
-    q, k, v = draw(rng, (3, t, n, h), dtype), draw(rng, (3, s, n, h), dtype), draw(rng, (3, s, n, h), dtype)
+    q, k, v = draw(rng, (3, 1, n, h), dtype), draw(rng, (3, s, n, h), dtype), draw(rng, (3, s, n, h), dtype)
     scale = 1.0 / np.sqrt(h)
-    out, lse, probs = small_seq_kernel.forward(q, k, v, scale, True, interpret=True)
+    out, lse = small_seq_kernel.forward(q, k, v, scale, interpret=True)
     static = small_seq_core.Static(n, scale, None, ())
-    aux = small_seq_core.Aux(None, {}, None)
-    want_out, want_lse = small_seq_core.attend(static, q, k, v, None, aux)  # the XLA formulation on a CPU
-    want_probs = small_seq_core.probabilities(static, q, k, v, None, aux)  # (B, N, T, S)
+    want_out, want_lse = small_seq_core.attend(static, q, k, v, None, small_seq_core.Aux(None, {}, None))
     tolerance = 2e-5 if dtype == "float32" else 1e-2
     assert out.dtype == v.dtype and rel_err(out, want_out) < tolerance
     np.testing.assert_allclose(np.transpose(lse, (0, 2, 1)), want_lse, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.transpose(probs, (0, 3, 1, 2)), want_probs, rtol=1e-5, atol=1e-6)
-    assert np.allclose(np.sum(probs, axis=2), 1.0, atol=1e-5)
-    _, none_saved, nothing = small_seq_kernel.forward(q, k, v, scale, False, interpret=True)
-    assert nothing is None and np.allclose(none_saved, lse)
 
 
-def test_the_backend_with_the_kernel_forward_matches_xla_values_and_gradients(monkeypatch):
-    """The backend's custom_vjp takes the kernel's probabilities as its residual: values and
-    gradients of q, k, v against the XLA backend."""
+def test_the_backend_runs_the_kernel_without_a_gradient_only(monkeypatch):
+    """Inference: the kernel's output and logsumexp, against the XLA backend. With a gradient the
+    backend keeps its XLA formulation, whose probabilities its backward reads."""
     calls = []
     real = small_seq_kernel.forward
-
-    def interpreted(*args, **kwargs):
-        calls.append(args[4])  # with_probs
-        return real(*args, **kwargs, interpret=True)
-
     monkeypatch.setattr(small_seq_kernel, "usable", lambda q, k, v: True)
-    monkeypatch.setattr(small_seq_kernel, "forward", interpreted)
+    monkeypatch.setattr(small_seq_kernel, "forward", lambda *a: calls.append(1) or real(*a, interpret=True))
     rng = np.random.default_rng()
-    q, k, v = draw(rng, (5, 2, 4, 16), "float32"), draw(rng, (5, 8, 4, 16), "float32"), draw(rng, (5, 8, 4, 16), "float32")
-    dout, dlse = draw(rng, q.shape, "float32"), draw(rng, (5, 4, 2), "float32")
+    q, k, v = draw(rng, (5, 1, 4, 16), "float32"), draw(rng, (5, 8, 4, 16), "float32"), draw(rng, (5, 8, 4, 16), "float32")
 
     def through(backend):
         def run(q, k, v):
@@ -59,13 +46,14 @@ def test_the_backend_with_the_kernel_forward_matches_xla_values_and_gradients(mo
             return backend(call.spec, q, k, v, call.inputs, call.score_mod)
         return run
 
-    ours = values_and_grads(through(small_seq_attention), (q, k, v), dout, dlse)
-    assert calls == [True]  # the training forward, with the probabilities the backward reads
-    theirs = values_and_grads(through(xla_attention), (q, k, v), dout, dlse)
-    for got, want in [(ours[0], theirs[0]), (ours[1], theirs[1]), *zip(ours[2], theirs[2])]:
+    (out, lse), (want_out, want_lse) = through(small_seq_attention)(q, k, v), through(xla_attention)(q, k, v)
+    assert calls == [1]
+    assert rel_err(out, want_out) < 2e-5 and rel_err(lse, want_lse) < 2e-5
+    dout = draw(rng, q.shape, "float32")
+    ours, theirs = (values_and_grads(through(backend), (q, k, v), dout) for backend in (small_seq_attention, xla_attention))
+    assert calls == [1]  # the gradient's forward did not run the kernel
+    for got, want in [(ours[0], theirs[0]), *zip(ours[2], theirs[2])]:
         assert rel_err(got, want) < 2e-5
-    through(small_seq_attention)(q, k, v)
-    assert calls == [True, False]  # without a gradient, no probabilities are written
 
 
 def test_where_the_kernel_runs(monkeypatch):
@@ -75,6 +63,9 @@ def test_where_the_kernel_runs(monkeypatch):
     assert small_seq_kernel.usable(q, k, k)
     assert not small_seq_kernel.usable(q, k[:, :, :4], k[:, :, :4])  # GQA: the XLA formulation
     assert not small_seq_kernel.usable(q, k[:, :12], k[:, :12])  # S not a power of two
+    assert not small_seq_kernel.usable(jnp.concatenate([q, q], 1), k, k)  # T 2: the XLA formulation was faster
+    long = jnp.zeros((2, 32, 16, 128), jnp.bfloat16)
+    assert not small_seq_kernel.usable(q, long, long)  # S 32: likewise
     assert not small_seq_kernel.usable(q[:, :, :, :96], k[..., :96], k[..., :96])  # nor H
     monkeypatch.setenv(small_seq_kernel.ENV_SWITCH, "0")
     assert not small_seq_kernel.usable(q, k, k)

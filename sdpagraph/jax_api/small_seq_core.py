@@ -13,9 +13,9 @@ recomputing them from q and K, and never saves or re-reads the output:
     IR's bprop, as on cuDNN), else jax's vjp of its jnp evaluation; dbias = dS summed to its shape
     dQ = scale * dS K      dK = scale * dS^T Q
 
-A call with nothing to mask or modify runs its forward as one Pallas kernel on a GPU
-(`small_seq_kernel`: 89-90% of the H100's HBM bandwidth, where these fused kernels reach 83-86%);
-the gradient is the same.
+Without a gradient, a call with nothing to mask or modify at T = 1, S <= 16 runs as one Pallas
+kernel on a GPU (`small_seq_kernel`: 89-90% of the H100's HBM bandwidth, where these fused kernels
+reach 83-86%).
 """
 from __future__ import annotations
 
@@ -153,24 +153,17 @@ def _by_kernel(static: Static, q, k, v, bias, aux: Aux) -> bool:
     return static.ir is None and bias is None and aux.allowed is None and small_seq_kernel.usable(q, k, v)
 
 
-def _kernel_forward(static: Static, q, k, v, with_probs: bool):
-    """(out, lse (B, T, K, 1), probabilities (B, T, S, K, 1) or None) from `small_seq_kernel`."""
-    out, lse, probs = small_seq_kernel.forward(q, k, v, static.scale, with_probs)
-    return out, lse[..., None], None if probs is None else probs[..., None]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _core(static: Static, q, k, v, bias, aux: Aux):
+    # The primal alone (no gradient taken): the one-kernel forward where it runs.
     if _by_kernel(static, q, k, v, bias, aux):
-        return _kernel_forward(static, q, k, v, False)[:2]
+        out, lse = small_seq_kernel.forward(q, k, v, static.scale)
+        return out, lse[..., None]  # (B, T, K, G=1)
     softmax, _ = _softmax_of(static, q, k, bias, aux)
     return _output(softmax.probs, v), softmax.lse
 
 
 def _core_fwd(static: Static, q, k, v, bias, aux: Aux):
-    if _by_kernel(static, q, k, v, bias, aux):
-        out, lse, probs = _kernel_forward(static, q, k, v, True)
-        return (out, lse), (q, k, v, bias, aux, probs, None)
     softmax, raw = _softmax_of(static, q, k, bias, aux)
     # The residuals: the inputs and p (T*S fp32 values per head), and with a score_mod the raw
     # scores it is differentiated at. Not the output: dS needs only sum_s p dP (= dO . O).
