@@ -16,15 +16,18 @@ _SWEEP_H100 = _points([
     # bench/dispatch.py on an H100 80GB HBM3 (jax 0.11.2, cuDNN 9.19), 2026-11-24, three runs (T1 S2/S8:
     # the first; T 1-4, S <= 32: the second; T 8-16, S 64-256 and the anchors: the third), in
     # docs/results/h100-2026-11-24.md. They replace the older points of the same shapes (`_newest`).
-    (30720, 1, 2, 16, 16, 128, False, "fwd", {"cudnn": 4.9616, "small_seq": 0.3124, "xla": 0.3049}),
+    # T1 S2-16 forward: small_seq and xla re-measured with small_seq's one-kernel forward (0b36ccb):
+    # S4 and S16 by bench/dispatch.py, S2 and S8 by bench/probe_small_seq_pallas.py --backend-only,
+    # the same run (docs/results/h100-2026-11-24.md, thirteenth run); cudnn from the first runs.
+    (30720, 1, 2, 16, 16, 128, False, "fwd", {"cudnn": 4.9616, "small_seq": 0.2638, "xla": 0.3014}),
     (30720, 1, 2, 16, 16, 128, False, "fwd_bwd", {"cudnn": 20.914, "small_seq": 0.7008, "xla": 3.1959}),
-    (30720, 1, 4, 16, 16, 128, False, "fwd", {"cudnn": 4.9618, "small_seq": 0.4851, "xla": 0.4794}),
+    (30720, 1, 4, 16, 16, 128, False, "fwd", {"cudnn": 4.91, "small_seq": 0.482, "xla": 0.508}),
     (30720, 1, 4, 16, 16, 128, False, "fwd_bwd", {"cudnn": 20.8441, "small_seq": 1.2345, "xla": 3.8761}),
-    (30720, 1, 8, 16, 16, 128, False, "fwd", {"cudnn": 4.9898, "small_seq": 0.854, "xla": 0.8451}),
+    (30720, 1, 8, 16, 16, 128, False, "fwd", {"cudnn": 4.9898, "small_seq": 0.7741, "xla": 0.7929}),
     (30720, 1, 8, 16, 16, 128, False, "fwd_bwd", {"cudnn": 21.1129, "small_seq": 2.2809, "xla": 5.5585}),
     (30720, 1, 16, 16, 4, 128, False, "fwd", {"cudnn": 1.3858, "small_seq": 1.1317, "xla": 1.2782}),
     (30720, 1, 16, 16, 4, 128, False, "fwd_bwd", {"cudnn": 19.0013, "small_seq": 2.5335, "xla": 2.9321}),
-    (30720, 1, 16, 16, 16, 128, False, "fwd", {"cudnn": 4.9997, "small_seq": 1.5617, "xla": 1.5943}),
+    (30720, 1, 16, 16, 16, 128, False, "fwd", {"cudnn": 5.03, "small_seq": 1.51, "xla": 1.64}),
     (30720, 1, 16, 16, 16, 128, False, "fwd_bwd", {"cudnn": 21.4103, "small_seq": 4.393, "xla": 7.4536}),
     (15640, 1, 32, 16, 16, 128, False, "fwd", {"cudnn": 2.635, "small_seq": 1.5761, "xla": 1.6608}),
     (15640, 1, 32, 16, 16, 128, False, "fwd_bwd", {"cudnn": 11.8317, "small_seq": 4.8557, "xla": 6.6433}),
