@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from sdpagraph.cli.check import add_command_parser, fail
 
 if TYPE_CHECKING:
-    from sdpagraph.deploy.precompile import PrecompileReport
     from sdpagraph.deploy.specfile import SpecEntry
     from sdpagraph.deploy.verify import VerifyReport
 # sdpagraph.deploy (and jax) are imported by the handlers: building the parser stays light.

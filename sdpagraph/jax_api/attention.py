@@ -16,7 +16,6 @@ import jax.numpy as jnp
 
 from sdpagraph.cache import CacheMissError
 from sdpagraph.cache.memory import BoundedMemo
-from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.support import Support
 from sdpagraph.jax_api import context_parallel
 from sdpagraph.jax_api import cudnn as cudnn_backend
@@ -26,7 +25,6 @@ from sdpagraph.jax_api.listeners import notify_trace_listeners
 from sdpagraph.jax_api import numerics
 from sdpagraph.jax_api.small_seq import small_seq_attention, small_seq_reason
 from sdpagraph.jax_api.xla import xla_attention
-from sdpagraph.spec import AttentionSpec
 
 logger = logging.getLogger("sdpagraph")
 # Each distinct fallback reason is logged once per process (bounded: a long-running server

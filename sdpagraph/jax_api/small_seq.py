@@ -85,7 +85,7 @@ def small_seq_reason(spec: AttentionSpec) -> str | None:
 def _allowed(spec: AttentionSpec, inputs: RuntimeInputs) -> Any:
     """Boolean, broadcastable to the score layout: where a query may attend to a key; None when
     every pair may. The same masks as the XLA backend's dense layout (`xla.allowed_mask`)."""
-    b, t, s = spec.batch, spec.q_len, spec.kv_len
+    t, s = spec.q_len, spec.kv_len
     q_pos = jnp.arange(t, dtype=jnp.int32)[None, :, None]  # (1, T, 1)
     kv_pos = jnp.arange(s, dtype=jnp.int32)[None, None, :]  # (1, 1, S)
     allowed = None

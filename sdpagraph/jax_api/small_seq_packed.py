@@ -50,7 +50,7 @@ def _key_windows(spec: AttentionSpec, inputs: RuntimeInputs, width: int, q_bound
     """(the windows, allowed (B, T, W) bool) for queries in segments of at most `q_bound` tokens."""
     q_ids = inputs.q_segment_ids
     kv_ids = q_ids if spec.segments == "self" else inputs.kv_segment_ids
-    b, t, s = spec.batch, spec.q_len, spec.kv_len
+    t, s = spec.q_len, spec.kv_len
     q_run, kv_run = segment_run_ids(q_ids), segment_run_ids(kv_ids)
     q_pos, kv_pos = segment_positions(q_ids), segment_positions(kv_ids)  # (B, T), (B, S)
     offset = 0  # bottom-right alignment: key segment length - query segment length

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
