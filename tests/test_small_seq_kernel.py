@@ -60,7 +60,11 @@ def test_where_the_kernel_runs(monkeypatch):
     q, k = jnp.zeros((2, 1, 16, 128), jnp.bfloat16), jnp.zeros((2, 16, 16, 128), jnp.bfloat16)
     assert not small_seq_kernel.usable(q, k, k)  # a CPU backend
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
     assert small_seq_kernel.usable(q, k, k)
+    with monkeypatch.context() as several:  # XLA cannot partition the kernel: several devices keep XLA's
+        several.setattr(jax, "device_count", lambda: 2)
+        assert not small_seq_kernel.usable(q, k, k)
     assert not small_seq_kernel.usable(q, k[:, :, :4], k[:, :, :4])  # GQA: the XLA formulation
     assert not small_seq_kernel.usable(q, k[:, :12], k[:, :12])  # S not a power of two
     assert not small_seq_kernel.usable(jnp.concatenate([q, q], 1), k, k)  # T 2: the XLA formulation was faster

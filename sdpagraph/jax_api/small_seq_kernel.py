@@ -22,9 +22,11 @@ Measured on an H100 80GB HBM3 (2026-11-24, jax 0.11.2, B30720 N16 H128 bf16):
 So it runs the inference forward only (a call whose gradient is taken keeps the XLA formulation
 that its backward reads the probabilities of), at T = 1 and S <= 16.
 
-Where: a GPU backend; no score_mod, bias, mask, padding or causal/window mask (those keep the XLA
-formulation); as many key/value heads as query heads; S and H powers of two (Triton's block
-shapes). `SDPAGRAPH_SMALL_SEQ_KERNEL=0` switches it off.
+Where: a GPU backend with one device (XLA cannot partition a Pallas call: under a sharded `jit` it
+would gather the inputs, so with several devices the XLA formulation, which XLA partitions, runs);
+no score_mod, bias, mask, padding or causal/window mask (those keep the XLA formulation); as many
+key/value heads as query heads; S and H powers of two (Triton's block shapes).
+`SDPAGRAPH_SMALL_SEQ_KERNEL=0` switches it off.
 """
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ def heads_per_block(num_heads: int, kv_len: int, head_dim: int) -> int:
 
 def usable(q: Any, k: Any, v: Any) -> bool:
     """Whether `forward` runs these shapes here (the call's other inputs are the caller's to check)."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or jax.default_backend() != "gpu":
+    if os.environ.get(ENV_SWITCH, "1") == "0" or jax.default_backend() != "gpu" or jax.device_count() != 1:
         return False
     _, t, n, h = q.shape
     _, s, kv_heads, h_k = k.shape
