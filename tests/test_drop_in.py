@@ -8,7 +8,6 @@
   the call runs (under jit), unless SDPAGRAPH_CHECK_SEGMENTS=0;
 - traced scalars (mods.softcap(cap) under jit, traced score_mod_tensors) are device operands.
 """
-import dataclasses
 import itertools
 
 import jax
@@ -20,8 +19,8 @@ import sdpagraph
 from sdpagraph import mods
 from sdpagraph.graphs.operands import ARRAY_PREFIX, array_desc, graph_io
 from sdpagraph.jax_api import cudnn as cudnn_backend
-from sdpagraph.jax_api.call import RuntimeInputs, prepare_call
-from sdpagraph.jax_api.xla import xla_attention
+from sdpagraph.jax_api.call import prepare_call
+from sdpagraph.jax_api.graph_on_xla import graph_forward
 
 B, T, S, N, K, H = 2, 5, 7, 4, 2, 8
 
@@ -164,11 +163,9 @@ def test_spec_holds_the_4d_shape_and_the_keys_of_4d_calls_do_not_change(rng):
 
 
 def fake_core(static, q, k, v, bias, aux, validity):
-    """The cuDNN graph, on XLA: the graph's bias operand (mask folded into it) and aux arrays."""
-    spec = dataclasses.replace(static.graph_spec, mask_shape=None, bias_shape=None if bias is None else bias.shape)
-    arrays = {name[len(ARRAY_PREFIX):]: value for name, value in aux.items() if name.startswith(ARRAY_PREFIX)}
-    inputs = RuntimeInputs(bias=bias, mod_scalars=dict(static.scalars), mod_arrays=arrays)
-    return xla_attention(spec, q, k, v, inputs, static.ir)
+    """The cuDNN graph, on XLA: the graph's bias operand (mask folded into it) and aux arrays
+    (`graph_on_xla.graph_forward`)."""
+    return graph_forward(static, aux)(q, k, v, bias)
 
 
 def cudnn_path(q, k, v, **kwargs):

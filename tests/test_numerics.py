@@ -30,11 +30,12 @@ from sdpagraph.deploy.numerics import verify_numerics
 from sdpagraph.deploy.specfile import SpecEntry
 from sdpagraph.graphs import builder, support as support_module
 from sdpagraph.graphs.compiled import CompiledGraph
-from sdpagraph.graphs.operands import ARRAY_PREFIX, graph_io, graph_spec, uid_map
+from sdpagraph.graphs.operands import graph_io, graph_spec, uid_map
 from sdpagraph.graphs.reference import reference
 from sdpagraph.jax_api import cudnn as cudnn_backend
 from sdpagraph.jax_api import numerics, numerics_draw
-from sdpagraph.jax_api.call import RuntimeInputs, prepare_call
+from sdpagraph.jax_api.call import prepare_call
+from sdpagraph.jax_api.graph_on_xla import graph_forward
 from sdpagraph.jax_api.xla import xla_attention
 
 ENV = builder.BuildEnvironment("9.19.0", "1.32.0", "sm90 fake GPU")
@@ -57,13 +58,12 @@ def fake_compile(spec, ir, direction, env):
 
 
 def xla_core(static, q, k, v, bias, aux, validity, scale=1.0):
-    """What a correct graph computes (dense specs without packed segments), on XLA."""
-    spec = dataclasses.replace(static.graph_spec, scale=static.graph_spec.scale * scale,
-                               bias_shape=None if bias is None else tuple(bias.shape), mask_shape=None)
-    arrays = {name[len(ARRAY_PREFIX):]: x for name, x in aux.items() if name.startswith(ARRAY_PREFIX)}
-    inputs = RuntimeInputs(bias=bias, q_lengths=aux.get("seq_len_q"), kv_lengths=aux.get("seq_len_kv"),
-                           mod_scalars=dict(static.scalars), mod_arrays=arrays)
-    return xla_attention(spec, q, k, v, inputs, static.ir)
+    """What a correct graph computes (dense specs without packed segments), on XLA
+    (`graph_on_xla.graph_forward`); `scale` multiplies the graph's attention scale."""
+    if scale != 1.0:
+        static = dataclasses.replace(static, graph_spec=dataclasses.replace(
+            static.graph_spec, scale=static.graph_spec.scale * scale))
+    return graph_forward(static, aux)(q, k, v, bias)
 
 
 @jax.custom_vjp

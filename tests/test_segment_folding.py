@@ -17,14 +17,12 @@ import pytest
 from sdpagraph import mods
 from sdpagraph.cache import graphs as graphs_cache
 from sdpagraph.graphs import builder
-from sdpagraph.graphs.ir_eval import evaluate
 from sdpagraph.graphs.lowering import lower
-from sdpagraph.graphs.masks import segment_ir
 from sdpagraph.graphs.mod_lowering import Unsupported
-from sdpagraph.graphs.operands import ARRAY_PREFIX, folds_segments, graph_io, graph_spec
+from sdpagraph.graphs.operands import folds_segments, graph_io, graph_spec
 from sdpagraph.jax_api import cudnn as cudnn_backend
 from sdpagraph.jax_api.call import prepare_call
-from sdpagraph.jax_api.call import RuntimeInputs
+from sdpagraph.jax_api.graph_on_xla import graph_forward
 from sdpagraph.jax_api.xla import xla_attention
 
 
@@ -62,22 +60,11 @@ FOLDED = {
 
 
 def fake_graph_core(static, q, k, v, bias, aux, validity):
-    """The dense twin's cuDNN graph, on XLA, as cuDNN computes it: the user's mod, the spec's
-    position masks and `masks.segment_ir` (evaluated on the graph's own bound operands) as -inf,
-    then the bias operand, in which the user's mask is a large finite negative value, so a row it
-    empties is averaged over its masked keys, as cuDNN does."""
-    spec = static.graph_spec
-    b, t = spec.batch, spec.q_len
-    index = [None, None, None, jnp.arange(t, dtype=jnp.int32)[None, None, None, :]]
-    bounds = {name: value for name, value in aux.items() if name.startswith("segment_")}
-    masked, _ = evaluate(segment_ir(spec), jnp.zeros((b, 1, t, t), jnp.float32), scalars={}, arrays=bounds,
-                         index=index)
-    plain = dataclasses.replace(spec, segment_mask=False, max_segments=0, mask_shape=(b, 1, t, t),
-                                bias_shape=None if bias is None else bias.shape)
-    arrays = {name[len(ARRAY_PREFIX):]: value for name, value in aux.items() if name.startswith(ARRAY_PREFIX)}
-    inputs = RuntimeInputs(bias=bias, mask=jnp.isfinite(masked), mod_scalars=dict(static.scalars),
-                           mod_arrays=arrays)
-    return xla_attention(plain, q, k, v, inputs, static.ir)
+    """The dense twin's cuDNN graph, on XLA, as cuDNN computes it from its own operands
+    (`graph_on_xla.graph_forward`): the user's mod, the spec's position masks and `masks.segment_ir`
+    on the graph's bound operands, then the bias operand, in which the user's mask is a large finite
+    negative value, so a row it empties is averaged over its masked keys, as cuDNN does."""
+    return graph_forward(static, aux)(q, k, v, bias)
 
 
 @pytest.mark.parametrize("name", FOLDED)
