@@ -38,11 +38,12 @@ def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks:
     (B', N', T'), `kv_pos` (B', S)), the bias (None or broadcastable) and the mod's `arrays`;
     `scalars`: the mod's scalars."""
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    scale = np.float32(spec.scale)
     group = spec.num_heads // spec.num_kv_heads
     kv_of = np.searchsorted(picks["kv_heads"], picks["heads"] // group)  # each head's K' index
     q = f32(data["q"])  # (B', N', T', H)
     k, v = (_per_head(data[name], kv_of) for name in ("k", "v"))  # (B', N', S, H): one matmul per (row, head)
-    score = np.float32(spec.scale) * (q @ k.swapaxes(-1, -2))  # (B', N', T', S)
+    score = scale * (q @ k.swapaxes(-1, -2))  # (B', N', T', S)
     index = (np.asarray(picks["rows"], np.int32)[:, None, None, None],
              np.asarray(picks["heads"], np.int32)[None, :, None, None],
              np.asarray(data["q_pos"], np.int32)[..., None],
@@ -77,9 +78,9 @@ def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks:
     if ir is not None and ir.grad_output is None:
         raise ValueError("the score_mod has no bprop, so its backward graph cannot be checked")
     d_score = d_logits if ir is None else mod(d_logits)
-    result["dq"] = np.float32(spec.scale) * (d_score @ k)
+    result["dq"] = scale * (d_score @ k)
     at_keys = lambda x: np.take(x, picks["keys"], axis=-1).swapaxes(-1, -2)  # noqa: E731 - (B', N', S', T')
-    per_head = {"dk": np.float32(spec.scale) * (at_keys(d_score) @ q), "dv": at_keys(probs) @ d_out}  # (B', N', S', H)
+    per_head = {"dk": scale * (at_keys(d_score) @ q), "dv": at_keys(probs) @ d_out}  # (B', N', S', H)
     for name, grads in per_head.items():
         result[name] = _sum_groups(grads, kv_of).transpose(0, 2, 1, 3)
     if data["bias"] is not None:

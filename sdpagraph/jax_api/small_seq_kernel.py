@@ -4,9 +4,9 @@ or modify.
     usable(q, k, v) -> bool
     forward(q, k, v, scale) -> (o, lse)
 
-One program per batch row and block of heads reads q (NB, H), K and V (S, NB, H) once, computes the
-S scores, their softmax and the weighted sum of values in fp32 registers, and writes o and the
-logsumexp. XLA's formulation (`small_seq_core`) runs the same arithmetic as two fused kernels and
+One program per batch row and block of heads reads q (NB, H) at the one query position, K and V
+(S, NB, H) once, computes the S scores, their softmax and the weighted sum of values in fp32
+registers, and writes o and the logsumexp. XLA's formulation (`small_seq_core`) runs the same arithmetic as two fused kernels and
 writes the scores between them.
 
 Measured on an H100 80GB HBM3 (2026-11-24, jax 0.11.2, B30720 N16 H128 bf16):
@@ -72,6 +72,8 @@ def forward(q: Any, k: Any, v: Any, scale: float, interpret: bool = False) -> tu
     from jax.experimental import pallas as pl
 
     b, t, n, h = q.shape
+    if t != 1:
+        raise ValueError(f"q must have one query position, got shape {q.shape}")
     s = k.shape[1]
     heads = heads_per_block(n, s, h)
     rows = pl.BlockSpec((1, t, heads, h), lambda i, j: (i, 0, j, 0))
@@ -92,14 +94,13 @@ def _compiler_params() -> Any:
 
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float) -> None:
-    """Blocks: q, o (1, T, NB, H); k, v (1, S, NB, H); lse (1, T, NB)."""
+    """Blocks: q, o (1, 1, NB, H); k, v (1, S, NB, H); lse (1, 1, NB)."""
     k = k_ref[0].astype(jnp.float32)  # (S, NB, H)
     v = v_ref[0].astype(jnp.float32)
-    for t in range(q_ref.shape[1]):
-        q = q_ref[0, t].astype(jnp.float32)  # (NB, H)
-        scores = jnp.sum(q[None] * k, axis=-1) * scale  # (S, NB)
-        peak = jnp.max(scores, axis=0)
-        weights = jnp.exp(scores - peak[None])
-        total = jnp.sum(weights, axis=0)
-        o_ref[0, t] = (jnp.sum(weights[:, :, None] * v, axis=0) / total[:, None]).astype(o_ref.dtype)
-        lse_ref[0, t] = peak + jnp.log(total)
+    q = q_ref[0, 0].astype(jnp.float32)  # (NB, H)
+    scores = jnp.sum(q[None] * k, axis=-1) * scale  # (S, NB)
+    peak = jnp.max(scores, axis=0)
+    weights = jnp.exp(scores - peak[None])
+    total = jnp.sum(weights, axis=0)
+    o_ref[0, 0] = (jnp.sum(weights[:, :, None] * v, axis=0) / total[:, None]).astype(o_ref.dtype)
+    lse_ref[0, 0] = peak + jnp.log(total)
