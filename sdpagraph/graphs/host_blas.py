@@ -33,11 +33,12 @@ _SUFFIXES = ("64_", "")
 _lock = threading.Lock()
 _open = 0  # blocks open now, in any thread
 _restore: list[tuple[Any, int]] = []  # (set function, thread count) to put back when the last one ends
-FEW_THREADS = 4
+FEW_THREADS = 4  # OpenBLAS's count inside a block, when it was higher
 
 
 @contextlib.contextmanager
 def few_blas_threads() -> Iterator[None]:
+    """Within the block (and any other open in another thread), OpenBLAS runs on at most FEW_THREADS."""
     global _open
     with _lock:
         if _open == 0:

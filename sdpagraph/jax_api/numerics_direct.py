@@ -299,8 +299,9 @@ def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Sli
     o_shape = (g.batch, g.q_len, g.num_heads, g.head_dim_v)
     # Of the large results, only what the slice reads comes back: the (batch row, query) tokens of o
     # and dq, the (batch row, key) tokens of dk and dv.
-    query_tokens = np.unique(rows * g.q_len + queries)
-    at_queries = np.searchsorted(query_tokens, rows * g.q_len + queries)  # (B', N', T'): each pick's token
+    picked_tokens = rows * g.q_len + queries  # (B', N', T')
+    query_tokens = np.unique(picked_tokens)
+    at_queries = np.searchsorted(query_tokens, picked_tokens)  # each pick's place among the tokens
     on_q_tokens = lambda x: x[at_queries, heads]  # noqa: E731 - (tokens, N, H) -> (B', N', T', H)
     key_tokens = (picks["rows"][:, None] * g.kv_len + picks["keys"][None, :]).reshape(-1)
     on_key_tokens = lambda x: x.reshape(len(picks["rows"]), len(picks["keys"]), *x.shape[1:])[  # noqa: E731
