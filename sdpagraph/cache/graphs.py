@@ -33,6 +33,7 @@ from sdpagraph.cache.graph_cache import CacheMissError, GraphCache
 from sdpagraph.cache.keys import CacheKey
 from sdpagraph.cache.memory import BoundedMemo, KeyedLocks
 from sdpagraph.graphs import builder
+from sdpagraph.graphs.binning import bin_plan
 from sdpagraph.graphs.builder import BuildEnvironment
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.ir import ScoreModIR
@@ -147,6 +148,12 @@ def check_graphs(spec: AttentionSpec, ir: ScoreModIR | None, training: bool,
             answer = _checked_answer(spec, ir, training, cache, verify, answer)
         if final:
             answers.put(question, answer)
+        bins = bin_plan(spec, ir)
+        if answer.supported and bins is not None:  # the bins' graphs too, so a precompiled cache holds them
+            try:
+                check_graphs(bins.spec, ir, training, cache, verify)
+            except CacheMissError:  # strict mode, a cache made without them: the call runs unbinned
+                pass
     return answer
 
 

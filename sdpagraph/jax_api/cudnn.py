@@ -17,13 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdpagraph import ffi
+from sdpagraph.cache.graph_cache import CacheMissError
 from sdpagraph.cache.graphs import CachedGraph, cached_graph, check_graphs
+from sdpagraph.graphs.binning import BinPlan, bin_plan
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.masks import SEGMENT_ARRAYS
 from sdpagraph.graphs.operands import ARRAY_PREFIX, LayoutPlan, graph_io, plan_layout
 from sdpagraph.graphs.support import Support, environment_reason
-from sdpagraph.jax_api import sharding
+from sdpagraph.jax_api import packed_bins, sharding
 from sdpagraph.jax_api.call import RuntimeInputs
 from sdpagraph.jax_api.graph_on_xla import run_on_xla
 from sdpagraph.jax_api.segments import segment_metadata, segment_positions, segment_run_ids
@@ -317,7 +319,29 @@ def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: Run
               verify: Callable[..., Any] | None = None) -> tuple[Any, Any]:
     """Return (output (B, T, N, H_v), logsumexp (B, N, T) or None for the inference graph).
     `verify`: the numerical check the call's graphs passed (`support`); per-device graphs of a
-    sharded call are checked with it too."""
+    sharded call are checked with it too. Packed documents run on bins (`jax_api.packed_bins`)
+    where `graphs.binning` plans them and the bins' graphs pass their own check here."""
+    run = functools.partial(_attention, score_mod=score_mod, training=training, verify=verify)
+    bins = bin_plan(spec, score_mod)
+    if bins is not None and packed_bins.usable() and _bins_supported(bins, score_mod, training, verify, inputs):
+        return packed_bins.attention(bins, spec, query, key, value, inputs, run)
+    return run(spec, query, key, value, inputs)
+
+
+def _bins_supported(bins: BinPlan, score_mod: ScoreModIR | None, training: bool,
+                    verify: Callable[..., Any] | None, inputs: RuntimeInputs) -> bool:
+    """Whether the bins' graphs build here and pass their check; in strict mode, a cache without them
+    (one precompiled before binning) runs the call unbinned rather than failing it."""
+    if verify is not None:
+        verify = functools.partial(verify, scalars=inputs.mod_scalars)
+    try:
+        return support(bins.spec, score_mod, training=training, verify=verify).supported
+    except CacheMissError:
+        return False
+
+
+def _attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: RuntimeInputs, *,
+               score_mod: ScoreModIR | None, training: bool, verify: Callable[..., Any] | None) -> tuple[Any, Any]:
     plan = plan_layout(spec, score_mod)
     static = _Static(spec, plan.graph_spec, score_mod, tuple(sorted((inputs.mod_scalars or {}).items())), training,
                      verify)

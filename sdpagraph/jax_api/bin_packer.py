@@ -1,0 +1,84 @@
+"""First-fit decreasing packing of documents into bins, on the device, for `jax_api.packed_bins`.
+
+    pack(lengths, rows, bins, interpret=False) -> (bin, offset)
+
+`lengths` (D,) int32 are the documents' lengths in decreasing order (0 past the last document).
+Each document goes whole into a bin of `rows` tokens: `bin[d]` (>= `bins` when it fits in none,
+the caller's sign to run unbinned) at token `offset[d]`.
+
+- Documents longer than `rows // SMALL_SHARE` are placed one after another by one Pallas (Triton)
+  program, each into the first bin it fits in: a loop over those documents (at most
+  `SMALL_SHARE` per bin's worth of tokens) over a vector of the bins' fill.
+- The shorter ones fill new bins after those, in order, by a prefix sum: a bin takes documents
+  while they start in its first `rows - rows // SMALL_SHARE` tokens, so none crosses its end.
+
+Why a kernel: the loop is sequential, and XLA runs a `lax.fori_loop` outside a kernel as a few
+kernel launches per step. Why the short documents apart: a step per document however short would
+make many short documents cost as much as many long ones.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+SMALL_SHARE = 16
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def pack(lengths: Any, rows: int, bins: int, interpret: bool = False) -> tuple[Any, Any]:
+    """(bin (D,), offset (D,)) int32 of documents whose lengths (D,) decrease (module docstring)."""
+    count = lengths.shape[0]
+    long = lengths > rows // SMALL_SHARE
+    long_count = jnp.sum(long, dtype=jnp.int32)
+    size = _power_of_two_at_least(count)  # Triton's block shapes are powers of two
+    padded = jnp.zeros((size,), jnp.int32).at[:count].set(lengths.astype(jnp.int32))
+    bin_long, offset_long = _first_fit(padded, long_count, rows, bins, interpret)
+    bin_long, offset_long = bin_long[:count], offset_long[:count]
+    used = jnp.max(jnp.where(long, bin_long, -1)) + 1  # bins the long documents opened
+    short = jnp.where(long, 0, lengths)
+    start = jnp.cumsum(short) - short  # the short documents laid end to end
+    stride = rows - rows // SMALL_SHARE
+    bin_short, offset_short = used + start // stride, start % stride
+    return (jnp.where(long, bin_long, bin_short).astype(jnp.int32),
+            jnp.where(long, offset_long, offset_short).astype(jnp.int32))
+
+
+def _first_fit(lengths: Any, count: Any, rows: int, bins: int, interpret: bool) -> tuple[Any, Any]:
+    from jax.experimental import pallas as pl
+
+    size = lengths.shape[0]
+    slots = _power_of_two_at_least(bins)
+    kernel = functools.partial(_first_fit_kernel, rows=rows, bins=bins, slots=slots)
+    out_shape = [jax.ShapeDtypeStruct((size,), jnp.int32)] * 2
+    params = None if interpret else _compiler_params()
+    return pl.pallas_call(kernel, out_shape=out_shape, compiler_params=params,
+                          interpret=interpret)(count.reshape(1), lengths)
+
+
+def _compiler_params() -> Any:
+    from jax.experimental.pallas import triton as pallas_triton
+
+    return pallas_triton.CompilerParams(num_warps=1, num_stages=1)
+
+
+def _first_fit_kernel(count_ref, length_ref, bin_ref, offset_ref, *, rows: int, bins: int, slots: int) -> None:
+    """One program: documents 0..count-1, each into the first of `bins` bins with room for it
+    (`slots` >= bins, a power of two; a document with no room gets `slots`)."""
+    slot = jnp.arange(slots, dtype=jnp.int32)
+
+    def place(d, fill):
+        length = length_ref[d]
+        room = (fill + length <= rows) & (slot < bins)
+        chosen = jnp.min(jnp.where(room, slot, slots))
+        here = slot == chosen
+        bin_ref[d] = chosen
+        offset_ref[d] = jnp.sum(jnp.where(here, fill, 0))
+        return jnp.where(here, fill + length, fill)
+
+    jax.lax.fori_loop(0, count_ref[0], place, jnp.zeros((slots,), jnp.int32))

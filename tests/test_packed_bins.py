@@ -1,0 +1,208 @@
+"""Packed documents on bins (`graphs.binning`, `jax_api.bin_packer`, `jax_api.packed_bins`), on a CPU:
+the packer (Pallas' interpreter) against a first-fit-decreasing reference in NumPy, and the binned
+call, with the XLA backend standing in for cuDNN's, against the same call unbinned: outputs,
+logsumexp and gradients, documents that do not fit, padding and dropped segments."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sdpagraph.graphs.binning import BIN_SLACK, BinPlan, bin_plan, bin_reason
+from sdpagraph.jax_api import bin_packer, packed_bins
+from sdpagraph.jax_api.call import prepare_call
+from sdpagraph.jax_api.xla import xla_attention
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return 20.0 * jnp.tanh(score / 20.0)
+
+
+def random_documents(rng, batch, length, low, high, padding=0):
+    """(B, T) ids: documents of lengths in [low, high] (the last one of a row cut), ids reused across
+    rows, and `padding` zero tokens at each row's end."""
+    ids = np.zeros((batch, length), np.int32)
+    for b in range(batch):
+        start, doc = 0, 1
+        while start < length - padding:
+            size = min(int(rng.integers(low, high + 1)), length - padding - start)
+            ids[b, start:start + size] = doc
+            start, doc = start + size, doc + 1
+    return ids
+
+
+def first_fit_decreasing(lengths, rows, bins):
+    """What `bin_packer.pack` computes, one document at a time (its short-document rule included)."""
+    placed, fill = [], []
+    for length in lengths:
+        if length == 0 or length <= rows // bin_packer.SMALL_SHARE:
+            break
+        for index, used in enumerate(fill):
+            if used + length <= rows:
+                placed.append((index, used))
+                fill[index] += length
+                break
+        else:
+            placed.append((len(fill), 0) if len(fill) < bins else (None, None))
+            if len(fill) < bins:
+                fill.append(length)
+    stride, start = rows - rows // bin_packer.SMALL_SHARE, 0
+    for length in lengths[len(placed):]:
+        placed.append((len(fill) + start // stride, start % stride))
+        start += length
+    return placed
+
+
+@pytest.mark.parametrize("low,high,rows,bins", [(8, 64, 64, 40), (1, 40, 64, 40), (30, 60, 64, 12)])
+def test_the_packer_places_documents_as_first_fit_decreasing_does(low, high, rows, bins):
+    rng = np.random.default_rng()
+    lengths = np.sort(rng.integers(low, high + 1, size=int(rng.integers(20, 40))))[::-1]
+    lengths = np.concatenate([lengths, np.zeros(13, np.int64)])
+    got_bin, got_offset = (np.asarray(x) for x in bin_packer.pack(jnp.asarray(lengths, jnp.int32), rows, bins,
+                                                                   interpret=True))
+    for d, (want_bin, want_offset) in enumerate(first_fit_decreasing(list(lengths), rows, bins)):
+        if lengths[d] == 0:
+            continue
+        if want_bin is None:
+            assert got_bin[d] >= bins
+        else:
+            assert (got_bin[d], got_offset[d]) == (want_bin, want_offset)
+    # Every placed document lies inside its bin, and no two overlap.
+    used = np.zeros((int(got_bin.max()) + 1, rows), np.int32)
+    for d, length in enumerate(lengths):
+        if length and got_bin[d] < bins:
+            assert got_offset[d] + length <= rows
+            used[got_bin[d], got_offset[d]:got_offset[d] + length] += 1
+    assert used.max() <= 1
+
+
+def prepared(rng, ids, hint, score_mod=softcap, is_causal=True, n=2, h=16, dtype=jnp.float32, **kwargs):
+    b, t = ids.shape
+    q, k, v = (jnp.asarray(rng.standard_normal((b, t, n, h)), dtype) for _ in range(3))
+    call = prepare_call(q, k, v, is_causal=is_causal, segment_ids=jnp.asarray(ids), score_mod=score_mod,
+                        max_seqlen_kv=hint, **kwargs)
+    return call, q, k, v
+
+
+def run_on_xla(score_mod):
+    return lambda spec, q, k, v, inputs: xla_attention(spec, q, k, v, inputs, score_mod)
+
+
+def binned_and_unbinned(call, plan, q, k, v):
+    """(value, lse, grads) of the call through packed_bins.attention and through the XLA backend alone."""
+    run = run_on_xla(call.score_mod)
+
+    def through(fn):
+        def loss(q, k, v):
+            out, lse = fn(q, k, v)
+            return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape))), (out, lse)
+        (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return out, lse, grads
+
+    binned = through(lambda q, k, v: packed_bins.attention(plan, call.spec, q, k, v, call.inputs, run,
+                                                           interpret=True))
+    unbinned = through(lambda q, k, v: run(call.spec, q, k, v, call.inputs))
+    return binned, unbinned
+
+
+def assert_same(binned, unbinned):
+    (out, lse, grads), (want_out, want_lse, want_grads) = binned, unbinned
+    np.testing.assert_allclose(out, want_out, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(want_lse))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite], rtol=2e-5, atol=2e-5)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("is_causal,padding", [(True, 0), (False, 0), (True, 37)])
+def test_a_call_on_bins_gives_what_it_gives_unbinned(is_causal, padding):
+    rng = np.random.default_rng()
+    ids = random_documents(rng, 2, 1024, 9, 120, padding)
+    call, q, k, v = prepared(rng, ids, 128, is_causal=is_causal)
+    plan = bin_plan(call.spec, call.score_mod)
+    assert plan is not None and plan.rows == 128 and plan.spec.batch == plan.bins
+    layout = packed_bins._layout(call.inputs.q_segment_ids, plan, call.spec.max_segments, True)
+    assert bool(layout.fits)
+    assert_same(*binned_and_unbinned(call, plan, q, k, v))
+
+
+def test_documents_that_need_more_bins_run_unbinned():
+    rng = np.random.default_rng()
+    ids = random_documents(rng, 2, 1024, 65, 70)  # just over half a bin each: one per bin
+    call, q, k, v = prepared(rng, ids, 128)
+    plan = bin_plan(call.spec, call.score_mod)
+    assert not bool(packed_bins._layout(call.inputs.q_segment_ids, plan, call.spec.max_segments, True).fits)
+    assert_same(*binned_and_unbinned(call, plan, q, k, v))
+
+
+def test_a_document_longer_than_the_bins_runs_unbinned(monkeypatch):
+    """Only reachable with the run-time length check off: the call must not lose the document's tail."""
+    monkeypatch.setenv("SDPAGRAPH_CHECK_SEGMENTS", "0")
+    rng = np.random.default_rng()
+    ids = random_documents(rng, 2, 1024, 9, 100)
+    ids[1, 100:400] = 99  # a document of 300 tokens
+    call, q, k, v = prepared(rng, ids, 128)
+    plan = bin_plan(call.spec, call.score_mod)
+    assert not bool(packed_bins._layout(call.inputs.q_segment_ids, plan, call.spec.max_segments, True).fits)
+    assert_same(*binned_and_unbinned(call, plan, q, k, v))
+
+
+def test_segments_past_max_segments_are_padding_on_bins_too():
+    rng = np.random.default_rng()
+    ids = random_documents(rng, 2, 1024, 9, 40)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SDPAGRAPH_CHECK_SEGMENTS", "0")
+        call, q, k, v = prepared(rng, ids, 128, max_segments_per_seq=12)
+    plan = bin_plan(call.spec, call.score_mod)
+    binned, unbinned = binned_and_unbinned(call, plan, q, k, v)
+    assert_same(binned, unbinned)
+    assert np.all(np.asarray(binned[0])[:, -100:] == 0)  # rows past the 12th segment give 0
+
+
+def test_which_calls_are_binned():
+    rng = np.random.default_rng()
+    ids = random_documents(rng, 2, 1024, 9, 120)
+    call, *_ = prepared(rng, ids, 128)
+    plan = bin_plan(call.spec, call.score_mod)
+    assert plan.bins == int(np.ceil(BIN_SLACK * 2 * 1024 / 128)) + 1
+    assert plan.spec.segments == "self" and plan.spec.max_seqlen_kv is None
+    assert bin_plan(plan.spec, call.score_mod) is None  # bins are not binned again
+    assert "max_seqlen_kv" in bin_reason(prepared(rng, ids, None)[0].spec, call.score_mod)
+    assert bin_plan(prepared(rng, ids, 128, score_mod=None)[0].spec, None) is None  # cuDNN's packed layout
+    assert bin_plan(prepared(rng, ids, 512)[0].spec, call.score_mod) is None  # bins as long as half a row
+    position_mod = prepared(rng, ids, 128, score_mod=lambda s, b, h, q, k: s + (q - k) * 0.1)[0]
+    assert bin_plan(position_mod.spec, position_mod.score_mod) is None
+    batch_mod = prepared(rng, ids, 128, score_mod=lambda s, b, h, q, k: s * (b + 1))[0]
+    assert "batch" in bin_reason(batch_mod.spec, batch_mod.score_mod)
+
+
+def test_a_per_row_array_keeps_a_call_unbinned():
+    rng = np.random.default_rng()
+    ids = random_documents(rng, 2, 1024, 9, 120)
+    weights = jnp.asarray(rng.standard_normal((2, 1, 1, 1)), jnp.float32)
+    call, *_ = prepared(rng, ids, 128, score_mod=lambda s, b, h, q, k: s * weights[b, 0, 0, 0])
+    assert "array" in bin_reason(call.spec, call.score_mod)
+
+
+def test_the_switch_and_the_device_count_decide_usable(monkeypatch):
+    assert not packed_bins.usable()  # a CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    assert packed_bins.usable()
+    monkeypatch.setenv(packed_bins.ENV_SWITCH, "0")
+    assert not packed_bins.usable()
+    monkeypatch.delenv(packed_bins.ENV_SWITCH)
+    monkeypatch.setattr(jax, "device_count", lambda: 2)
+    assert not packed_bins.usable()
+
+
+def test_a_plan_with_rows_of_64_works_too():
+    """Rows smaller than cuDNN's tile multiple (a plan made by hand): the moves do not assume 128."""
+    rng = np.random.default_rng()
+    ids = random_documents(rng, 2, 512, 5, 60)
+    call, q, k, v = prepared(rng, ids, 64)
+    spec = dataclasses.replace(call.spec, batch=24, q_len=64, kv_len=64, max_segments=64, max_seqlen_q=None,
+                               max_seqlen_kv=None)
+    assert_same(*binned_and_unbinned(call, BinPlan(64, 24, spec), q, k, v))
