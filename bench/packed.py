@@ -5,8 +5,10 @@
 Per case (bf16, N16 H128, causal): sdpagraph's packed call (cuDNN), the same documents as rows of
 their own (dense causal at B*docs x doc length: what the packed call could at best cost), dense
 causal over the whole rows (the rate the issue compares with), the packed call's segment
-metadata alone (the XLA ops before cuDNN), and FlexAttention with a document block mask. Prints
-ms, real-token TFLOP/s and ratios; writes packed.md / packed.json to --out.
+metadata alone (the XLA ops before cuDNN), and FlexAttention with a document block mask. Cases
+with a score_mod and a `max_seqlen_kv` hint run on bins (`graphs.binning`); they also time the
+same call unbinned (the dense twin over whole rows) and the bins' layout alone. Prints ms,
+real-token TFLOP/s and ratios; writes packed.md / packed.json to --out.
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import sdpagraph
+from sdpagraph.graphs.binning import bin_plan
+from sdpagraph.jax_api import packed_bins
+from sdpagraph.jax_api.call import prepare_call
 from sdpagraph.jax_api.segments import segment_metadata, segment_run_ids
 
 import report  # bench/ is on sys.path when a script here runs
@@ -47,11 +52,12 @@ def random_docs(B, T, low, high, seed=0):
     return ids
 
 
-CASES = [  # (name, ids, score_mod name)
-    ("B4 T4096, 4 docs of 1024", lambda: equal_docs(4, 4096, 4), None),
-    ("B4 T4096, 16 docs of 256", lambda: equal_docs(4, 4096, 16), None),
-    ("B8 T8192, docs 64-2048", lambda: random_docs(8, 8192, 64, 2048), None),
-    ("B8 T8192, docs 64-2048, softcap30", lambda: random_docs(8, 8192, 64, 2048), "softcap"),
+CASES = [  # (name, ids, score_mod name, max_seqlen_kv hint)
+    ("B4 T4096, 4 docs of 1024", lambda: equal_docs(4, 4096, 4), None, None),
+    ("B4 T4096, 16 docs of 256", lambda: equal_docs(4, 4096, 16), None, None),
+    ("B8 T8192, docs 64-2048", lambda: random_docs(8, 8192, 64, 2048), None, None),
+    ("B8 T8192, docs 64-2048, softcap30", lambda: random_docs(8, 8192, 64, 2048), "softcap", 2048),
+    ("B4 T8192, docs 64-512, softcap30", lambda: random_docs(4, 8192, 64, 512, seed=1), "softcap", 512),
 ]
 
 
@@ -75,9 +81,31 @@ def jitted(fn, backward):
     return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
 
 
+def bins_off(fn):
+    """`fn` traced with binning switched off (packed_bins reads its switch when a call is traced)."""
+    def call(*args):
+        os.environ[packed_bins.ENV_SWITCH] = "0"
+        try:
+            return fn(*args)
+        finally:
+            del os.environ[packed_bins.ENV_SWITCH]
+    return call
+
+
+def packing_ms(q, seg, max_segments, hint, score_mod):
+    """The bins' layout alone: numbering, sorting and packing the documents, and the index arrays."""
+    call = prepare_call(q, q, q, is_causal=True, segment_ids=seg, max_segments_per_seq=max_segments,
+                        score_mod=score_mod, max_seqlen_kv=hint)
+    plan = bin_plan(call.spec, call.score_mod)
+    if plan is None:
+        return None
+    layout = jax.jit(lambda ids: packed_bins._layout(ids, plan, max_segments, False))
+    return time_ms(layout, seg)
+
+
 def run(with_flex):
     rows = []
-    for name, make_ids, mod in CASES:
+    for name, make_ids, mod, hint in CASES:
         ids = make_ids()
         B, T = ids.shape
         lengths = doc_lengths(ids)
@@ -88,13 +116,16 @@ def run(with_flex):
         score_mod = softcap if mod else None
         for backward in (False, True):
             row = {"case": name, "pass": "fwd+bwd" if backward else "fwd", "docs": len(lengths), "max per row": M}
+            packed = lambda q, k, v: sdpagraph.attention(  # noqa: E731
+                q, k, v, is_causal=True, segment_ids=seg, max_segments_per_seq=M, score_mod=score_mod,
+                max_seqlen_kv=hint, implementation="cudnn", training=backward)
             variants = {
-                "packed": lambda q, k, v: sdpagraph.attention(
-                    q, k, v, is_causal=True, segment_ids=seg, max_segments_per_seq=M, score_mod=score_mod,
-                    implementation="cudnn", training=backward),
+                "packed": packed,
                 "dense rows": lambda q, k, v: sdpagraph.attention(
                     q, k, v, is_causal=True, score_mod=score_mod, implementation="cudnn", training=backward),
             }
+            if hint is not None:  # on bins by default (graphs.binning): the same call unbinned, side by side
+                variants["unbinned"] = bins_off(packed)
             for label, fn in variants.items():
                 try:
                     row[label + " ms"] = time_ms(jitted(fn, backward), q, k, v)
@@ -109,6 +140,8 @@ def run(with_flex):
             if not backward:
                 meta = jax.jit(lambda ids: (segment_metadata(ids, M), segment_run_ids(ids)))
                 row["metadata ms"] = time_ms(meta, seg)
+            if not backward and hint is not None:
+                row["packing ms"] = packing_ms(q, seg, M, hint, score_mod)
             if with_flex:
                 try:
                     row["flex ms"] = torch_flex_ms(B, T, N, H, backward, ids, softcap=bool(mod))
@@ -126,13 +159,14 @@ def run(with_flex):
 def table(rows):
     fmt = lambda x, spec=".3f": format(x, spec) if isinstance(x, (int, float)) else "n/a"  # noqa: E731
     lines = ["| case | pass | packed ms | real-token TFLOP/s | dense TFLOP/s | packed/dense rate | docs as rows ms | "
-             "metadata ms | flex ms | flex/packed |", "|---" * 10 + "|"]
+             "metadata ms | unbinned ms | packing ms | flex ms | flex/packed |", "|---" * 12 + "|"]
     for r in rows:
         rate = r["packed TFLOP/s"] / r["dense TFLOP/s"] if r.get("packed TFLOP/s") and r.get("dense TFLOP/s") else None
         flex = r["flex ms"] / r["packed ms"] if r.get("flex ms") and r.get("packed ms") else None
         lines.append(f"| {r['case']} | {r['pass']} | {fmt(r.get('packed ms'))} | {fmt(r.get('packed TFLOP/s'), '.0f')} | "
                      f"{fmt(r.get('dense TFLOP/s'), '.0f')} | {fmt(rate, '.2f')} | {fmt(r.get('docs as rows ms'))} | "
-                     f"{fmt(r.get('metadata ms'))} | {fmt(r.get('flex ms'))} | {fmt(flex, '.2f')} |")
+                     f"{fmt(r.get('metadata ms'))} | {fmt(r.get('unbinned ms'))} | {fmt(r.get('packing ms'))} | "
+                     f"{fmt(r.get('flex ms'))} | {fmt(flex, '.2f')} |")
     return "\n".join(lines)
 
 
