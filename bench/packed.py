@@ -13,6 +13,7 @@ real-token TFLOP/s and ratios; writes packed.md / packed.json to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -99,7 +100,7 @@ def packing_ms(q, seg, max_segments, hint, score_mod):
     plan = bin_plan(call.spec, call.score_mod)
     if plan is None:
         return None
-    layout = jax.jit(lambda ids: packed_bins._layout(ids, plan, max_segments, False))
+    layout = jax.jit(lambda ids: dataclasses.astuple(packed_bins._layout(ids, plan, max_segments, False)))
     return time_ms(layout, seg)
 
 
