@@ -86,19 +86,20 @@ class _Layout:
 
 def _layout(ids: Any, plan: BinPlan, max_segments: int, interpret: bool) -> _Layout:
     tokens = ids.size
+    docs = min(tokens, ids.shape[0] * max_segments)  # at most max_segments per row count: the others are padding
     run = segment_run_ids(ids)
     valid = ((run > 0) & (run <= max_segments)).reshape(-1)
     position = segment_positions(ids).reshape(-1)
     doc = jnp.cumsum(valid & (position == 0), dtype=jnp.int32) - 1  # numbered along the flat tokens
-    doc = jnp.where(valid, doc, tokens)  # padding: out of range, dropped by the scatters
-    lengths = jnp.zeros((tokens,), jnp.int32).at[doc].add(1, mode="drop")
+    doc = jnp.where(valid, doc, docs)  # padding: out of range, dropped by the scatters
+    lengths = jnp.zeros((docs,), jnp.int32).at[doc].add(1, mode="drop")
     order = jnp.argsort(-lengths, stable=True)
     bin_sorted, offset_sorted = bin_packer.pack(lengths[order], plan.rows, plan.bins, interpret)
-    bin_of = jnp.zeros((tokens,), jnp.int32).at[order].set(bin_sorted)
-    offset_of = jnp.zeros((tokens,), jnp.int32).at[order].set(offset_sorted)
+    bin_of = jnp.zeros((docs,), jnp.int32).at[order].set(bin_sorted)
+    offset_of = jnp.zeros((docs,), jnp.int32).at[order].set(offset_sorted)
     fits = jnp.all((lengths <= plan.rows) & ((lengths == 0) | (bin_of < plan.bins)))
     slots = plan.bins * plan.rows
-    doc_safe = jnp.minimum(doc, tokens - 1)
+    doc_safe = jnp.minimum(doc, docs - 1)
     dest = jnp.where(valid, bin_of[doc_safe] * plan.rows + offset_of[doc_safe] + position, slots)
     dest = jnp.where(fits, dest, slots)  # a layout that does not fit is not used: keep it in range
     source = jnp.full((slots,), tokens, jnp.int32).at[dest].set(jnp.arange(tokens, dtype=jnp.int32), mode="drop")
