@@ -54,7 +54,7 @@ def first_fit_decreasing(lengths, rows, bins):
     return placed
 
 
-@pytest.mark.parametrize("low,high,rows,bins", [(8, 64, 64, 40), (1, 40, 64, 40), (30, 60, 64, 12)])
+@pytest.mark.parametrize("low,high,rows,bins", [(8, 64, 64, 40), (1, 40, 64, 40), (30, 60, 64, 12), (5, 6, 64, 1)])
 def test_the_packer_places_documents_as_first_fit_decreasing_does(low, high, rows, bins):
     rng = np.random.default_rng()
     lengths = np.sort(rng.integers(low, high + 1, size=int(rng.integers(20, 40))))[::-1]

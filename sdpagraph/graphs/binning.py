@@ -12,8 +12,10 @@ window masks count from each document's start, which moving a whole document kee
 
     bin_plan(spec, ir) -> BinPlan | None
 
-The number of bins is static: `bins` holds `BIN_SLACK` times the tokens' worth of bins plus one
-(first-fit needed 1.03-1.06x on rows of random documents of 64-2048 tokens). A call whose
+The number of bins is static: `bins` holds `BIN_SLACK` times the tokens' worth of bins plus one.
+First-fit needed 1.09x (B8 T8192, documents of 64-2048 tokens, 2048-token bins) and 1.06x (B4
+T8192, 64-512, 512) in `bench/probe_bins.py`, where each bin past the need cost the forward ~1.5%
+(H100, 2026-11-25). A call whose
 documents need more runs unbinned, on the dense twin of its own shape (`jax_api.packed_bins`
 chooses at run time), so the answer never depends on it.
 """
@@ -27,7 +29,7 @@ from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.operands import folds_segments
 from sdpagraph.spec import AttentionSpec
 
-BIN_SLACK = 1.2
+BIN_SLACK = 1.1
 ROW_MULTIPLE = 128  # cuDNN's tile: a row of bins is a whole number of them
 # Bin only where the bins' tiles are at most this share of the dense twin's: below it the gathers
 # into and out of the bins cost less than the tiles saved.

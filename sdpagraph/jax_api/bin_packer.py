@@ -8,7 +8,7 @@ the caller's sign to run unbinned) at token `offset[d]`.
 
 - Documents longer than `rows // SMALL_SHARE` are placed one after another by one Pallas (Triton)
   program, each into the first bin it fits in: a loop over those documents (at most
-  `SMALL_SHARE` per bin's worth of tokens) over a vector of the bins' fill.
+  `SMALL_SHARE` per bin) over vectors in registers (the lengths, the bins' fill, the answers).
 - The shorter ones fill new bins after those, in order, by a prefix sum: a bin takes documents
   while they start in its first `rows - rows // SMALL_SHARE` tokens, so none crosses its end.
 
@@ -35,11 +35,15 @@ def pack(lengths: Any, rows: int, bins: int, interpret: bool = False) -> tuple[A
     """(bin (D,), offset (D,)) int32 of documents whose lengths (D,) decrease (module docstring)."""
     count = lengths.shape[0]
     long = lengths > rows // SMALL_SHARE
-    long_count = jnp.sum(long, dtype=jnp.int32)
-    size = _power_of_two_at_least(count)  # Triton's block shapes are powers of two
-    padded = jnp.zeros((size,), jnp.int32).at[:count].set(lengths.astype(jnp.int32))
-    bin_long, offset_long = _first_fit(padded, long_count, rows, bins, interpret)
-    bin_long, offset_long = bin_long[:count], offset_long[:count]
+    # At most SMALL_SHARE long documents per bin's worth of tokens fit the bins: the kernel sees only
+    # the first `head` lengths (the longest), and one longer than that cannot fit anyway.
+    head = min(count, SMALL_SHARE * bins + 1)
+    size = _power_of_two_at_least(head)  # Triton's block shapes are powers of two
+    first = jnp.zeros((size,), jnp.int32).at[:head].set(lengths[:head].astype(jnp.int32))
+    first = jnp.where(first > rows // SMALL_SHARE, first, 0)  # the kernel places the long ones only
+    bin_head, offset_head = _first_fit(first, rows, bins, interpret)
+    bin_long = jnp.full((count,), _power_of_two_at_least(bins), jnp.int32).at[:head].set(bin_head[:head])
+    offset_long = jnp.zeros((count,), jnp.int32).at[:head].set(offset_head[:head])
     used = jnp.max(jnp.where(long, bin_long, -1)) + 1  # bins the long documents opened
     short = jnp.where(long, 0, lengths)
     start = jnp.cumsum(short) - short  # the short documents laid end to end
@@ -49,7 +53,7 @@ def pack(lengths: Any, rows: int, bins: int, interpret: bool = False) -> tuple[A
             jnp.where(long, offset_long, offset_short).astype(jnp.int32))
 
 
-def _first_fit(lengths: Any, count: Any, rows: int, bins: int, interpret: bool) -> tuple[Any, Any]:
+def _first_fit(lengths: Any, rows: int, bins: int, interpret: bool) -> tuple[Any, Any]:
     from jax.experimental import pallas as pl
 
     size = lengths.shape[0]
@@ -57,8 +61,7 @@ def _first_fit(lengths: Any, count: Any, rows: int, bins: int, interpret: bool) 
     kernel = functools.partial(_first_fit_kernel, rows=rows, bins=bins, slots=slots)
     out_shape = [jax.ShapeDtypeStruct((size,), jnp.int32)] * 2
     params = None if interpret else _compiler_params()
-    return pl.pallas_call(kernel, out_shape=out_shape, compiler_params=params,
-                          interpret=interpret)(count.reshape(1), lengths)
+    return pl.pallas_call(kernel, out_shape=out_shape, compiler_params=params, interpret=interpret)(lengths)
 
 
 def _compiler_params() -> Any:
@@ -67,18 +70,28 @@ def _compiler_params() -> Any:
     return pallas_triton.CompilerParams(num_warps=1, num_stages=1)
 
 
-def _first_fit_kernel(count_ref, length_ref, bin_ref, offset_ref, *, rows: int, bins: int, slots: int) -> None:
-    """One program: documents 0..count-1, each into the first of `bins` bins with room for it
-    (`slots` >= bins, a power of two; a document with no room gets `slots`)."""
+def _first_fit_kernel(length_ref, bin_ref, offset_ref, *, rows: int, bins: int, slots: int) -> None:
+    """One program, everything in registers: the documents with a nonzero length (a prefix of
+    `length_ref`), each into the first of `bins` bins with room for it (`slots` >= bins, a power of
+    two; a document with no room gets `slots`)."""
+    lengths = length_ref[...]
+    size = lengths.shape[0]
+    doc = jnp.arange(size, dtype=jnp.int32)
     slot = jnp.arange(slots, dtype=jnp.int32)
+    count = jnp.sum((lengths > 0).astype(jnp.int32))
 
-    def place(d, fill):
-        length = length_ref[d]
+    def place(d, carry):
+        fill, bin_of, offset_of = carry
+        length = jnp.sum(jnp.where(doc == d, lengths, 0))
         room = (fill + length <= rows) & (slot < bins)
         chosen = jnp.min(jnp.where(room, slot, slots))
         here = slot == chosen
-        bin_ref[d] = chosen
-        offset_ref[d] = jnp.sum(jnp.where(here, fill, 0))
-        return jnp.where(here, fill + length, fill)
+        offset = jnp.sum(jnp.where(here, fill, 0))
+        return (jnp.where(here, fill + length, fill), jnp.where(doc == d, chosen, bin_of),
+                jnp.where(doc == d, offset, offset_of))
 
-    jax.lax.fori_loop(0, count_ref[0], place, jnp.zeros((slots,), jnp.int32))
+    empty = jnp.zeros((slots,), jnp.int32)
+    _, bin_of, offset_of = jax.lax.fori_loop(0, count, place, (empty, jnp.full((size,), slots, jnp.int32),
+                                                               jnp.zeros((size,), jnp.int32)))
+    bin_ref[...] = bin_of
+    offset_ref[...] = offset_of

@@ -92,7 +92,11 @@ def _layout(ids: Any, plan: BinPlan, max_segments: int, interpret: bool) -> _Lay
     position = segment_positions(ids).reshape(-1)
     doc = jnp.cumsum(valid & (position == 0), dtype=jnp.int32) - 1  # numbered along the flat tokens
     doc = jnp.where(valid, doc, docs)  # padding: out of range, dropped by the scatters
-    lengths = jnp.zeros((docs,), jnp.int32).at[doc].add(1, mode="drop")
+    # A document's length is its last token's position + 1: one write per document (counting its
+    # tokens into one counter each would make every token of a document contend for that counter).
+    next_position, next_valid = jnp.append(position[1:], 0), jnp.append(valid[1:], False)
+    last = valid & ((next_position == 0) | ~next_valid)
+    lengths = jnp.zeros((docs,), jnp.int32).at[jnp.where(last, doc, docs)].set(position + 1, mode="drop")
     order = jnp.argsort(-lengths, stable=True)
     bin_sorted, offset_sorted = bin_packer.pack(lengths[order], plan.rows, plan.bins, interpret)
     bin_of = jnp.zeros((docs,), jnp.int32).at[order].set(bin_sorted)
