@@ -19,6 +19,7 @@ from sdpagraph import mods
 from sdpagraph.cache import GraphCache
 from sdpagraph.cache.graphs import cached_graph, check_graphs, graph_key
 from sdpagraph.graphs import builder, support
+from sdpagraph.graphs.binning import bin_plan
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.ir import BOOL, FLOAT, INT
 from sdpagraph.graphs.trace import TensorInfo, trace_score_mod
@@ -487,6 +488,23 @@ def test_support_builds_the_runtime_graphs_and_remembers_answers(fake_gpu, tmp_p
     packed = make_spec(is_causal=True, segments="self", max_segments=4)
     assert "dense layout" in check_graphs(packed, softcap_ir(), False, cache).reason
     assert check_graphs(packed, None, False, cache).reason == "cuDNN builds the inference graph"
+
+
+def test_support_builds_the_bins_graphs_too_and_says_so(fake_gpu, tmp_path):
+    """A packed call with a score_mod and a max_seqlen_kv hint: check_graphs (what precompile and
+    check_support run) builds the graphs of its bins too (graphs.binning), so a precompiled cache
+    holds them; the answer says how the documents run."""
+    cache = GraphCache(tmp_path)
+    packed = make_spec(batch=2, q_len=4096, kv_len=4096, is_causal=True, segments="self", max_segments=4096,
+                       max_seqlen_kv=500)
+    answer = check_graphs(packed, softcap_ir(), True, cache)
+    bins = bin_plan(packed, softcap_ir())
+    assert answer.supported and f"{bins.bins} bins of 512 tokens" in answer.reason
+    built = [(spec.batch, spec.q_len, direction) for spec, direction in fake_gpu]
+    assert built == [(2, 4096, "forward"), (2, 4096, "backward"), (bins.bins, 512, "forward"),
+                     (bins.bins, 512, "backward")]
+    unhinted = dataclasses.replace(packed, max_seqlen_kv=None)
+    assert "bins" not in check_graphs(unhinted, softcap_ir(), True, cache).reason
 
 
 def test_support_declines_with_one_actionable_sentence(fake_gpu, tmp_path):

@@ -206,3 +206,30 @@ def test_a_plan_with_rows_of_64_works_too():
     spec = dataclasses.replace(call.spec, batch=24, q_len=64, kv_len=64, max_segments=64, max_seqlen_q=None,
                                max_seqlen_kv=None)
     assert_same(*binned_and_unbinned(call, BinPlan(64, 24, spec), q, k, v))
+
+
+@pytest.mark.parametrize("bins_answer", ["supported", "unsupported", "strict miss"])
+def test_the_cudnn_backend_runs_bins_only_where_their_graphs_are_supported(bins_answer, monkeypatch):
+    """cudnn.attention takes the bins where graphs.binning plans them, packed_bins is usable and the
+    bins' own graphs pass; otherwise (a declined build, or strict mode with a cache made without
+    them) the call runs unbinned rather than failing."""
+    from sdpagraph.cache.graph_cache import CacheMissError
+    from sdpagraph.graphs.support import Support
+    from sdpagraph.jax_api import cudnn
+
+    rng = np.random.default_rng()
+    call, q, k, v = prepared(rng, random_documents(rng, 2, 1024, 9, 120), 128)
+    taken = []
+
+    def support(spec, ir, *, training, verify=None):
+        assert spec.batch == bin_plan(call.spec, call.score_mod).bins
+        if bins_answer == "strict miss":
+            raise CacheMissError("not precompiled")
+        return Support(bins_answer == "supported", "cudnn", "")
+
+    monkeypatch.setattr(packed_bins, "usable", lambda: True)
+    monkeypatch.setattr(cudnn, "support", support)
+    monkeypatch.setattr(packed_bins, "attention", lambda plan, *a: taken.append("bins") or (q, None))
+    monkeypatch.setattr(cudnn, "_attention", lambda spec, *a, **kw: taken.append(spec.batch) or (q, None))
+    cudnn.attention(call.spec, q, k, v, call.inputs, call.score_mod, training=False)
+    assert taken == (["bins"] if bins_answer == "supported" else [2])

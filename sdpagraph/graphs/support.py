@@ -13,6 +13,7 @@ from typing import Callable
 from sdpagraph.graphs.builder import GraphBuildError
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.mod_lowering import Unsupported
+from sdpagraph.graphs.binning import bin_plan
 from sdpagraph.graphs.operands import folds_segments
 from sdpagraph.spec import AttentionSpec, directions_for
 
@@ -74,12 +75,20 @@ def answer_from_builds(spec: AttentionSpec, ir: ScoreModIR | None, training: boo
                        f"{' '.join(str(error).split())[:300]}"), False
     what = "forward and backward graphs" if training else "inference graph"
     how = _DENSE_SEGMENTS if folds_segments(spec, ir) else ""
+    bins = bin_plan(spec, ir)
+    if bins is not None:
+        how += _BINS.format(bins=bins.bins, rows=bins.rows)
     return Support(True, "cudnn", f"cuDNN builds the {what}{how}"), True
 
 
 # What a supported answer adds when packed segments run on the dense twin (`operands.graph_spec`).
 _DENSE_SEGMENTS = (" (packed segments on the dense layout, masked by segment bounds: memory stays O(T), "
                    "and the tiles between segments are computed and masked rather than skipped)")
+
+
+# And when its documents move into bins (`graphs.binning`).
+_BINS = ("; with one GPU, the documents move into {bins} bins of {rows} tokens, longest first, and only the "
+         "tiles within a bin are computed (documents that need more bins run on the whole rows)")
 
 
 def condense_reason(spec: AttentionSpec, error: GraphBuildError) -> str:

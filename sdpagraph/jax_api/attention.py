@@ -213,7 +213,9 @@ def attention(
         at trace time, so these hints say when a packed call is in the small-sequence
         regime (`max_seqlen_q` <= 4, `max_seqlen_kv` <= 32; without a hint it is not).
         In self-attention (one ids array) a segment has as many keys as queries, so the
-        smaller hint given bounds both. Other backends only validate them. A longer
+        smaller hint given bounds both. cuDNN uses `max_seqlen_kv` to run packed
+        self-attention with a score_mod on short rows of whole documents (bins: see
+        `graphs.binning`; on one GPU); other backends only validate them. A longer
         segment raises `ValueError` (concrete ids) or fails the jitted call when it runs,
         as `max_segments_per_seq` does (and `SDPAGRAPH_CHECK_SEGMENTS=0` switches that
         off: the small-sequence backend then drops keys past the bound).
