@@ -504,7 +504,9 @@ def test_support_builds_the_bins_graphs_too_and_says_so(fake_gpu, tmp_path):
     assert built == [(2, 4096, "forward"), (2, 4096, "backward"), (bins.bins, 512, "forward"),
                      (bins.bins, 512, "backward")]
     unhinted = dataclasses.replace(packed, max_seqlen_kv=None)
-    assert "bins" not in check_graphs(unhinted, softcap_ir(), True, cache).reason
+    assert "pass max_seqlen_kv=<the longest document>" in check_graphs(unhinted, softcap_ir(), True, cache).reason
+    short_docs_only = dataclasses.replace(packed, max_seqlen_kv=3000)  # bins would save too little
+    assert "bins" not in check_graphs(short_docs_only, softcap_ir(), True, cache).reason
 
 
 def test_support_declines_with_one_actionable_sentence(fake_gpu, tmp_path):

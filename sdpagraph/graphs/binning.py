@@ -35,6 +35,7 @@ ROW_MULTIPLE = 128  # cuDNN's tile: a row of bins is a whole number of them
 # into and out of the bins cost less than the tiles saved.
 MAX_WORK_SHARE = 0.5
 BATCH_AXIS = 0
+NEEDS_HINT = "binning needs max_seqlen_kv, the longest document"
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def bin_reason(spec: AttentionSpec, ir: ScoreModIR | None) -> str | None:
     if spec.segments != "self" or not folds_segments(spec, ir):
         return "only packed self-attention that cuDNN runs on the dense twin is binned"
     if spec.max_seqlen_kv is None:
-        return "binning needs max_seqlen_kv, the longest document"
+        return NEEDS_HINT
     if spec.bias_shape is not None or spec.mask_shape is not None or spec.has_padding:
         return "a bias, mask or lengths hold per-row positions that bins would move"
     if ir is not None and any(n.op == "gen_index" and n.attr("axis") == BATCH_AXIS for n in ir.nodes):

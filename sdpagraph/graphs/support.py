@@ -13,7 +13,7 @@ from typing import Callable
 from sdpagraph.graphs.builder import GraphBuildError
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.mod_lowering import Unsupported
-from sdpagraph.graphs.binning import bin_plan
+from sdpagraph.graphs.binning import NEEDS_HINT, bin_plan, bin_reason
 from sdpagraph.graphs.operands import folds_segments
 from sdpagraph.spec import AttentionSpec, directions_for
 
@@ -78,6 +78,8 @@ def answer_from_builds(spec: AttentionSpec, ir: ScoreModIR | None, training: boo
     bins = bin_plan(spec, ir)
     if bins is not None:
         how += _BINS.format(bins=bins.bins, rows=bins.rows)
+    elif how and bin_reason(spec, ir) == NEEDS_HINT:
+        how += _BINS_HINT
     return Support(True, "cudnn", f"cuDNN builds the {what}{how}"), True
 
 
@@ -89,6 +91,8 @@ _DENSE_SEGMENTS = (" (packed segments on the dense layout, masked by segment bou
 # And when its documents move into bins (`graphs.binning`).
 _BINS = ("; with one GPU, the documents move into {bins} bins of {rows} tokens, longest first, and only the "
          "tiles within a bin are computed (documents that need more bins run on the whole rows)")
+_BINS_HINT = ("; pass max_seqlen_kv=<the longest document> to run the documents on short rows of whole documents "
+              "(bins), which leaves out most of those tiles")
 
 
 def condense_reason(spec: AttentionSpec, error: GraphBuildError) -> str:
