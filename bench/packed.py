@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import sdpagraph
+from sdpagraph.graphs import binning
 from sdpagraph.graphs.binning import bin_plan
 from sdpagraph.jax_api import packed_bins
 from sdpagraph.jax_api.call import prepare_call
@@ -85,11 +86,11 @@ def jitted(fn, backward):
 def bins_off(fn):
     """`fn` traced with binning switched off (packed_bins reads its switch when a call is traced)."""
     def call(*args):
-        os.environ[packed_bins.ENV_SWITCH] = "0"
+        os.environ[binning.ENV_SWITCH] = "0"
         try:
             return fn(*args)
         finally:
-            del os.environ[packed_bins.ENV_SWITCH]
+            del os.environ[binning.ENV_SWITCH]
     return call
 
 

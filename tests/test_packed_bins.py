@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sdpagraph.graphs import binning
 from sdpagraph.graphs.binning import BIN_SLACK, BinPlan, bin_plan, bin_reason
 from sdpagraph.jax_api import bin_packer, packed_bins
 from sdpagraph.jax_api.call import prepare_call
@@ -47,26 +48,35 @@ def first_fit_decreasing(lengths, rows, bins):
             placed.append((len(fill), 0) if len(fill) < bins else (None, None))
             if len(fill) < bins:
                 fill.append(length)
-    stride, start = rows - rows // bin_packer.SMALL_SHARE, 0
+    margin = rows // bin_packer.SMALL_SHARE
+    rooms = [max(rows - used - margin, 0) for used in fill]  # what the long documents left, less a margin
+    room_starts = [sum(rooms[:index]) for index in range(len(rooms))]
+    start = 0
     for length in lengths[len(placed):]:
-        placed.append((len(fill) + start // stride, start % stride))
+        if start < sum(rooms):
+            index = max(i for i, room_start in enumerate(room_starts) if room_start <= start)
+            placed.append((index, fill[index] + start - room_starts[index]))
+        else:
+            beyond = start - sum(rooms)
+            placed.append((len(fill) + beyond // (rows - margin), beyond % (rows - margin)))
         start += length
     return placed
 
 
-@pytest.mark.parametrize("low,high,rows,bins", [(8, 64, 64, 40), (1, 40, 64, 40), (30, 60, 64, 12), (5, 6, 64, 1)])
+@pytest.mark.parametrize("low,high,rows,bins", [(8, 64, 64, 40), (1, 40, 64, 40), (30, 60, 64, 12), (5, 6, 64, 1),
+                                                (1, 48, 128, 40)])
 def test_the_packer_places_documents_as_first_fit_decreasing_does(low, high, rows, bins):
     rng = np.random.default_rng()
     lengths = np.sort(rng.integers(low, high + 1, size=int(rng.integers(20, 40))))[::-1]
     lengths = np.concatenate([lengths, np.zeros(13, np.int64)])
     got_bin, got_offset = (np.asarray(x) for x in bin_packer.pack(jnp.asarray(lengths, jnp.int32), rows, bins,
                                                                    interpret=True))
-    for d, (want_bin, want_offset) in enumerate(first_fit_decreasing(list(lengths), rows, bins)):
-        if lengths[d] == 0:
-            continue
-        if want_bin is None:
-            assert got_bin[d] >= bins
-        else:
+    want = first_fit_decreasing(list(lengths), rows, bins)
+    if any(want_bin is None for want_bin, _ in want):  # a long document found no bin: the call runs unbinned
+        assert all(got_bin[d] >= bins for d, (want_bin, _) in enumerate(want) if want_bin is None)
+        return
+    for d, (want_bin, want_offset) in enumerate(want):
+        if lengths[d]:
             assert (got_bin[d], got_offset[d]) == (want_bin, want_offset)
     # Every placed document lies inside its bin, and no two overlap.
     used = np.zeros((int(got_bin.max()) + 1, rows), np.int32)
@@ -186,16 +196,18 @@ def test_a_per_row_array_keeps_a_call_unbinned():
     assert "array" in bin_reason(call.spec, call.score_mod)
 
 
-def test_the_switch_and_the_device_count_decide_usable(monkeypatch):
+def test_the_switch_and_the_device_count_decide(monkeypatch):
     assert not packed_bins.usable()  # a CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(jax, "device_count", lambda: 1)
     assert packed_bins.usable()
-    monkeypatch.setenv(packed_bins.ENV_SWITCH, "0")
-    assert not packed_bins.usable()
-    monkeypatch.delenv(packed_bins.ENV_SWITCH)
     monkeypatch.setattr(jax, "device_count", lambda: 2)
     assert not packed_bins.usable()
+    rng = np.random.default_rng()
+    call, *_ = prepared(rng, random_documents(rng, 2, 1024, 9, 120), 128)
+    assert bin_plan(call.spec, call.score_mod) is not None
+    monkeypatch.setenv(binning.ENV_SWITCH, "0")
+    assert bin_plan(call.spec, call.score_mod) is None
 
 
 def test_a_plan_with_rows_of_64_works_too():

@@ -21,6 +21,7 @@ from sdpagraph.cache import GraphCache
 from sdpagraph.cache.admin import verify_entries
 from sdpagraph.cache.graphs import graph_key
 from sdpagraph.graphs import builder
+from sdpagraph.graphs.binning import bin_plan
 from sdpagraph.graphs.support import Support
 from sdpagraph.deploy.precompile import Builder, BuilderUnavailable, Progress, precompile
 from sdpagraph.deploy.verify import verify
@@ -522,3 +523,24 @@ def test_cli_verify_numerics_reads_the_spec_file_first_and_says_why_it_cannot_ch
     assert "cannot check graphs numerically on this machine" in capsys.readouterr().out
     assert main(["verify", "--numerics", "--specs", str(specs), "--cache-dir", str(tmp_path), "--json"]) == 2
     assert json.loads(capsys.readouterr().out)["exit_code"] == 2
+
+
+def test_precompile_builds_and_verify_checks_the_bins_a_packed_call_runs_on(tmp_path, fake):
+    """A packed call with a score_mod and a max_seqlen_kv hint runs on bins (graphs.binning), as a
+    call of shape (bins, rows) with graphs of its own: precompile builds them as an entry of their
+    own, verify looks for them, and a strict cache then serves them."""
+    shape = [2, 4096, 4, 64]
+    [entry] = random_entries(21, 1, training=True, shapes={"query": shape, "key": shape, "value": shape},
+                             segment_ids={"shape": [2, 4096]}, max_seqlen_kv=500, is_causal=True,
+                             score_mod={"mod": "softcap", "args": [30.0]})
+    report = precompile([entry], tmp_path, progress=False, builder=fake.builder())
+    bins = bin_plan(entry.spec, entry.score_mod)
+    assert [e.spec for e in report.entries] == [entry.spec, bins.spec]
+    assert report.counts()["built"] == 4 and report.exit_code == 0
+    strict = GraphCache(tmp_path, mode="strict")
+    for direction in entry.directions:
+        fake.build(bins.spec, entry.score_mod, direction, cache=strict)  # raises CacheMissError if absent
+    checked = verify([entry], tmp_path, builder=fake.builder())
+    assert checked.exit_code == 0 and len(checked.checks) == 4
+    missing = verify([entry], tmp_path / "empty", builder=fake.builder())
+    assert missing.exit_code != 0 and len(missing.checks) == 4

@@ -26,6 +26,7 @@ from typing import Any, Callable, TextIO
 from sdpagraph.cache.admin import format_age, format_table
 from sdpagraph.cache.graph_cache import GraphCache
 from sdpagraph.cache.graphs import graph_key, record_numerics
+from sdpagraph.deploy.bin_entries import with_bins
 from sdpagraph.deploy.specfile import SpecEntry, load_entries
 
 STATUSES = ("passed", "failed", "error", "missing")
@@ -155,7 +156,7 @@ def verify_numerics(specs: Any, cache_dir: str | os.PathLike[str], *, progress: 
     fresh per entry). `check`: replaces `jax_api.numerics.check_numerics` (tests).
     Raises SpecFileError for an invalid spec file (checked first, on any machine).
     """
-    entries = tuple(load_entries(specs))
+    entries = with_bins(load_entries(specs))  # and the bins packed calls run on
     directory = os.path.abspath(os.fspath(cache_dir))
     started = time.monotonic()
     reason = unavailable_reason()

@@ -26,6 +26,7 @@ from sdpagraph.cache.admin import format_age, format_table
 from sdpagraph.cache.graphs import cached_graph, check_graphs, graph_key
 from sdpagraph.cache.defaults import verify_mode
 from sdpagraph.deploy.numerics import check_entry
+from sdpagraph.deploy.bin_entries import with_bins
 from sdpagraph.deploy.specfile import SpecEntry, load_entries
 from sdpagraph.graphs.builder import GraphBuildError
 from sdpagraph.graphs.mod_lowering import Unsupported
@@ -163,7 +164,7 @@ def precompile(specs: Any, cache_dir: str | os.PathLike[str], *, jobs: int = 1, 
     """
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
-    entries = tuple(load_entries(specs))
+    entries = with_bins(load_entries(specs))  # and the bins packed calls run on
     builder = usable_builder(builder, "precompile")
     directory = os.path.abspath(os.fspath(cache_dir))
     stream = sys.stderr if progress is True else (progress or None)

@@ -19,6 +19,7 @@ from sdpagraph.cache.disk import DiskStore, Miss
 from sdpagraph.cache.graph_cache import DEFAULT_LOCK_TIMEOUT_S
 from sdpagraph.cache.keys import key_digest, key_text, key_versions
 from sdpagraph.deploy.precompile import Builder, ExitCode, usable_builder
+from sdpagraph.deploy.bin_entries import with_bins
 from sdpagraph.deploy.specfile import SpecEntry, load_entries
 
 
@@ -81,7 +82,7 @@ def verify(specs: Any, cache_dir: str | os.PathLike[str], *, builder: Builder | 
     Raises SpecFileError for an invalid spec file (checked first, on any machine), then
     BuilderUnavailable where keys cannot be computed (no GPU, no cuDNN frontend).
     """
-    entries = tuple(load_entries(specs))
+    entries = with_bins(load_entries(specs))  # and the bins packed calls run on
     builder = usable_builder(builder, "verify a cache")
     directory = os.path.abspath(os.fspath(cache_dir))
     store = DiskStore(directory, writable=False, lock_timeout_s=DEFAULT_LOCK_TIMEOUT_S)

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 from sdpagraph.graphs.ir import ScoreModIR
 from sdpagraph.graphs.operands import folds_segments
 from sdpagraph.spec import AttentionSpec
 
+ENV_SWITCH = "SDPAGRAPH_BINS"  # "0": no call runs on bins, and no bins' graphs are built
 BIN_SLACK = 1.1
 ROW_MULTIPLE = 128  # cuDNN's tile: a row of bins is a whole number of them
 # Bin only where the bins' tiles are at most this share of the dense twin's: below it the gathers
@@ -64,9 +66,9 @@ def bin_reason(spec: AttentionSpec, ir: ScoreModIR | None) -> str | None:
 
 
 def bin_plan(spec: AttentionSpec, ir: ScoreModIR | None) -> BinPlan | None:
-    """The bins a call runs on, or None where it runs unbinned (`bin_reason`, or bins that would
-    save less than half of the dense twin's tiles)."""
-    if bin_reason(spec, ir) is not None:
+    """The bins a call runs on, or None where it runs unbinned (`bin_reason`, bins that would save
+    less than half of the dense twin's tiles, or SDPAGRAPH_BINS=0, read when a call is traced)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0" or bin_reason(spec, ir) is not None:
         return None
     rows = min(spec.q_len, -(-spec.max_seqlen_kv // ROW_MULTIPLE) * ROW_MULTIPLE)
     bins = math.ceil(BIN_SLACK * spec.batch * spec.q_len / rows) + 1

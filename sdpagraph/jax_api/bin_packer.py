@@ -9,8 +9,9 @@ the caller's sign to run unbinned) at token `offset[d]`.
 - Documents longer than `rows // SMALL_SHARE` are placed one after another by one Pallas (Triton)
   program, each into the first bin it fits in: a loop over those documents (at most
   `SMALL_SHARE` per bin) over vectors in registers (the lengths, the bins' fill, the answers).
-- The shorter ones fill new bins after those, in order, by a prefix sum: a bin takes documents
-  while they start in its first `rows - rows // SMALL_SHARE` tokens, so none crosses its end.
+- The shorter ones, laid end to end by a prefix sum, fill the room the long ones left, then new
+  bins: a bin takes the documents that start in its room less `rows // SMALL_SHARE` tokens, so
+  none crosses its end.
 
 Why a kernel: the loop is sequential, and XLA runs a `lax.fori_loop` outside a kernel as a few
 kernel launches per step. Why the short documents apart: a step per document however short would
@@ -41,16 +42,31 @@ def pack(lengths: Any, rows: int, bins: int, interpret: bool = False) -> tuple[A
     size = _power_of_two_at_least(head)  # Triton's block shapes are powers of two
     first = jnp.zeros((size,), jnp.int32).at[:head].set(lengths[:head].astype(jnp.int32))
     first = jnp.where(first > rows // SMALL_SHARE, first, 0)  # the kernel places the long ones only
-    bin_head, offset_head = _first_fit(first, rows, bins, interpret)
+    bin_head, offset_head, fill = _first_fit(first, rows, bins, interpret)
     bin_long = jnp.full((count,), _power_of_two_at_least(bins), jnp.int32).at[:head].set(bin_head[:head])
     offset_long = jnp.zeros((count,), jnp.int32).at[:head].set(offset_head[:head])
     used = jnp.max(jnp.where(long, bin_long, -1)) + 1  # bins the long documents opened
-    short = jnp.where(long, 0, lengths)
-    start = jnp.cumsum(short) - short  # the short documents laid end to end
-    stride = rows - rows // SMALL_SHARE
-    bin_short, offset_short = used + start // stride, start % stride
+    bin_short, offset_short = _short_documents(jnp.where(long, 0, lengths), fill, used, rows)
     return (jnp.where(long, bin_long, bin_short).astype(jnp.int32),
             jnp.where(long, offset_long, offset_short).astype(jnp.int32))
+
+
+def _short_documents(short: Any, fill: Any, used: Any, rows: int) -> tuple[Any, Any]:
+    """(bin, offset) of the short documents (`short`: their lengths, 0 for the others), laid end to
+    end: first over the room the long documents left in their bins, then over new bins after
+    `used`. A bin takes the documents that start in its room less `rows // SMALL_SHARE` tokens, so
+    none crosses its end."""
+    margin = rows // SMALL_SHARE
+    room = jnp.where(jnp.arange(fill.shape[0]) < used, jnp.maximum(rows - fill - margin, 0), 0)
+    room_start = jnp.cumsum(room) - room
+    total = jnp.sum(room)
+    start = jnp.cumsum(short) - short
+    gap = jnp.clip(jnp.searchsorted(room_start, start, side="right") - 1, 0, fill.shape[0] - 1)
+    beyond = start - total
+    stride = rows - margin
+    in_gaps = start < total
+    return (jnp.where(in_gaps, gap, used + beyond // stride),
+            jnp.where(in_gaps, fill[gap] + start - room_start[gap], beyond % stride))
 
 
 def _first_fit(lengths: Any, rows: int, bins: int, interpret: bool) -> tuple[Any, Any]:
@@ -59,7 +75,7 @@ def _first_fit(lengths: Any, rows: int, bins: int, interpret: bool) -> tuple[Any
     size = lengths.shape[0]
     slots = _power_of_two_at_least(bins)
     kernel = functools.partial(_first_fit_kernel, rows=rows, bins=bins, slots=slots)
-    out_shape = [jax.ShapeDtypeStruct((size,), jnp.int32)] * 2
+    out_shape = [jax.ShapeDtypeStruct((size,), jnp.int32)] * 2 + [jax.ShapeDtypeStruct((slots,), jnp.int32)]
     params = None if interpret else _compiler_params()
     return pl.pallas_call(kernel, out_shape=out_shape, compiler_params=params, interpret=interpret)(lengths)
 
@@ -70,10 +86,10 @@ def _compiler_params() -> Any:
     return pallas_triton.CompilerParams(num_warps=1, num_stages=1)
 
 
-def _first_fit_kernel(length_ref, bin_ref, offset_ref, *, rows: int, bins: int, slots: int) -> None:
+def _first_fit_kernel(length_ref, bin_ref, offset_ref, fill_ref, *, rows: int, bins: int, slots: int) -> None:
     """One program, everything in registers: the documents with a nonzero length (a prefix of
     `length_ref`), each into the first of `bins` bins with room for it (`slots` >= bins, a power of
-    two; a document with no room gets `slots`)."""
+    two; a document with no room gets `slots`); `fill_ref`: the tokens each bin then holds."""
     lengths = length_ref[...]
     size = lengths.shape[0]
     doc = jnp.arange(size, dtype=jnp.int32)
@@ -91,7 +107,8 @@ def _first_fit_kernel(length_ref, bin_ref, offset_ref, *, rows: int, bins: int, 
                 jnp.where(doc == d, offset, offset_of))
 
     empty = jnp.zeros((slots,), jnp.int32)
-    _, bin_of, offset_of = jax.lax.fori_loop(0, count, place, (empty, jnp.full((size,), slots, jnp.int32),
-                                                               jnp.zeros((size,), jnp.int32)))
+    fill, bin_of, offset_of = jax.lax.fori_loop(0, count, place, (empty, jnp.full((size,), slots, jnp.int32),
+                                                                  jnp.zeros((size,), jnp.int32)))
     bin_ref[...] = bin_of
     offset_ref[...] = offset_of
+    fill_ref[...] = fill

@@ -17,13 +17,12 @@ The moves are gathers of whole (heads, dim) token rows, one in each direction, a
 other's transpose (`_move`): the gradient goes back by a gather too, not by a scatter-add.
 
 Where: GPU with one device (the packer is a Pallas call, which XLA cannot partition);
-`SDPAGRAPH_BINS=0` switches it off.
+`SDPAGRAPH_BINS=0` switches it off (`graphs.binning` plans no bins then).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any, Callable
 
 import jax
@@ -35,12 +34,9 @@ from sdpagraph.jax_api.call import RuntimeInputs
 from sdpagraph.jax_api.segments import segment_positions, segment_run_ids
 from sdpagraph.spec import AttentionSpec
 
-ENV_SWITCH = "SDPAGRAPH_BINS"
-
-
 def usable() -> bool:
-    """Whether calls run on bins here (module docstring)."""
-    return os.environ.get(ENV_SWITCH, "1") != "0" and jax.default_backend() == "gpu" and jax.device_count() == 1
+    """Whether calls that `graphs.binning` plans run on bins here (module docstring)."""
+    return jax.default_backend() == "gpu" and jax.device_count() == 1
 
 
 # ----------------------------------------------------------------------------- moves
