@@ -61,7 +61,9 @@ def _short_documents(short: Any, fill: Any, used: Any, rows: int) -> tuple[Any, 
     room_start = jnp.cumsum(room) - room
     total = jnp.sum(room)
     start = jnp.cumsum(short) - short
-    gap = jnp.clip(jnp.searchsorted(room_start, start, side="right") - 1, 0, fill.shape[0] - 1)
+    # The last bin whose room starts at or before each document: one compare per (document, bin),
+    # fused, where jnp.searchsorted's binary search is a loop of kernels on a GPU.
+    gap = jnp.clip(jnp.sum(room_start[None, :] <= start[:, None], axis=1) - 1, 0, fill.shape[0] - 1)
     beyond = start - total
     stride = rows - margin
     in_gaps = start < total
