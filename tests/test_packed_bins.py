@@ -87,9 +87,11 @@ def test_the_packer_places_documents_as_first_fit_decreasing_does(low, high, row
     assert used.max() <= 1
 
 
-def prepared(rng, ids, hint, score_mod=softcap, is_causal=True, n=2, h=16, dtype=jnp.float32, **kwargs):
+def prepared(rng, ids, hint, score_mod=softcap, is_causal=True, n=2, kv_heads=None, h=16, dtype=jnp.float32,
+             **kwargs):
     b, t = ids.shape
-    q, k, v = (jnp.asarray(rng.standard_normal((b, t, n, h)), dtype) for _ in range(3))
+    q = jnp.asarray(rng.standard_normal((b, t, n, h)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((b, t, kv_heads or n, h)), dtype) for _ in range(2))
     call = prepare_call(q, k, v, is_causal=is_causal, segment_ids=jnp.asarray(ids), score_mod=score_mod,
                         max_seqlen_kv=hint, **kwargs)
     return call, q, k, v
@@ -126,11 +128,12 @@ def assert_same(binned, unbinned):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("is_causal,padding", [(True, 0), (False, 0), (True, 37)])
-def test_a_call_on_bins_gives_what_it_gives_unbinned(is_causal, padding):
+@pytest.mark.parametrize("is_causal,padding,kv_heads", [(True, 0, None), (False, 0, None), (True, 37, None),
+                                                        (True, 5, 1)])
+def test_a_call_on_bins_gives_what_it_gives_unbinned(is_causal, padding, kv_heads):
     rng = np.random.default_rng()
     ids = random_documents(rng, 2, 1024, 9, 120, padding)
-    call, q, k, v = prepared(rng, ids, 128, is_causal=is_causal)
+    call, q, k, v = prepared(rng, ids, 128, is_causal=is_causal, n=4 if kv_heads else 2, kv_heads=kv_heads)
     plan = bin_plan(call.spec, call.score_mod)
     assert plan is not None and plan.rows == 128 and plan.spec.batch == plan.bins
     layout = packed_bins._layout(call.inputs.q_segment_ids, plan, call.spec.max_segments, True)

@@ -12,6 +12,8 @@
 3. runs the call unbinned instead when the documents do not fit: more bins than `plan.bins`
    needed, or a document longer than `plan.rows` (possible only with SDPAGRAPH_CHECK_SEGMENTS=0).
    `lax.cond` picks at run time, so both are compiled, and the answer is the same either way.
+   (Under autodiff a `cond` keeps the residuals of both branches, the unused one's as zeros: the
+   binned call also writes a zero output of the unbinned shape.)
 
 The moves are gathers of whole (heads, dim) token rows, one in each direction, and each is the
 other's transpose (`_move`): the gradient goes back by a gather too, not by a scatter-add.
