@@ -120,12 +120,13 @@ def binned_and_unbinned(call, plan, q, k, v):
 
 def assert_same(binned, unbinned):
     (out, lse, grads), (want_out, want_lse, want_grads) = binned, unbinned
-    np.testing.assert_allclose(out, want_out, rtol=2e-5, atol=2e-5)
+    # float32 on both sides, summed in another order: a misplaced token is off by O(1).
+    np.testing.assert_allclose(out, want_out, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(np.isinf(lse), np.isinf(want_lse))
     finite = np.isfinite(want_lse)
-    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite], rtol=1e-4, atol=1e-4)
     for got, want in zip(grads, want_grads):
-        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.parametrize("is_causal,padding,kv_heads", [(True, 0, None), (False, 0, None), (True, 37, None),
