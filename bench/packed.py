@@ -84,7 +84,7 @@ def jitted(fn, backward):
 
 
 def bins_off(fn):
-    """`fn` traced with binning switched off (packed_bins reads its switch when a call is traced)."""
+    """`fn` traced with binning switched off (`graphs.binning` reads its switch when a call is traced)."""
     def call(*args):
         os.environ[binning.ENV_SWITCH] = "0"
         try:

@@ -97,13 +97,13 @@ def prepared(rng, ids, hint, score_mod=softcap, is_causal=True, n=2, kv_heads=No
     return call, q, k, v
 
 
-def run_on_xla(score_mod):
+def xla_in_place_of_cudnn(score_mod):
     return lambda spec, q, k, v, inputs: xla_attention(spec, q, k, v, inputs, score_mod)
 
 
 def binned_and_unbinned(call, plan, q, k, v):
     """(value, lse, grads) of the call through packed_bins.attention and through the XLA backend alone."""
-    run = run_on_xla(call.score_mod)
+    run = xla_in_place_of_cudnn(call.score_mod)
 
     def through(fn):
         def loss(q, k, v):

@@ -42,8 +42,9 @@ def pack(lengths: Any, rows: int, bins: int, interpret: bool = False) -> tuple[A
     size = _power_of_two_at_least(head)  # Triton's block shapes are powers of two
     first = jnp.zeros((size,), jnp.int32).at[:head].set(lengths[:head].astype(jnp.int32))
     first = jnp.where(first > rows // SMALL_SHARE, first, 0)  # the kernel places the long ones only
-    bin_head, offset_head, fill = _first_fit(first, rows, bins, interpret)
-    bin_long = jnp.full((count,), _power_of_two_at_least(bins), jnp.int32).at[:head].set(bin_head[:head])
+    slots = _power_of_two_at_least(bins)  # the kernel's bins vector; also its "no room" answer
+    bin_head, offset_head, fill = _first_fit(first, rows, bins, slots, interpret)
+    bin_long = jnp.full((count,), slots, jnp.int32).at[:head].set(bin_head[:head])
     offset_long = jnp.zeros((count,), jnp.int32).at[:head].set(offset_head[:head])
     used = jnp.max(jnp.where(long, bin_long, -1)) + 1  # bins the long documents opened
     bin_short, offset_short = _short_documents(jnp.where(long, 0, lengths), fill, used, rows)
@@ -71,11 +72,10 @@ def _short_documents(short: Any, fill: Any, used: Any, rows: int) -> tuple[Any, 
             jnp.where(in_gaps, fill[gap] + start - room_start[gap], beyond % stride))
 
 
-def _first_fit(lengths: Any, rows: int, bins: int, interpret: bool) -> tuple[Any, Any]:
+def _first_fit(lengths: Any, rows: int, bins: int, slots: int, interpret: bool) -> tuple[Any, Any, Any]:
     from jax.experimental import pallas as pl
 
     size = lengths.shape[0]
-    slots = _power_of_two_at_least(bins)
     kernel = functools.partial(_first_fit_kernel, rows=rows, bins=bins, slots=slots)
     out_shape = [jax.ShapeDtypeStruct((size,), jnp.int32)] * 2 + [jax.ShapeDtypeStruct((slots,), jnp.int32)]
     params = None if interpret else _compiler_params()

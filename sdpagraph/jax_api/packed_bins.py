@@ -59,11 +59,10 @@ def _move(x: Any, to: Any, back: Any) -> Any:
 
 
 def _move_fwd(x, to, back):
-    return _gather_rows(x, to), (to, back)
+    return _gather_rows(x, to), back
 
 
-def _move_bwd(residuals, g):
-    _, back = residuals
+def _move_bwd(back, g):
     return _gather_rows(g, back), None, None
 
 
