@@ -37,8 +37,8 @@ import jax, jax.numpy as jnp, numpy as np
 import sdpagraph
 from sdpagraph import mods
 from sdpagraph.cache import default_cache
-from sdpagraph.cache.graphs import numerics_records
-from sdpagraph.jax_api.call import prepare_call
+from sdpagraph.numerics.gate import numerics_records
+from sdpagraph.call import prepare_call
 b, t, n, h = json.loads(sys.argv[1])
 jnp.ones(8).block_until_ready()  # the backend is up before anything is timed
 kwargs = dict(is_causal=True, score_mod=mods.softcap(30.0), implementation="cudnn")

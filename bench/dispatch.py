@@ -1,6 +1,6 @@
 """Which backend is fastest where: XLA, the small-sequence backend and cuDNN over small query and
 key lengths at a large batch, packed small-sequence calls, and a few dense anchors; the data behind
-`jax_api.dispatch`.
+`dispatch.rule`.
 
     python3 bench/dispatch.py --out DIR [--write-table PATH] [--quick] [--backends xla,small_seq,cudnn]
                               [--time-budget SECONDS] [--peak-tbs TBS] [--verify]
@@ -56,17 +56,17 @@ import jax.numpy as jnp
 import numpy as np
 
 try:  # the installed package (with its executor), when it has the packed small-sequence backend
-    import sdpagraph.jax_api.small_seq_packed  # noqa: F401
+    import sdpagraph.backends.small_seq.packed  # noqa: F401
 except ImportError:  # not installed, or installed before it: this checkout's (cuDNN needs the executor)
     for name in [m for m in sys.modules if m == "sdpagraph" or m.startswith("sdpagraph.")]:
         del sys.modules[name]
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sdpagraph
-from sdpagraph.jax_api import dispatch, dispatch_table
-from sdpagraph.jax_api.dispatch_h100 import H100_TABLE
-from sdpagraph.jax_api.call import prepare_call
-from sdpagraph.jax_api.small_seq import small_seq_reason
+from sdpagraph.dispatch import rule as dispatch
+from sdpagraph.dispatch import table as dispatch_table
+from sdpagraph.call import prepare_call
+from sdpagraph.backends.small_seq.backend import small_seq_reason
 
 BACKENDS = ("xla", "small_seq", "cudnn")
 KV_BUDGET_BYTES = 4.1e9  # K and V together, per case
@@ -256,7 +256,7 @@ def table_from_run(result: dict) -> dispatch_table.Table:
 def with_builtin(table: dispatch_table.Table) -> dispatch_table.Table:
     """This run's points plus the built-in table's (same chip) for what this run did not measure: a
     built-in time is dropped where this run timed that backend for the same shape class and pass."""
-    builtin = dispatch_table.match_table({H100_TABLE.gpu: H100_TABLE}, table.gpu)
+    builtin = dispatch_table.match_table(dispatch_table.builtin_tables(), table.gpu)
     measured = {(p.shape.class_key(), p.pass_, name) for p in table.points for name in p.times}
     kept = []
     for p in (builtin.points if builtin is not None else ()):
@@ -269,7 +269,8 @@ def with_builtin(table: dispatch_table.Table) -> dispatch_table.Table:
 
 def decide(result: dict, fitted: dispatch_table.Table) -> None:
     """Add each row's measured best and the rule's picks (built-in table, this run's table)."""
-    builtin, note = dispatch._default_table(result["gpu"], "") if result["gpu"] else (H100_TABLE, "")
+    builtin, note = (dispatch._default_table(result["gpu"], "") if result["gpu"]
+                     else (dispatch_table.stand_in_table(), ""))
     for row in result["rows"]:
         spec = Case(**row["case"]).spec()
         candidates = {"xla": True, "small_seq": small_seq_reason(spec) is None, "cudnn": "cudnn" in row["ms"]}

@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sdpagraph
-from sdpagraph.jax_api import sharding
+from sdpagraph.config import PARTITION
 
 B, T, N, H = 8, 4096, 16, 128
 CP_T, CP_SHORT_T = 65536, 16384  # context parallelism: B1 N16 H128
@@ -67,15 +67,15 @@ def measure(impl, batch, heads, placement, repeats, rounds, partition=True):
     """(ms per step, all-gathers, all-to-alls, the output's sharding) of one row. The step is traced
     and compiled here, under SDPAGRAPH_PARTITION=0 for the 'before' row (read at trace time)."""
     args = inputs(batch, heads, placement)
-    previous = os.environ.get(sharding.ENV_PARTITION)
-    os.environ[sharding.ENV_PARTITION] = "1" if partition else "0"
+    previous = os.environ.get(PARTITION.name)
+    os.environ[PARTITION.name] = "1" if partition else "0"
     try:
         compiled = step_fn(impl).lower(*args).compile()
     finally:
         if previous is None:
-            del os.environ[sharding.ENV_PARTITION]
+            del os.environ[PARTITION.name]
         else:
-            os.environ[sharding.ENV_PARTITION] = previous
+            os.environ[PARTITION.name] = previous
     text = compiled.as_text()
     grads = compiled(*args)
     out_spec = getattr(grads[0].sharding, "spec", None)

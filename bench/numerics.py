@@ -5,9 +5,9 @@
 
 Per config (bf16, causal + softcap(30), training: forward and backward graphs), in a fresh
 process each: the cold build of both graphs (memory-only cache), then the check
-(`jax_api.numerics.check_numerics`) N times, both ways side by side:
+(`numerics.check.check_numerics`) N times, both ways side by side:
 - direct (what runs on a GPU): random inputs made on the host, the graphs run by the executor
-  outside XLA (`jax_api.numerics_direct`), the NumPy float64 reference on a slice;
+  outside XLA (`numerics.direct`), the NumPy float64 reference on a slice;
 - compiled (before): random inputs and the cuDNN path forward + vjp in one XLA program compiled
   per config, the same reference.
 Its time split into trace, XLA compile, run and reference; the GPU memory it took (direct: what
@@ -38,15 +38,15 @@ import jax, jax.numpy as jnp, numpy as np
 import sdpagraph
 from sdpagraph import mods
 from sdpagraph.cache import GraphCache, set_default_cache
-from sdpagraph.cache.graphs import cached_graph
-from sdpagraph.jax_api.call import prepare_call
-from sdpagraph.jax_api import cudnn
-from sdpagraph.jax_api.numerics import check_numerics
-from sdpagraph.jax_api.xla import xla_attention
+from sdpagraph.graph_store import cached_graph
+from sdpagraph.call import prepare_call
+from sdpagraph.backends.cudnn import backend as cudnn
+from sdpagraph.numerics.check import check_numerics
+from sdpagraph.backends.xla import xla_attention
 
 mode, (b, t, n, h), repeat = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 if sys.argv[4] != "{}":  # --compile-options: try other XLA options for the check's program
-    from sdpagraph.jax_api import numerics
+    from sdpagraph.numerics import check as numerics
     numerics.COMPILE_OPTIONS["gpu"] = {**numerics.COMPILE_OPTIONS["gpu"], **json.loads(sys.argv[4])}
 quick = mode == "quick"
 compiled = mode == "compiled"

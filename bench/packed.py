@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import sdpagraph
-from sdpagraph.graphs import binning
+from sdpagraph.config import BINS
 from sdpagraph.graphs.binning import bin_plan
-from sdpagraph.jax_api import packed_bins
-from sdpagraph.jax_api.call import prepare_call
-from sdpagraph.jax_api.segments import segment_metadata, segment_run_ids
+from sdpagraph.backends.cudnn.bins import packed as packed_bins
+from sdpagraph.call import prepare_call
+from sdpagraph.segments.metadata import segment_metadata, segment_run_ids
 
 import report  # bench/ is on sys.path when a script here runs
 from attention import torch_flex_ms
@@ -86,11 +86,11 @@ def jitted(fn, backward):
 def bins_off(fn):
     """`fn` traced with binning switched off (`graphs.binning` reads its switch when a call is traced)."""
     def call(*args):
-        os.environ[binning.ENV_SWITCH] = "0"
+        os.environ[BINS.name] = "0"
         try:
             return fn(*args)
         finally:
-            del os.environ[binning.ENV_SWITCH]
+            del os.environ[BINS.name]
     return call
 
 

@@ -24,7 +24,7 @@ from sdpagraph.graphs import lowering as lowering_module
 from sdpagraph.graphs.lowering import lower, new_graph
 from sdpagraph.graphs.mod_lowering import ModEmitter
 from sdpagraph.graphs.operands import describe
-from sdpagraph.jax_api.call import prepare_call
+from sdpagraph.call import prepare_call
 
 from cuda_timing import cuda_event_ms  # bench/ is on sys.path when a script here runs
 
@@ -114,7 +114,7 @@ def cases():
     identity = lambda g, s, t: s  # noqa: E731 - the spec's causal mask is then lowered into the mod
     table = {
         "causal, native flag": dict(is_causal=True),
-        "causal in the mod (-inf, graphs.masks)": dict(is_causal=True, score_mod=identity),
+        "causal in the mod (-inf, scoremod.masks)": dict(is_causal=True, score_mod=identity),
         "mods.causal() (-1e30)": dict(score_mod=mods.causal()),
         "softcap, no mask": dict(score_mod=mods.softcap(CAP)),
         "softcap + causal [runtime form]": dict(is_causal=True, score_mod=mods.softcap(CAP)),

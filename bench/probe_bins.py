@@ -1,4 +1,4 @@
-"""Where the time of a call on bins goes (`graphs.binning`, `jax_api.packed_bins`), and what the bins'
+"""Where the time of a call on bins goes (`graphs.binning`, `backends.cudnn.bins.packed`), and what the bins'
 slack costs. Needs a GPU.
 
     python bench/probe_bins.py [--out DIR]
@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdpagraph.graphs.binning import bin_plan
-from sdpagraph.jax_api import cudnn, packed_bins
-from sdpagraph.jax_api.call import prepare_call
+from sdpagraph.backends.cudnn import backend as cudnn
+from sdpagraph.backends.cudnn.bins import packed as packed_bins
+from sdpagraph.call import prepare_call
 
 import report  # bench/ is on sys.path when a script here runs
 from jax_timing import time_ms

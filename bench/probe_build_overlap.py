@@ -18,8 +18,8 @@ import numpy as np
 
 from sdpagraph import mods
 from sdpagraph.cache import GraphCache
-from sdpagraph.cache.graphs import cached_graph
-from sdpagraph.jax_api.call import prepare_call
+from sdpagraph.graph_store import cached_graph
+from sdpagraph.call import prepare_call
 
 
 def workload() -> float:

@@ -29,9 +29,9 @@ def main() -> None:
 
     from sdpagraph import mods
     from sdpagraph.cache import GraphCache, set_default_cache
-    from sdpagraph.cache.graphs import cached_graph
-    from sdpagraph.jax_api.call import prepare_call
-    from sdpagraph.jax_api.numerics import check_numerics
+    from sdpagraph.graph_store import cached_graph
+    from sdpagraph.call import prepare_call
+    from sdpagraph.numerics.check import check_numerics
 
     jnp.ones(8).block_until_ready()
     set_default_cache(GraphCache())

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from sdpagraph.jax_api.segments import segment_metadata, segment_positions  # noqa: E402
+from sdpagraph.segments.metadata import segment_metadata, segment_positions  # noqa: E402
 
 
 def segment_metadata_quadratic(segment_ids, max_segments):

@@ -21,7 +21,7 @@ import sdpagraph
 from sdpagraph import mods
 from sdpagraph.cache import GraphCache, set_default_cache
 from sdpagraph.graphs import support as graphs_support
-from sdpagraph.jax_api import cudnn as cudnn_backend
+from sdpagraph.backends.cudnn import backend as cudnn_backend
 
 SHAPE = jax.ShapeDtypeStruct((4, 4096, 16, 128), jnp.bfloat16)
 CASES = {

@@ -1,25 +1,27 @@
 """sdpagraph: flex attention for JAX on cuDNN, with compiled graphs cached and shipped.
 
-Public API: `attention`, `check_support`, `load_balance` / `unload_balance`, `precompile`, `record`, `Support`, `mods`, the
-`sdpagraph` CLI. The names are loaded on first use, so `import sdpagraph` (and the command
-line's cache and version commands) does not import jax.
+Public API: `attention`, `check_support`, `load_balance` / `unload_balance`, `precompile`, `record`, `Support`, `mods`,
+`SdpagraphError` (the base class of sdpagraph's errors), the `sdpagraph` CLI. The names are loaded on
+first use, so `import sdpagraph` (and the command line's cache and version commands) does not import jax.
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
+from sdpagraph.errors import SdpagraphError  # imports nothing, so it is not loaded lazily
+
 __all__ = ["attention", "check_support", "load_balance", "unload_balance", "precompile", "record", "Support",
-           "mods"]
+           "mods", "SdpagraphError"]
 __version__ = "0.1.0"
 
 # name -> module that defines it. `attention` and `check_support` also load the deployment layer,
 # whose spec recording (SDPAGRAPH_RECORD, `record`) listens to every traced call.
 _PUBLIC = {
-    "attention": "sdpagraph.jax_api.attention",
-    "check_support": "sdpagraph.jax_api.attention",
-    "load_balance": "sdpagraph.jax_api.load_balance",
-    "unload_balance": "sdpagraph.jax_api.load_balance",
+    "attention": "sdpagraph.api",
+    "check_support": "sdpagraph.api",
+    "load_balance": "sdpagraph.parallel.load_balance",
+    "unload_balance": "sdpagraph.parallel.load_balance",
     "precompile": "sdpagraph.deploy",
     "record": "sdpagraph.deploy",
     "Support": "sdpagraph.graphs.support",

@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdpagraph.graphs.ir import FLOAT, INT, BOOL
-from sdpagraph.graphs.masks import position_conditions, select_each
+from sdpagraph.scoremod.ir import FLOAT, INT, BOOL
+from sdpagraph.scoremod.masks import position_conditions, select_each
 from sdpagraph.spec import UNBOUNDED
 
 MASKED_SCORE = -1e30

@@ -20,11 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from sdpagraph.segment_rules import check_segment_count, check_segment_lengths, seqlen_hint_checks
+from sdpagraph.segments.rules import check_segment_count, check_segment_lengths, seqlen_hint_checks
 
 DTYPES = ("float32", "bfloat16", "float16")
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
-IMPLEMENTATIONS = (None, "xla", "cudnn", "small_seq")
 UNBOUNDED = -1  # a window side that does not limit attention
 # The graphs one spec compiles to: forward (output + softmax stats), backward, and inference
 # (output only, for calls that are not differentiated).
@@ -305,13 +304,10 @@ def normalize_arguments(
     segment_ids: Any = None,
     max_segments_per_seq: int | None = None,
     chunk_size: int | None = None,
-    implementation: str | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_kv: int | None = None,
 ) -> NormalizedCall:
     """Validate the public arguments and build the `AttentionSpec` (arrays or ShapeDtypeStructs)."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if causal_alignment not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}, got {causal_alignment!r}")
     if not isinstance(is_causal, (bool, np.bool_)):

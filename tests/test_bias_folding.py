@@ -14,10 +14,10 @@ import jax.numpy as jnp
 
 from sdpagraph import mods
 from sdpagraph.graphs.operands import bias_operand_shape, folds_padding, graph_io, plan_layout
-from sdpagraph.jax_api import cudnn as cudnn_path
-from sdpagraph.jax_api.call import prepare_call
-from sdpagraph.jax_api.call import RuntimeInputs
-from sdpagraph.jax_api.xla import xla_attention
+from sdpagraph.backends.cudnn import backend as cudnn_path
+from sdpagraph.call import prepare_call
+from sdpagraph.call import RuntimeInputs
+from sdpagraph.backends.xla import xla_attention
 from sdpagraph.spec import normalize_arguments
 from tests import reference as ref
 

@@ -17,19 +17,20 @@ import pytest
 
 from sdpagraph import mods
 from sdpagraph.cache import GraphCache
-from sdpagraph.cache.graphs import cached_graph, check_graphs, graph_key
+from sdpagraph.graph_store import cached_graph, check_graphs, graph_key
 from sdpagraph.graphs import builder, support
 from sdpagraph.graphs.binning import bin_plan
 from sdpagraph.graphs.compiled import CompiledGraph
-from sdpagraph.graphs.ir import BOOL, FLOAT, INT
-from sdpagraph.graphs.trace import TensorInfo, trace_score_mod
-from sdpagraph.graphs.ir_eval import evaluate
-from sdpagraph.graphs.jnp_mods import convert_jnp_score_mod
+from sdpagraph.scoremod.ir import BOOL, FLOAT, INT
+from sdpagraph.scoremod.trace import TensorInfo, trace_score_mod
+from sdpagraph.scoremod.ir_eval import evaluate
+from sdpagraph.scoremod.jnp.convert import convert_jnp_score_mod
 from sdpagraph.graphs.lowering import lower, mod_stages, native_band
-from sdpagraph.graphs.mod_lowering import ModEmitter, Unsupported, pass_by_value_plan
+from sdpagraph.errors import Unsupported
+from sdpagraph.graphs.mod_lowering import ModEmitter, pass_by_value_plan
 from sdpagraph.graphs.operands import bias_operand_shape, describe, graph_io, graph_spec, uid_map
-from sdpagraph.jax_api.call import RuntimeInputs
-from sdpagraph.jax_api.xla import _layout, allowed_mask
+from sdpagraph.call import RuntimeInputs
+from sdpagraph.backends.masking import allowed_mask, token_layout as _layout
 from sdpagraph.spec import AttentionSpec
 
 cudnn = pytest.importorskip("cudnn")
@@ -223,7 +224,7 @@ def test_a_score_mod_turns_native_flags_into_a_typed_mod():
     out = options["score_mod"](callback_graph, FakeTensor("score"))
     ops = [op for op, _ in callback_graph.nodes]
     assert ops[:3] == ["div", "tanh", "mul"] and ops[-1] == "binary_select"
-    assert not [op for op in ops if op.startswith("logical_")]  # masks chain selects (see graphs.masks)
+    assert not [op for op in ops if op.startswith("logical_")]  # masks chain selects (see scoremod.masks)
     # The window's int literals are INT32 pass-by-value tensors (cuDNN's tile skipping reads them as ints).
     assert {source: dtype for _, source, dtype in lowering.pass_by_value} == {
         ("scalar", "cap"): "float32", ("const", 33): "int32", ("const", 4): "int32", ("const", float("-inf")): "float32"}
@@ -386,7 +387,7 @@ def test_emitted_mod_matches_the_xla_backend(overrides, kind):
 
 
 def test_mask_comparisons_have_int_operands_and_no_logical_ops():
-    """What cuDNN 9.19's score_mod fusion built on an H100 (see graphs.masks)."""
+    """What cuDNN 9.19's score_mod fusion built on an H100 (see scoremod.masks)."""
     spec = make_spec(is_causal=True, window=(16, 4), chunk_size=32, causal_alignment="bottom_right", q_len=96)
     emitted, _ = emitted_ir(spec, trace_score_mod(lambda g, s, t: s, {}), "backward")
     for node in emitted.nodes:
@@ -479,7 +480,7 @@ def test_support_builds_the_runtime_graphs_and_remembers_answers(fake_gpu, tmp_p
     cache = GraphCache(tmp_path)
     spec = make_spec(is_causal=True)
     answer = check_graphs(spec, softcap_ir(), True, cache)
-    assert answer.supported and answer.backend == "cudnn"
+    assert answer.supported and answer.backend == ""  # the graphs layer names no backend
     assert [direction for _, direction in fake_gpu] == ["forward", "backward"]
     cached_graph(spec, softcap_ir(), "forward", cache).compiled  # what attention() does next
     cached_graph(spec, softcap_ir(), "backward", cache).compiled
@@ -512,7 +513,7 @@ def test_support_builds_the_bins_graphs_too_and_says_so(fake_gpu, tmp_path):
 def test_support_declines_with_one_actionable_sentence(fake_gpu, tmp_path):
     cache = GraphCache(tmp_path)
     answer = check_graphs(make_spec(head_dim=68, head_dim_v=68), None, True, cache)
-    assert not answer.supported and answer.backend == "xla"
+    assert not answer.supported and answer.backend == ""
     assert answer.reason == "head dim 68 is not a multiple of 8"
     assert check_graphs(make_spec(dtype="float32"), None, True, cache).reason == (
         "cuDNN SDPA takes bfloat16 or float16 inputs, not float32")

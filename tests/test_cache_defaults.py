@@ -4,7 +4,8 @@ import os
 import pytest
 
 from sdpagraph.cache import GraphCache, default_cache, set_default_cache
-from sdpagraph.cache.defaults import cache_from_env, default_cache_dir, parse_size
+from sdpagraph.cache.defaults import cache_from_env
+from sdpagraph.config import CACHE_DIR, parse_size
 
 
 @pytest.fixture(autouse=True)
@@ -15,9 +16,9 @@ def fresh_default():
 
 
 def test_directory_defaults_follow_xdg_then_home():
-    assert default_cache_dir({"SDPAGRAPH_CACHE_DIR": "/srv/graphs"}) == "/srv/graphs"
-    assert default_cache_dir({"XDG_CACHE_HOME": "/x"}) == "/x/sdpagraph"
-    assert default_cache_dir({"XDG_CACHE_HOME": "", "SDPAGRAPH_CACHE_DIR": ""}) == \
+    assert CACHE_DIR.get({"SDPAGRAPH_CACHE_DIR": "/srv/graphs"}) == "/srv/graphs"
+    assert CACHE_DIR.get({"XDG_CACHE_HOME": "/x"}) == "/x/sdpagraph"
+    assert CACHE_DIR.get({"XDG_CACHE_HOME": "", "SDPAGRAPH_CACHE_DIR": ""}) == \
         os.path.join(os.path.expanduser("~"), ".cache", "sdpagraph")
 
 

@@ -7,7 +7,8 @@ import pytest
 
 from sdpagraph.cache import GraphCache
 from sdpagraph.cache.entry import Entry
-from sdpagraph.cache.memory import BoundedMemo, KeyedLocks, MemoryLRU
+from sdpagraph.cache.memory import KeyedLocks, MemoryLRU
+from sdpagraph.memo import BoundedMemo
 
 
 def entry(size: int) -> Entry:

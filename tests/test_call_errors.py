@@ -7,8 +7,8 @@ import pytest
 
 import sdpagraph
 from sdpagraph import mods
-from sdpagraph.graphs.ir import ScoreModError
-from sdpagraph.jax_api.call import MissingTensorError
+from sdpagraph.scoremod.ir import ScoreModError
+from sdpagraph.call import MissingTensorError
 
 B, T, S, N, K, H = 2, 8, 8, 4, 2, 16
 

@@ -5,7 +5,7 @@ import pytest
 
 from sdpagraph.cli import main
 from sdpagraph.graphs.support import Support
-from sdpagraph.jax_api import cudnn as cudnn_backend
+from sdpagraph.backends.cudnn import backend as cudnn_backend
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ def test_files_that_are_not_spec_files_exit_2_with_one_line_naming_them(tmp_path
 
 
 def test_a_recorded_score_mod_naming_a_missing_node_is_rejected(tmp_path, capsys):
-    from sdpagraph.deploy.specfile import parse_entry
+    from sdpagraph.deploy.entry_parser import parse_entry
 
     recorded = parse_entry(0, {"shapes": {"query": [1, 64, 2, 32], "key": [1, 64, 2, 32], "value": [1, 64, 2, 32]},
                                "dtype": "bfloat16", "score_mod": {"mod": "softcap", "args": [30.0]}}).to_dict()

@@ -5,7 +5,7 @@ import shutil
 from pathlib import Path
 
 from sdpagraph.cache import GraphCache
-from sdpagraph.cache.graphs import graph_key
+from sdpagraph.graph_store import graph_key
 from sdpagraph.deploy.specfile import load_specs
 from sdpagraph.graphs.builder import BuildEnvironment
 

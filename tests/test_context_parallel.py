@@ -3,8 +3,8 @@
 As in tests/test_sharding.py, the first test runs this file again in a subprocess with
 `--xla_force_host_platform_device_count=8`, where the other device tests run.
 
-The XLA backend runs as it is. The cuDNN path runs its own ring code (`jax_api.ring`, the cuDNN
-block graphs of `jax_api.cudnn`, the partitioning around them) with test_sharding's stand-ins for
+The XLA backend runs as it is. The cuDNN path runs its own ring code (`parallel.ring`, the cuDNN
+block graphs of `backends.cudnn.backend`, the partitioning around them) with test_sharding's stand-ins for
 the graph builder and the FFI executor, except that the backward stand-in here computes what
 cuDNN's backward graph computes from the o and stats operands it is given (P = exp(S - stats),
 dS = P * (dP - rowsum(dO * o))): the ring feeds each block the final o and logsumexp, and only a
@@ -22,9 +22,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import sdpagraph
 from sdpagraph import mods
 from sdpagraph.deploy.specfile import load_specs
-from sdpagraph.graphs.ir_eval import evaluate
+from sdpagraph.scoremod.ir_eval import evaluate
 from sdpagraph.graphs.operands import ARRAY_PREFIX
-from sdpagraph.jax_api import cudnn as cudnn_backend
+from sdpagraph.backends.cudnn import backend as cudnn_backend
 from tests.devices import has_cpu_devices, rerun_with_cpu_devices
 from tests.test_sharding import cudnn_on_cpu, fake_executor, random_ids  # noqa: F401 (a fixture)
 
@@ -318,7 +318,7 @@ def test_errors_name_the_argument_and_the_numbers():
 
 
 def test_auto_rule():
-    from sdpagraph.jax_api.context_parallel import choose_strategy
+    from sdpagraph.parallel.context_parallel import choose_strategy
     from sdpagraph.spec import AttentionSpec
 
     spec = lambda t, n, k: AttentionSpec(1, t, t, n, k, 128, 128, "bfloat16", 0.1)  # noqa: E731
@@ -332,8 +332,8 @@ def test_auto_rule():
 
 
 def test_position_offsets_shift_what_the_mod_sees():
-    from sdpagraph.graphs.ir import with_position_offsets
-    from sdpagraph.jax_api.call import prepare_call
+    from sdpagraph.scoremod.ir import with_position_offsets
+    from sdpagraph.call import prepare_call
 
     rng = np.random.default_rng(14)
     q = jax.ShapeDtypeStruct((1, 8, 2, 4), jnp.float32)

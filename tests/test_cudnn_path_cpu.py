@@ -13,10 +13,10 @@ from sdpagraph import ffi, mods
 from sdpagraph.cache import GraphCache
 from sdpagraph.graphs.builder import BuildEnvironment
 from sdpagraph.graphs.compiled import CompiledGraph
-from sdpagraph.cache.graphs import CachedGraph, graph_key
+from sdpagraph.graph_store import CachedGraph, graph_key
 from sdpagraph.graphs.operands import graph_io, graph_spec, uid_map
-from sdpagraph.jax_api import cudnn as cudnn_backend
-from sdpagraph.jax_api.call import prepare_call
+from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.call import prepare_call
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_ffi_results_vary_over_the_manual_axes_their_operands_vary_over():
     (seen on an H100 with context parallelism's all_to_all strategy, jax 0.11.2)."""
     from jax.sharding import Mesh, PartitionSpec as P
 
-    from sdpagraph.jax_api.cudnn import _varying_axes, varying_like
+    from sdpagraph.backends.cudnn.backend import _varying_axes, varying_like
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("cp",))
     seen = {}

@@ -1,4 +1,4 @@
-"""The backend rule: fastest by measurement (jax_api.dispatch)."""
+"""The backend rule: fastest by measurement (dispatch.rule)."""
 import json
 
 import jax
@@ -7,11 +7,14 @@ import numpy as np
 import pytest
 
 from sdpagraph.graphs.support import Support
-from sdpagraph.jax_api import dispatch, dispatch_table
-from sdpagraph.jax_api.call import prepare_call
-from sdpagraph.jax_api.dispatch import MODEL_MAX_KV_LEN, MODEL_MAX_Q_LEN, choose
-from sdpagraph.jax_api.dispatch_h100 import H100_TABLE
-from sdpagraph.jax_api.dispatch_table import Point, Shape, Table
+from sdpagraph.config import DISPATCH_TABLE
+from sdpagraph.dispatch import rule as dispatch
+from sdpagraph.dispatch import table as dispatch_table
+from sdpagraph.call import prepare_call
+from sdpagraph.dispatch.rule import MODEL_MAX_KV_LEN, MODEL_MAX_Q_LEN, choose
+from sdpagraph.dispatch.table import Point, Shape, Table, builtin_tables
+
+H100_TABLE = builtin_tables()["NVIDIA H100 80GB HBM3"]
 
 
 def spec_of(B, T, S, N=16, K=16, H=128, dtype=jnp.bfloat16, **kwargs):
@@ -20,7 +23,7 @@ def spec_of(B, T, S, N=16, K=16, H=128, dtype=jnp.bfloat16, **kwargs):
 
 
 ALL = {"cudnn": True, "xla": True, "small_seq": True}
-SMALL = spec_of(30720, 1, 16)  # issue 14: cuDNN 4.88 / 21.5 ms, XLA 1.48 / 5.94 ms on an H100
+SMALL = spec_of(30720, 1, 16)  # on an H100 cuDNN 5.05 / 21.6 ms, XLA 1.62 / 7.46 ms (docs/results/h100-2026-11-24.md)
 
 
 @pytest.mark.parametrize("spec", [SMALL, spec_of(30720, 1, 4), spec_of(30720, 4, 16), spec_of(30720, 2, 8),
@@ -156,7 +159,7 @@ def test_default_table_on_this_machine_and_with_a_gpu(monkeypatch, tmp_path):
     path = tmp_path / "tables.json"
     a100 = Table("NVIDIA A100-SXM4-80GB", (Point(Shape.of(SMALL), "fwd_bwd", {"cudnn": 1.0, "xla": 2.0}),), "2026-11-23")
     dispatch_table.tables_to_json({a100.gpu: a100}, path)
-    monkeypatch.setenv(dispatch.ENV_TABLE, str(path))
+    monkeypatch.setenv(DISPATCH_TABLE.name, str(path))
     assert dispatch.default_table()[0] == a100
     assert choose(SMALL, {"cudnn": True, "xla": True}).backend == "cudnn"
     dispatch._default_table.cache_clear()
@@ -232,7 +235,7 @@ def test_lazy_candidates_are_asked_only_when_they_would_win():
 def test_packed_calls_pick_small_seq_only_with_hints_in_the_regime():
     """A packed call is in the small-sequence regime by its max_seqlen hints; without them (or with
     hints outside it) it is not, whatever the model says."""
-    from sdpagraph.jax_api.small_seq import small_seq_reason
+    from sdpagraph.backends.small_seq.backend import small_seq_reason
 
     def pick(training, segment_ids=jax.ShapeDtypeStruct((8, 4096), jnp.int32), S=4096, **hints):
         spec = spec_of(8, 4096, S, segment_ids=segment_ids, **hints)

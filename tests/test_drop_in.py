@@ -18,9 +18,9 @@ import pytest
 import sdpagraph
 from sdpagraph import mods
 from sdpagraph.graphs.operands import ARRAY_PREFIX, array_desc, graph_io
-from sdpagraph.jax_api import cudnn as cudnn_backend
-from sdpagraph.jax_api.call import prepare_call
-from sdpagraph.jax_api.graph_on_xla import graph_forward
+from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.call import prepare_call
+from sdpagraph.backends.cudnn.graph_on_xla import graph_forward
 
 B, T, S, N, K, H = 2, 5, 7, 4, 2, 8
 
@@ -169,7 +169,7 @@ def fake_core(static, q, k, v, bias, aux, validity):
 
 
 def cudnn_path(q, k, v, **kwargs):
-    """`jax_api.cudnn.attention` (operands, bias operand, row zeroing) around `fake_core`."""
+    """`backends.cudnn.backend.attention` (operands, bias operand, row zeroing) around `fake_core`."""
     call = prepare_call(q, k, v, **kwargs)
     out, _ = cudnn_backend.attention(call.spec, q, k, v, call.inputs, call.score_mod)
     return out

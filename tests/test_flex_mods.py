@@ -7,7 +7,7 @@ import pytest
 
 import sdpagraph
 from sdpagraph import mods
-from sdpagraph.jax_api.call import prepare_call
+from sdpagraph.call import prepare_call
 from tests.reference import Mod, allowed, attention_fwd_bwd
 
 

@@ -1,11 +1,11 @@
-"""`graphs.host_blas.few_blas_threads`: NumPy's OpenBLAS on at most FEW_THREADS inside the block, its own
+"""`numerics.host_blas.few_blas_threads`: NumPy's OpenBLAS on at most FEW_THREADS inside the block, its own
 count back after the last block ends, also across threads and when the block raises."""
 import threading
 
 import numpy as np
 import pytest
 
-from sdpagraph.graphs import host_blas
+from sdpagraph.numerics import host_blas
 
 
 @pytest.fixture

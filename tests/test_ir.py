@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from sdpagraph import mods
-from sdpagraph.graphs.ir import ScoreModError, ScoreModIR
-from sdpagraph.graphs.trace import TensorInfo, trace_score_mod
-from sdpagraph.graphs.ir_eval import evaluate
+from sdpagraph.scoremod.ir import ScoreModError, ScoreModIR
+from sdpagraph.scoremod.trace import TensorInfo, trace_score_mod
+from sdpagraph.scoremod.ir_eval import evaluate
 
 SCALAR = TensorInfo("scalar", "float32")
 

@@ -1,4 +1,4 @@
-"""A jax.numpy softcap's literals are bound scalars (`graphs.jnp_literals`) through `attention`: every
+"""A jax.numpy softcap's literals are bound scalars (`scoremod.jnp.literals`) through `attention`: every
 cap value records one IR, has one graph key and runs one cached graph, and each call computes with its
 own value on the XLA backend, the small-seq backend and the cuDNN path (the CPU stand-in of
 tests/test_sharding.py, fed the scalars exactly as the executor receives them), against a float64
@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 import sdpagraph
-from sdpagraph.cache.graphs import CachedGraph, graph_key
+from sdpagraph.graph_store import CachedGraph, graph_key
 from sdpagraph.graphs.builder import BuildEnvironment
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.lowering import mod_stages
 from sdpagraph.graphs.mod_lowering import pass_by_value_plan
 from sdpagraph.graphs.operands import graph_io, graph_spec, uid_map
-from sdpagraph.jax_api import cudnn as cudnn_backend
-from sdpagraph.jax_api.call import prepare_call
+from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.call import prepare_call
 from sdpagraph.spec import DIRECTIONS
 from tests.reference import allowed, attention_fwd_bwd, softcap_mod
 from tests.test_jnp_mods import conditions
@@ -102,7 +102,7 @@ def test_a_mask_mod_next_to_a_lifted_softcap_keeps_the_forms_cuDNN_skips_tiles_f
     q, k, v = qkv(rng, 16, 16)
     window = lambda b, h, i, j: (i >= j) & (i - j <= 8)  # noqa: E731
     ir = prepare_call(q, k, v, score_mod=softcap(30.0), mask_mod=window).score_mod
-    assert conditions(ir) == {"cmp_ge(gen2,gen3)", "cmp_gt(add(gen3,9),gen2)"}  # graphs.masks' forms, int literals
+    assert conditions(ir) == {"cmp_ge(gen2,gen3)", "cmp_gt(add(gen3,9),gen2)"}  # scoremod.masks' forms, int literals
     assert {n.dtype for n in ir.nodes if n.op == "const" and n.attr("value") == 9} == {"int32"}
     assert len(ir.scalar_names) == 2
 

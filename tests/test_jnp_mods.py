@@ -1,9 +1,9 @@
-"""jnp score_mod / mask_mod conversion (graphs.jnp_mods): the IR against the Python function.
+"""jnp score_mod / mask_mod conversion (scoremod.jnp.convert): the IR against the Python function.
 
-Each converted IR is evaluated with graphs.ir_eval over full (B, N, T, S) index grids and compared
+Each converted IR is evaluated with scoremod.ir_eval over full (B, N, T, S) index grids and compared
 with the function itself under jax.vmap (and a float64 NumPy formula where one is easy), forward
 and the IR's derived gradient against jax.grad. Canonical forms are checked against the IRs of
-mods.* / graphs.masks, digests across processes, and every error path.
+mods.* / scoremod.masks, digests across processes, and every error path.
 """
 from __future__ import annotations
 
@@ -18,15 +18,16 @@ import numpy as np
 import pytest
 
 from sdpagraph import mods
-from sdpagraph.graphs.ir import FLOAT, INT, RecordingGraph
-from sdpagraph.graphs.ir_eval import evaluate
-from sdpagraph.graphs.jnp_mods import (
-    JnpModUnsupported, apply_jnp_mask_mod, apply_jnp_score_mod, convert_jnp_mask_mod, convert_jnp_score_mod,
-    trace_jnp_mask_mod, trace_jnp_score_mod,
+from sdpagraph.scoremod.ir import FLOAT, INT, RecordingGraph
+from sdpagraph.scoremod.ir_eval import evaluate
+from sdpagraph.scoremod.jnp.apply import apply_jnp_mask_mod, apply_jnp_score_mod
+from sdpagraph.scoremod.jnp.convert import (
+    convert_jnp_mask_mod, convert_jnp_score_mod, trace_jnp_mask_mod, trace_jnp_score_mod,
 )
-from sdpagraph.graphs.masks import MASKED, position_conditions, select_each
-from sdpagraph.graphs.mod_lowering import Unsupported
-from sdpagraph.graphs.trace import TensorInfo, trace_score_mod
+from sdpagraph.scoremod.jnp.interpreter import JnpModUnsupported
+from sdpagraph.scoremod.masks import MASKED, position_conditions, select_each
+from sdpagraph.errors import Unsupported
+from sdpagraph.scoremod.trace import TensorInfo, trace_score_mod
 from sdpagraph.spec import UNBOUNDED
 
 B, N, T, S = 2, 3, 7, 9
@@ -122,7 +123,7 @@ def conditions(ir):
 
 
 def masks_form(conditions_fn, masked=MASKED):
-    """The IR of graphs.masks' own form: chained selects over `conditions_fn(graph, score)`."""
+    """The IR of scoremod.masks' own form: chained selects over `conditions_fn(graph, score)`."""
     return trace_score_mod(lambda g, s, t: select_each(g, s, masked, conditions_fn(g, s)), {})
 
 
@@ -252,7 +253,7 @@ def test_mask_mod_literals_stay_and_its_tensors_have_their_own_names():
 def test_causal_mask_is_mods_causal():
     fn = lambda b, h, i, j: i >= j  # noqa: E731
     mod = check_mask_mod(fn, numpy_reference=lambda b, h, q, k: q >= k)
-    # default -inf: graphs.masks' causal form; with mods' masked value: mods.causal() exactly
+    # default -inf: scoremod.masks' causal form; with mods' masked value: mods.causal() exactly
     assert mod.ir.digest == masks_form(lambda g, s: position_conditions(g, s, causal=True)).digest
     assert trace_jnp_mask_mod(fn, masked_value=mods.MASKED_SCORE)[0].digest == trace_score_mod(mods.causal(), {}).digest
     # written any other way, the same IR
@@ -268,7 +269,7 @@ def test_sliding_window_masks(w):
     # the conditions of mods.sliding_window(w, 0), which writes the causal side as `add(q, 0) >= k`
     reference = {c.replace("add(gen2,0)", "gen2") for c in conditions(traced(mods.sliding_window(w, 0)))}
     assert conditions(causal_window.ir) == reference == {f"cmp_gt(add(gen3,{w + 1}),gen2)", "cmp_ge(gen2,gen3)"}
-    # conditions in position_conditions' order: graphs.masks' IR exactly
+    # conditions in position_conditions' order: scoremod.masks' IR exactly
     assert trace_jnp_mask_mod(lambda b, h, i, j: (i >= j) & (i - j <= w))[0].digest == masks_form(
         lambda g, s: position_conditions(g, s, causal=True, window=(w, UNBOUNDED))).digest
     # one-sided and symmetric windows are mods.sliding_window's IRs
@@ -277,7 +278,7 @@ def test_sliding_window_masks(w):
         traced(mods.sliding_window(w, -1)).digest
     assert left.ir.digest == masks_form(lambda g, s: position_conditions(g, s, window=(w, UNBOUNDED))).digest
     both = check_mask_mod(lambda b, h, i, j: jnp.abs(i - j) <= w, numpy_reference=lambda b, h, q, k: abs(q - k) <= w)
-    if w == 0:  # graphs.masks writes the right side `add(q, 0) >= k`; the converter drops the add
+    if w == 0:  # scoremod.masks writes the right side `add(q, 0) >= k`; the converter drops the add
         assert conditions(both.ir) == {c.replace("add(gen2,0)", "gen2") for c in conditions(traced(mods.sliding_window(0, 0)))}
         return
     assert both.ir.digest == masks_form(lambda g, s: position_conditions(g, s, window=(w, w))).digest
@@ -305,7 +306,7 @@ def test_prefix_lm_masks():
     fn = lambda b, h, q, k: (k < prefix[b]) | (q >= k)  # noqa: E731
     mod = check_mask_mod(fn, numpy_reference=lambda b, h, q, k: (k < lengths[b]) | (q >= k))
     assert {name: v.shape for name, v in mod.arrays.items()} == {"captured0": (B, 1, 1, 1)}
-    # the key position is the comparison's input, as in graphs.masks' segment bounds
+    # the key position is the comparison's input, as in scoremod.masks' segment bounds
     (cmp,) = [n for n in mod.ir.nodes if n.op == "cmp_lt"]
     assert mod.ir.nodes[cmp.args[0]].op == "gen_index" and mod.ir.nodes[cmp.args[1]].op == "array"
     assert trace_jnp_mask_mod(lambda b, h, q, k: (prefix[b] > k) | (q >= k), SHAPE)[0].digest == mod.ir.digest
@@ -335,7 +336,7 @@ def test_mask_constant_results():
 def test_same_digest_across_processes():
     code = textwrap.dedent("""
         import json, jax.numpy as jnp, numpy as np
-        from sdpagraph.graphs.jnp_mods import trace_jnp_score_mod, trace_jnp_mask_mod
+        from sdpagraph.scoremod.jnp.convert import trace_jnp_score_mod, trace_jnp_mask_mod
         slopes = jnp.arange(1, 4, dtype=jnp.float32)
         doc = jnp.arange(18, dtype=jnp.int32).reshape(2, 9) // 4
         shape = (2, 3, 7, 9)

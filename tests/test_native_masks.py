@@ -7,8 +7,8 @@ import pytest
 
 import sdpagraph
 from sdpagraph import mods
-from sdpagraph.graphs.native_masks import NativeMask, native_mask
-from sdpagraph.jax_api.call import prepare_call
+from sdpagraph.scoremod.native_masks import NativeMask, native_mask
+from sdpagraph.call import prepare_call
 
 SHAPE = (2, 96, 4, 32)
 STRUCT = jax.ShapeDtypeStruct(SHAPE, jnp.float32)

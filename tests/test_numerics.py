@@ -2,7 +2,7 @@
 
 No GPU: the build is faked (`builder.compile_graph` returns a plan-shaped entry), the cuDNN
 availability checks are forced to "available", and the graph core of the cuDNN path
-(`jax_api.cudnn._core`) is replaced by an XLA computation: the right one, or a deliberately
+(`backends.cudnn.backend._core`) is replaced by an XLA computation: the right one, or a deliberately
 wrong one (a wrong scale, a wrong dq). The runtime must then run the call on XLA, check_support
 must say why with the errors, and the cache must record what was measured.
 """
@@ -21,22 +21,25 @@ import numpy as np
 import pytest
 
 import sdpagraph
-from sdpagraph import ffi, mods
+from sdpagraph import ffi, logs, mods
 from sdpagraph.cache import CacheMissError, GraphCache, set_default_cache
-from sdpagraph.cache import graphs as cached_graphs
+from sdpagraph import graph_store as cached_graphs
 from sdpagraph.cache.disk import DiskStore
-from sdpagraph.cache.memory import BoundedMemo
+from sdpagraph.memo import BoundedMemo
 from sdpagraph.deploy.numerics import verify_numerics
-from sdpagraph.deploy.specfile import SpecEntry
+from sdpagraph.deploy.spec_entry import SpecEntry
 from sdpagraph.graphs import builder, support as support_module
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.operands import graph_io, graph_spec, uid_map
-from sdpagraph.graphs.reference import reference
-from sdpagraph.jax_api import cudnn as cudnn_backend
-from sdpagraph.jax_api import numerics, numerics_draw
-from sdpagraph.jax_api.call import prepare_call
-from sdpagraph.jax_api.graph_on_xla import graph_forward
-from sdpagraph.jax_api.xla import xla_attention
+from sdpagraph.numerics.reference import reference
+from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.numerics import check as numerics
+from sdpagraph.numerics import draw as numerics_draw
+from sdpagraph.numerics import gate as numerics_gate
+from sdpagraph.numerics import record as numerics_record
+from sdpagraph.call import prepare_call
+from sdpagraph.backends.cudnn.graph_on_xla import graph_forward
+from sdpagraph.backends.xla import xla_attention
 
 ENV = builder.BuildEnvironment("9.19.0", "1.32.0", "sm90 fake GPU")
 B, T, N, K, H = 2, 16, 4, 2, 8
@@ -93,7 +96,7 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(cudnn_backend, "environment_reason", lambda: None)
     monkeypatch.setattr(ffi, "unavailable_reason", lambda: None)
     monkeypatch.setattr(cudnn_backend, "_core", xla_core)
-    monkeypatch.setattr(cached_graphs, "_warned", BoundedMemo(64))
+    monkeypatch.setattr(logs, "_logged", BoundedMemo(64))
     monkeypatch.delenv("SDPAGRAPH_VERIFY", raising=False)
     cache = GraphCache(str(tmp_path / "graphs"))
     set_default_cache(cache)
@@ -114,7 +117,7 @@ def call_of(q, k, v, **kwargs):
 
 def entry_metas(cache, spec, ir, training=True):
     """The numerics record of each graph the config needs, as this cache sees it."""
-    return [record for _, record in cached_graphs.numerics_records(spec, ir, training, cache)]
+    return [record for _, record in numerics_gate.numerics_records(spec, ir, training, cache)]
 
 
 def count_checks(monkeypatch):
@@ -150,7 +153,7 @@ def test_a_correct_graph_passes_and_its_entries_record_the_errors(fake_gpu, monk
     fresh = GraphCache(fake_gpu.directory)
     assert entry_metas(fresh, call.spec, call.score_mod) == records
     assert cached_graphs.check_graphs(call.spec, call.score_mod, True, fresh,
-                                      verify=numerics.check_numerics).supported
+                                      verify=numerics_gate.checked).supported
     assert len(calls) == 1
     # The call runs on the (stand-in) cuDNN path, and the compiled graph ignores the extra field.
     out = sdpagraph.attention(q, k, v, **KWARGS)
@@ -214,19 +217,20 @@ def test_a_wrong_graph_runs_on_xla_and_check_support_says_why(fake_gpu, monkeypa
     call = call_of(q, k, v, **KWARGS)
     assert all(record["passed"] is False for record in entry_metas(fake_gpu, call.spec, call.score_mod))
     fresh = GraphCache(fake_gpu.directory)
-    again = cached_graphs.check_graphs(call.spec, call.score_mod, True, fresh, verify=numerics.check_numerics)
+    again = cached_graphs.check_graphs(call.spec, call.score_mod, True, fresh, verify=numerics_gate.checked)
     assert not again.supported and f"{output} error " in again.reason and calls == []
 
 
-def test_a_check_that_cannot_run_leaves_the_call_on_xla(fake_gpu, caplog):
+def test_a_check_that_cannot_run_leaves_the_call_on_xla(fake_gpu, caplog, monkeypatch):
     q, k, v = arrays(2)
     call = call_of(q, k, v, **KWARGS)
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RuntimeError("out of memory\nwhile checking")
 
+    monkeypatch.setattr(numerics, "check_numerics", broken)
     caplog.set_level(logging.WARNING, logger="sdpagraph")
-    answer = cached_graphs.check_graphs(call.spec, call.score_mod, True, fake_gpu, verify=broken)
+    answer = cached_graphs.check_graphs(call.spec, call.score_mod, True, fake_gpu, verify=numerics_gate.checked)
     assert not answer.supported and "could not run (RuntimeError: out of memory while checking)" in answer.reason
     assert entry_metas(fake_gpu, call.spec, call.score_mod) == [None, None]  # nothing recorded
     assert sum("could not run" in r.getMessage() for r in caplog.records) == 1
@@ -260,7 +264,7 @@ def test_strict_mode_refuses_entries_that_were_never_checked(fake_gpu, monkeypat
     # Checked (here by a readwrite process), the same directory serves strictly.
     call = call_of(q, k, v, **KWARGS)
     assert cached_graphs.check_graphs(call.spec, call.score_mod, True, GraphCache(fake_gpu.directory),
-                                      verify=numerics.check_numerics).supported
+                                      verify=numerics_gate.checked).supported
     set_default_cache(GraphCache(fake_gpu.directory, mode="strict"))
     assert sdpagraph.check_support(q, k, v, **KWARGS).supported
 
@@ -278,7 +282,7 @@ def test_an_entry_without_a_record_is_checked_on_its_next_load_and_updated_on_di
     calls = count_checks(monkeypatch)
     next_process = GraphCache(fake_gpu.directory)
     assert cached_graphs.check_graphs(call.spec, call.score_mod, True, next_process,
-                                      verify=numerics.check_numerics).supported
+                                      verify=numerics_gate.checked).supported
     assert len(calls) == 1 and next_process.stats()["builds"] == 0
     for key in keys:
         after = store.read(key.digest(), key.canonical())  # read back from the file
@@ -485,7 +489,7 @@ def test_a_wrong_candidate_fails_with_the_errors_over_tolerance():
     assert not result.passed and result.failures() == ["o", "dq", "dk", "dv"]
     record = result.to_record()
     assert record["passed"] is False and record["errors"]["o"] > 1e-2
-    reason = cached_graphs.failure_reason(record, ("forward", "backward"))
+    reason = numerics_record.failure_reason(record, ("forward", "backward"))
     assert reason.startswith("cuDNN's graphs for this config computed wrong values on this GPU (o error ")
     assert f"seed {result.seed}" in reason
 
@@ -495,7 +499,7 @@ def test_a_wrong_candidate_fails_with_the_errors_over_tolerance():
 
     result = numerics.check_numerics(spec, ir, False, candidate=nan_output)
     assert not result.passed and result.errors["o"] == math.inf
-    assert "o error inf > 0.01" in cached_graphs.failure_reason(result.to_record())
+    assert "o error inf > 0.01" in numerics_record.failure_reason(result.to_record())
 
 
 def test_the_check_compiles_one_program_and_no_reference(monkeypatch):
@@ -513,7 +517,7 @@ def test_the_check_compiles_one_program_and_no_reference(monkeypatch):
     spec, ir = spec_and_ir(**KWARGS)
     numerics.check_numerics(spec, ir, True, candidate=xla_candidate, seed=0)  # one-time eager ops (keys)
     other, other_ir = spec_and_ir(batch=3, **KWARGS)
-    monkeypatch.setattr(sys.modules["sdpagraph.jax_api.xla"], "xla_attention", no_xla_reference)
+    monkeypatch.setattr(sys.modules["sdpagraph.backends.xla"], "xla_attention", no_xla_reference)
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
         result = numerics.check_numerics(other, other_ir, True, candidate=xla_candidate, seed=1)

@@ -1,4 +1,4 @@
-"""The numerical check's direct run (`jax_api.numerics_direct`), on the CPU.
+"""The numerical check's direct run (`numerics.direct`), on the CPU.
 
 On a GPU the check runs each graph through the executor, outside XLA, on operands it makes in
 NumPy, and turns the graph's results into what `attention` returns. Here the graph runs on a
@@ -16,8 +16,10 @@ import pytest
 
 from sdpagraph import mods
 from sdpagraph.graphs.operands import graph_spec
-from sdpagraph.jax_api import cudnn as cudnn_backend
-from sdpagraph.jax_api import numerics, numerics_direct, numerics_draw
+from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.numerics import check as numerics
+from sdpagraph.numerics import direct as numerics_direct
+from sdpagraph.numerics import draw as numerics_draw
 from tests.test_numerics import fake_gpu, spec_and_ir  # noqa: F401 - a fixture
 from tests.test_sharding import fake_executor
 

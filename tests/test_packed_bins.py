@@ -1,4 +1,4 @@
-"""Packed documents on bins (`graphs.binning`, `jax_api.bin_packer`, `jax_api.packed_bins`), on a CPU:
+"""Packed documents on bins (`graphs.binning`, `backends.cudnn.bins.packer`, `backends.cudnn.bins.packed`), on a CPU:
 the packer (Pallas' interpreter) against a first-fit-decreasing reference in NumPy, and the binned
 call, with the XLA backend standing in for cuDNN's, against the same call unbinned: outputs,
 logsumexp and gradients, documents that do not fit, padding and dropped segments."""
@@ -9,11 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sdpagraph.graphs import binning
+from sdpagraph.config import BINS
 from sdpagraph.graphs.binning import BIN_SLACK, BinPlan, bin_plan, bin_reason
-from sdpagraph.jax_api import bin_packer, packed_bins
-from sdpagraph.jax_api.call import prepare_call
-from sdpagraph.jax_api.xla import xla_attention
+from sdpagraph.backends.cudnn.bins import packer as bin_packer
+from sdpagraph.backends.cudnn.bins import packed as packed_bins
+from sdpagraph.call import prepare_call
+from sdpagraph.backends.xla import xla_attention
 
 
 def softcap(score, b, h, q_idx, kv_idx):
@@ -210,7 +211,7 @@ def test_the_switch_and_the_device_count_decide(monkeypatch):
     rng = np.random.default_rng()
     call, *_ = prepared(rng, random_documents(rng, 2, 1024, 9, 120), 128)
     assert bin_plan(call.spec, call.score_mod) is not None
-    monkeypatch.setenv(binning.ENV_SWITCH, "0")
+    monkeypatch.setenv(BINS.name, "0")
     assert bin_plan(call.spec, call.score_mod) is None
 
 
@@ -231,7 +232,7 @@ def test_the_cudnn_backend_runs_bins_only_where_their_graphs_are_supported(bins_
     them) the call runs unbinned rather than failing."""
     from sdpagraph.cache.graph_cache import CacheMissError
     from sdpagraph.graphs.support import Support
-    from sdpagraph.jax_api import cudnn
+    from sdpagraph.backends.cudnn import backend as cudnn
 
     rng = np.random.default_rng()
     call, q, k, v = prepared(rng, random_documents(rng, 2, 1024, 9, 120), 128)

@@ -19,13 +19,14 @@ import pytest
 
 from sdpagraph.cache import GraphCache
 from sdpagraph.cache.admin import verify_entries
-from sdpagraph.cache.graphs import graph_key
+from sdpagraph.graph_store import graph_key
 from sdpagraph.graphs import builder
 from sdpagraph.graphs.binning import bin_plan
 from sdpagraph.graphs.support import Support
 from sdpagraph.deploy.precompile import Builder, BuilderUnavailable, Progress, precompile
 from sdpagraph.deploy.verify import verify
-from sdpagraph.deploy.specfile import parse_entry, save_specs
+from sdpagraph.deploy.entry_parser import parse_entry
+from sdpagraph.deploy.specfile import save_specs
 
 # By module name: the package may re-export the function `precompile` under the same name.
 module = importlib.import_module("sdpagraph.deploy.precompile")

@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 
 from sdpagraph import mods
-from sdpagraph.cache import graphs as graphs_cache
+from sdpagraph import graph_store as graphs_cache
 from sdpagraph.graphs import builder
 from sdpagraph.graphs.lowering import lower
-from sdpagraph.graphs.mod_lowering import Unsupported
+from sdpagraph.errors import Unsupported
 from sdpagraph.graphs.operands import folds_segments, graph_io, graph_spec
-from sdpagraph.jax_api import cudnn as cudnn_backend
-from sdpagraph.jax_api.call import prepare_call
-from sdpagraph.jax_api.graph_on_xla import graph_forward
-from sdpagraph.jax_api.xla import xla_attention
+from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.call import prepare_call
+from sdpagraph.backends.cudnn.graph_on_xla import graph_forward
+from sdpagraph.backends.xla import xla_attention
 
 
 def random_segment_ids(rng, batch, length, segments):
@@ -69,7 +69,7 @@ def fake_graph_core(static, q, k, v, bias, aux, validity):
 
 @pytest.mark.parametrize("name", FOLDED)
 def test_dense_twin_matches_the_packed_call_on_xla(name, monkeypatch):
-    """The cuDNN path (`jax_api.cudnn.attention`: operands, bias, row zeroing, logsumexp) around
+    """The cuDNN path (`backends.cudnn.backend.attention`: operands, bias, row zeroing, logsumexp) around
     a stand-in for the graph, against the packed call on the XLA backend."""
     monkeypatch.setattr(cudnn_backend, "_core", fake_graph_core)
     monkeypatch.setitem(cudnn_backend.MASKED_BIAS, "float32", -1e30)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sdpagraph.jax_api.segments import (
+from sdpagraph.segments.metadata import (
     SegmentMetadata,
     segment_metadata,
     segment_positions,

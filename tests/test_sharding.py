@@ -5,7 +5,7 @@ file again in a subprocess with `--xla_force_host_platform_device_count=8`, wher
 run (and that first one skips).
 
 Both backends run: the XLA backend as it is, and the cuDNN path's own code (operands, custom_vjp,
-the partitioning in `jax_api.sharding`) around an XLA stand-in for the FFI executor
+the partitioning in `backends.cudnn.sharding`) around an XLA stand-in for the FFI executor
 (`cudnn._call_executor`) and for the graph builder (`cudnn.cached_graph`). The stand-in computes
 what the graph computes from the graph's own operands, on the shapes it is given (one device's
 shard when partitioned): packed sequences from the ragged offsets, padding from the sequence
@@ -24,15 +24,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import sdpagraph
 from sdpagraph import mods
 from sdpagraph.cache import GraphCache
-from sdpagraph.cache.graphs import CachedGraph, graph_key
+from sdpagraph.graph_store import CachedGraph, graph_key
 from sdpagraph.deploy.specfile import load_specs
 from sdpagraph.graphs.builder import BuildEnvironment
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.operands import graph_io, graph_spec, uid_map
 from sdpagraph.graphs.support import Support
-from sdpagraph.jax_api import cudnn as cudnn_backend
-from sdpagraph.jax_api import numerics, sharding
-from sdpagraph.jax_api.graph_on_xla import run_on_xla
+from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.numerics import gate as numerics_gate
+from sdpagraph.backends.cudnn import sharding
+from sdpagraph.config import PARTITION
+from sdpagraph.backends.cudnn.graph_on_xla import run_on_xla
 from tests.devices import has_cpu_devices, rerun_with_cpu_devices
 
 DEVICES = 8
@@ -50,7 +52,7 @@ def test_in_a_process_with_eight_cpu_devices():
 # ----------------------------------------------------------------------------- the stand-in graph
 
 def fake_executor(static, graph, operands, results):
-    """The graph's computation on XLA (`jax_api.graph_on_xla`, what a shard whose graphs failed
+    """The graph's computation on XLA (`backends.cudnn.graph_on_xla`, what a shard whose graphs failed
     their check runs), asked for on the operands' shapes."""
     q, k = operands["q"], operands["k"]
     for role in ("o", "dq", "dk"):  # the results must be asked for on the operands' shapes
@@ -80,7 +82,7 @@ def cudnn_on_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(cudnn_backend.ffi, "register_graph", lambda digest, blob: None)
     monkeypatch.setattr(cudnn_backend, "_call_executor", fake_executor)
     monkeypatch.setitem(cudnn_backend.MASKED_BIAS, "float32", -1e30)
-    monkeypatch.delenv(sharding.ENV_PARTITION, raising=False)
+    monkeypatch.delenv(PARTITION.name, raising=False)
     yield built, env
 
 
@@ -353,7 +355,7 @@ def test_partitioning_switched_off_is_one_call_over_global_shapes(cudnn_on_cpu, 
     qs, ks, vs = (place(x, mesh(), P("data", None, "model")) for x in (q, k, v))
     f = jax.jit(lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=True))
     assert "CustomSPMDPartitioning" in f.lower(qs, ks, vs).as_text()
-    monkeypatch.setenv(sharding.ENV_PARTITION, "0")
+    monkeypatch.setenv(PARTITION.name, "0")
     built.clear()
     g = jax.jit(lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=True))
     assert "CustomSPMDPartitioning" not in g.lower(qs, ks, vs).as_text()
@@ -404,7 +406,7 @@ def test_per_device_graphs_that_fail_their_check_run_on_xla(name, cudnn_on_cpu, 
     # custom_partitioning replaces by the per-device function: it never runs.)
     assert executed and all(batch == B for batch in executed)
     local = [verify for batch, verify in asked if batch < B]
-    assert local and all(verify.func is numerics.check_numerics for verify in local)  # with the call's check
+    assert local and all(verify.func is numerics_gate.checked for verify in local)  # with the call's check
 
 
 @needs_devices

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from sdpagraph import mods
-from sdpagraph import spec as spec_module
-from sdpagraph.jax_api import small_seq, small_seq_core
-from sdpagraph.jax_api.call import prepare_call
-from sdpagraph.jax_api.small_seq import (MAX_KV_LEN, MAX_Q_LEN, residual_probabilities, small_seq_attention,
+from sdpagraph.backends.small_seq import backend as small_seq
+from sdpagraph.backends.small_seq import core as small_seq_core
+from sdpagraph.call import prepare_call
+from sdpagraph.backends.small_seq.backend import (MAX_KV_LEN, MAX_Q_LEN, residual_probabilities, small_seq_attention,
                                          small_seq_reason)
-from sdpagraph.jax_api.xla import xla_attention
+from sdpagraph.backends.xla import xla_attention
 
 TOL = {"float32": 2e-5, "bfloat16": 3e-2, "float16": 1e-2}
 
@@ -246,8 +246,6 @@ def test_jit_of_grad_and_grad_of_jit(rng):
 
 
 def test_reached_through_attention(rng):
-    if "small_seq" not in spec_module.IMPLEMENTATIONS:
-        pytest.skip("attention does not take implementation='small_seq' yet (wired in jax_api/attention.py)")
     import sdpagraph
 
     q, k, v = qkv(rng, T=2, S=8)

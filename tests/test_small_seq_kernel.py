@@ -1,14 +1,17 @@
-"""The small-sequence inference kernel (`jax_api.small_seq_kernel`), in Pallas' interpreter on a CPU:
+"""The small-sequence inference kernel (`backends.small_seq.kernel`), in Pallas' interpreter on a CPU:
 its output and logsumexp against the XLA formulation and the XLA backend, and where it is used."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sdpagraph.jax_api import small_seq_core, small_seq_kernel
-from sdpagraph.jax_api.call import prepare_call
-from sdpagraph.jax_api.small_seq import small_seq_attention
-from sdpagraph.jax_api.xla import xla_attention
+from sdpagraph.backends.small_seq import core as small_seq_core
+
+from sdpagraph.backends.small_seq import kernel as small_seq_kernel
+from sdpagraph.config import SMALL_SEQ_KERNEL
+from sdpagraph.call import prepare_call
+from sdpagraph.backends.small_seq.backend import small_seq_attention
+from sdpagraph.backends.xla import xla_attention
 from tests.test_small_seq import rel_err, values_and_grads
 
 
@@ -71,7 +74,7 @@ def test_where_the_kernel_runs(monkeypatch):
     long = jnp.zeros((2, 32, 16, 128), jnp.bfloat16)
     assert not small_seq_kernel.usable(q, long, long)  # S 32: likewise
     assert not small_seq_kernel.usable(q[:, :, :, :96], k[..., :96], k[..., :96])  # nor H
-    monkeypatch.setenv(small_seq_kernel.ENV_SWITCH, "0")
+    monkeypatch.setenv(SMALL_SEQ_KERNEL.name, "0")
     assert not small_seq_kernel.usable(q, k, k)
     # Heads per block: K and V of the block within MAX_BLOCK_ELEMENTS, a power of two dividing N.
     assert [small_seq_kernel.heads_per_block(16, s, 128) for s in (2, 16, 32)] == [16, 16, 8]

@@ -12,8 +12,8 @@ import pytest
 import sdpagraph
 from sdpagraph import mods
 from sdpagraph.graphs.operands import graph_spec
-from sdpagraph.jax_api.call import prepare_call
-from sdpagraph.jax_api.small_seq import small_seq_reason
+from sdpagraph.call import prepare_call
+from sdpagraph.backends.small_seq.backend import small_seq_reason
 from sdpagraph.spec import AttentionSpec
 from tests import reference as ref
 
@@ -260,7 +260,7 @@ def test_regime_of_packed_calls():
 
 
 def test_spec_files_carry_the_hints():
-    from sdpagraph.deploy.specfile import parse_entry
+    from sdpagraph.deploy.entry_parser import parse_entry
 
     q, k, v = structs(T=16, S=64)
     ids = (jax.ShapeDtypeStruct((2, 16), jnp.int32), jax.ShapeDtypeStruct((2, 64), jnp.int32))

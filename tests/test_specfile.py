@@ -14,10 +14,11 @@ import pytest
 
 from sdpagraph import mods
 from sdpagraph.deploy import specfile
-from sdpagraph.jax_api.call import prepare_call
+from sdpagraph.call import prepare_call
 from sdpagraph.spec import DTYPES
-from sdpagraph.deploy.recording import ENV_RECORD, record, record_call
-from sdpagraph.deploy.specfile import SpecEntry, SpecFileError
+from sdpagraph.config import RECORD
+from sdpagraph.deploy.recording import record, record_call
+from sdpagraph.deploy.spec_entry import SpecEntry, SpecFileError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -349,7 +350,7 @@ def test_record_writes_distinct_entries_deterministically(tmp_path):
 
 
 def test_nothing_is_recorded_outside_a_record_block(tmp_path, monkeypatch):
-    monkeypatch.delenv(ENV_RECORD, raising=False)
+    monkeypatch.delenv(RECORD.name, raising=False)
     entry = entry_of(VALID)
     path = tmp_path / "specs.json"
     with record(path):
@@ -360,7 +361,7 @@ def test_nothing_is_recorded_outside_a_record_block(tmp_path, monkeypatch):
 
 def test_record_from_the_environment_variable(tmp_path, monkeypatch):
     path = tmp_path / "env.json"
-    monkeypatch.setenv(ENV_RECORD, str(path))
+    monkeypatch.setenv(RECORD.name, str(path))
     entry = entry_of({**VALID, "training": False, "score_mod": {"mod": "softcap", "args": [12.0]}})
     record_call(entry.spec, entry.score_mod, entry.training)
     [loaded] = specfile.load_specs(path)

@@ -1,6 +1,6 @@
 """Graph cache: compiled graphs in an in-process LRU and a shared on-disk store.
 
-Generic over blobs, except `cache.graphs`, which keys and builds cuDNN graphs through it
+Generic over blobs, except `graph_store`, which keys and builds cuDNN graphs through it
 (see docs/cache.md).
 """
 from sdpagraph.cache.defaults import default_cache, set_default_cache

@@ -22,10 +22,10 @@ from sdpagraph.cache.disk import DiskStore, Miss, StoredFile
 from sdpagraph.cache.entry import Entry
 from sdpagraph.cache.graph_cache import DEFAULT_LOCK_TIMEOUT_S
 from sdpagraph.cache.keys import spec_of
+from sdpagraph.formatting import format_age, format_bytes, format_table
 
 SPEC_COLUMN_WIDTH = 60
 EXIT_ERROR = 2
-_BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
 @dataclass(frozen=True)
@@ -227,31 +227,9 @@ def _describe_field(value: Any) -> str:
     return str(value)
 
 
-def format_table(headers: list[str], rows: list[list[str]]) -> str:
-    """Left-aligned text columns, as `cache ls` and the precompile report print them."""
-    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
-                     for line in [headers, *rows])
-
-
 def _count_entries(count: int) -> str:
     return f"{count} entry" if count == 1 else f"{count} entries"
 
 
 def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
-
-
-def format_bytes(count: float) -> str:
-    exponent = 0
-    while count >= 1024 and exponent < len(_BYTE_UNITS) - 1:
-        count /= 1024
-        exponent += 1
-    return f"{count:.0f} B" if exponent == 0 else f"{count:.1f} {_BYTE_UNITS[exponent]}"
-
-
-def format_age(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f} {unit}"
-    return f"{max(seconds, 0):.0f} s"

@@ -22,17 +22,15 @@ import os
 import re
 import stat
 import tempfile
-import threading
 import time
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Hashable, Iterator
+from typing import Iterator
 
 import filelock
 
 from sdpagraph.cache.entry import ENTRY_SUFFIX, CorruptEntry, Entry, decode_entry
-
-log = logging.getLogger("sdpagraph.cache")
+from sdpagraph.logs import cache_logger, log_once
 
 LOCK_SUFFIX = ".lock"
 TEMP_SUFFIX = ".tmp"
@@ -70,21 +68,6 @@ class Miss:
 NOT_FOUND = Miss("not in the cache")
 
 
-class WarnOnce:
-    """Logs each topic's first warning only: a degraded cache says so once, not per call."""
-
-    def __init__(self) -> None:
-        self._seen: set[Hashable] = set()
-        self._lock = threading.Lock()
-
-    def __call__(self, topic: Hashable, message: str, *args: object) -> None:
-        with self._lock:
-            if topic in self._seen:
-                return
-            self._seen.add(topic)
-        log.warning(message, *args)
-
-
 class DiskStore:
     """Entry files in `directory`. `writable=False` never creates, touches or locks anything."""
 
@@ -92,7 +75,6 @@ class DiskStore:
         self.directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
         self.writable = writable
         self.lock_timeout_s = lock_timeout_s
-        self.warn_once = WarnOnce()
         self._prepare_directory()
 
     # -- paths ---------------------------------------------------------------------------
@@ -123,7 +105,7 @@ class DiskStore:
         found = self.read(digest, key)
         if isinstance(found, Miss) and found.invalid:
             path = self.entry_path(digest)
-            self.warn_once(("invalid", path), "ignoring cache entry %s: %s", path, found.reason)
+            self._warn_once("invalid", "ignoring cache entry %s: %s", path, found.reason, about=path)
         return found
 
     def touch(self, digest: str) -> None:
@@ -287,11 +269,16 @@ class DiskStore:
         return filelock.UnixFileLock(self.lock_path(digest), timeout=self.lock_timeout_s,
                                      mode=PRIVATE_FILE_MODE, poll_interval=LOCK_POLL_INTERVAL_S)
 
+    def _warn_once(self, problem: str, message: str, *args: object, about: str | None = None) -> None:
+        # A degraded cache says so once per process, not per call: once per problem with this
+        # directory (`about` it, default the directory itself).
+        log_once(cache_logger, logging.WARNING, message, *args, topic=(problem, about or self.directory))
+
     def _warn_unwritable(self, action: str, error: OSError) -> None:
         # One warning for every way of failing to write: the user needs to hear once that
         # this directory does not work, not about each operation that found out.
-        self.warn_once("unwritable", "cannot write to cache directory %s (%s while %s); new graphs are kept in "
-                       "memory only", self.directory, error.strerror or error, action)
+        self._warn_once("unwritable", "cannot write to cache directory %s (%s while %s); new graphs are kept in "
+                        "memory only", self.directory, error.strerror or error, action)
 
     def _prepare_directory(self) -> None:
         if self.writable:
@@ -303,16 +290,16 @@ class DiskStore:
         try:
             mode = os.stat(self.directory).st_mode
         except FileNotFoundError:
-            self.warn_once("missing", "cache directory %s does not exist; every lookup will miss", self.directory)
+            self._warn_once("missing", "cache directory %s does not exist; every lookup will miss", self.directory)
             return
         except OSError as error:
-            self.warn_once("stat", "cannot access cache directory %s (%s)", self.directory, error.strerror or error)
+            self._warn_once("stat", "cannot access cache directory %s (%s)", self.directory, error.strerror or error)
             return
         if mode & (stat.S_IWGRP | stat.S_IWOTH):
             # Entries are executable plans: whoever can write here can choose what runs on the GPU.
-            self.warn_once("permissions", "cache directory %s is group/world-writable (mode %s); other users could "
-                           "plant graphs that this process runs. Run: chmod 700 %s",
-                           self.directory, oct(stat.S_IMODE(mode)), self.directory)
+            self._warn_once("permissions", "cache directory %s is group/world-writable (mode %s); other users could "
+                            "plant graphs that this process runs. Run: chmod 700 %s",
+                            self.directory, oct(stat.S_IMODE(mode)), self.directory)
 
 
 def _read_file(path: str) -> bytes:

@@ -25,6 +25,7 @@ from typing import Any
 import msgpack
 
 from sdpagraph.cache.keys import FORMAT_VERSION, key_digest
+from sdpagraph.errors import SdpagraphError
 
 MAGIC = b"SDPAGRPH"
 HEADER = struct.Struct("<8sII")  # magic, format version, crc32 of the payload
@@ -34,7 +35,7 @@ ENTRY_SUFFIX = ".sdpg"
 _FIELD_TYPES = {"key": str, "key_hash": str, "blob": bytes, "meta": dict}  # required top-level fields
 
 
-class CorruptEntry(ValueError):
+class CorruptEntry(SdpagraphError, ValueError):
     """The bytes are not a valid entry (for the expected key); the message says why."""
 
 

@@ -23,10 +23,11 @@ from sdpagraph.cache.disk import NOT_FOUND, DiskStore, Miss
 from sdpagraph.cache.entry import Entry, decode_entry, encode_entry
 from sdpagraph.cache.keys import Key, key_digest, key_text, key_versions, spec_of
 from sdpagraph.cache.memory import KeyedLocks, MemoryLRU
+from sdpagraph.config import CACHE_MAX_BYTES, CACHE_MODE, parse_size
+from sdpagraph.errors import SdpagraphError
 
-MODES = ("readwrite", "readonly", "off", "strict")
-DEFAULT_MODE = "readwrite"
-DEFAULT_DISK_MAX_BYTES = 2 * 1024**3
+# A cache's mode and budget default to what unset SDPAGRAPH_CACHE_MODE / _MAX_BYTES mean.
+DEFAULT_DISK_MAX_BYTES = parse_size(CACHE_MAX_BYTES.default)
 # Long enough for any honest build (0.5-1.3 s each) queued behind a slow GPU; a holder
 # that exceeds it is hung, and waiting forever would hide that.
 DEFAULT_LOCK_TIMEOUT_S = 300.0
@@ -38,13 +39,13 @@ _COUNTERS = ("memory_hits", "disk_hits", "builds", "misses", "invalid_entries", 
 Build = Callable[[], tuple[bytes, dict[str, Any]]]
 
 
-class CacheMissError(LookupError):
+class CacheMissError(SdpagraphError, LookupError):
     """Raised in strict mode when a graph is not in the cache (strict never builds)."""
 
 
 def check_mode(mode: str, source: str = "mode") -> str:
-    if mode not in MODES:
-        raise ValueError(f"{source} must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode not in CACHE_MODE.choices:
+        raise ValueError(f"{source} must be one of {', '.join(CACHE_MODE.choices)}; got {mode!r}")
     return mode
 
 
@@ -58,7 +59,7 @@ class GraphCache:
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, mode: str | None = None,
                  max_bytes: int | None = None, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> None:
-        self.mode = check_mode(DEFAULT_MODE if mode is None else mode)
+        self.mode = check_mode(CACHE_MODE.default if mode is None else mode)
         self.max_bytes = DEFAULT_DISK_MAX_BYTES if max_bytes is None else max_bytes
         if self.max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {self.max_bytes}")

@@ -6,8 +6,8 @@ import sys
 from typing import Callable
 
 from sdpagraph.cache import admin
-from sdpagraph.cache.defaults import default_cache_dir, parse_size
 from sdpagraph.cli.check import add_command_parser
+from sdpagraph.config import CACHE_DIR, parse_size
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -48,7 +48,7 @@ def add_cache_command(subparsers: argparse._SubParsersAction) -> None:
 
 def _cache_handler(action: str, operation: Callable[[str, argparse.Namespace], admin.Report]) -> Handler:
     def handle(args: argparse.Namespace) -> int:
-        report = operation(args.cache_dir or default_cache_dir(), args)
+        report = operation(args.cache_dir or CACHE_DIR.get(), args)
         if report.error is not None:
             print(f"sdpagraph cache {action}: {report.error}", file=sys.stderr)
             if args.json:

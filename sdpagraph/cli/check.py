@@ -16,10 +16,10 @@ import re
 import sys
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
-from sdpagraph.cache.admin import format_table
+from sdpagraph.formatting import format_table
 
 if TYPE_CHECKING:
-    from sdpagraph.deploy.specfile import SpecEntry
+    from sdpagraph.deploy.spec_entry import SpecEntry
 # The spec-file reader (and jax) are imported where a command needs them: building the
 # parser, and commands such as `cache`, stay free of jax.
 
@@ -135,7 +135,8 @@ FIELD_FLAGS = {"shapes": "--query/--key/--value", "dtype": "--dtype", "training"
 
 def entry_from_flags(args: argparse.Namespace) -> SpecEntry:
     """The hand-written spec-file entry the flags describe, parsed like one from a file."""
-    from sdpagraph.deploy.specfile import SpecFileError, parse_entry
+    from sdpagraph.deploy.entry_parser import parse_entry
+    from sdpagraph.deploy.spec_entry import SpecFileError
 
     key = args.key or args.query
     item: dict[str, Any] = {
@@ -166,10 +167,10 @@ def entry_from_flags(args: argparse.Namespace) -> SpecEntry:
 def answer(entry: SpecEntry) -> dict[str, Any]:
     """The support answer for one entry, as plain data."""
     from sdpagraph.cache import CacheMissError
-    from sdpagraph.jax_api import cudnn as cudnn_backend  # imports jax; keep the CLI's start fast
+    from sdpagraph.backends import registry  # its backends import jax; keep the CLI's start fast
 
     try:
-        support = cudnn_backend.support(entry.spec, entry.score_mod, training=entry.training)
+        support = registry.primary().support(entry.spec, entry.score_mod, training=entry.training)
         verdict = {"supported": support.supported, "backend": support.backend, "reason": support.reason}
     except CacheMissError as miss:  # strict mode: the graph is not precompiled
         verdict = {"supported": False, "backend": "xla", "reason": str(miss)}
@@ -177,7 +178,8 @@ def answer(entry: SpecEntry) -> dict[str, Any]:
 
 
 def _handle_check(args: argparse.Namespace) -> int:
-    from sdpagraph.deploy.specfile import SpecFileError, load_entries
+    from sdpagraph.deploy.spec_entry import SpecFileError
+    from sdpagraph.deploy.specfile import load_entries
 
     try:
         if args.query is not None:

@@ -20,14 +20,12 @@ flags or a bad cache setting.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from typing import Any, Callable
 
-from sdpagraph.cache.admin import format_bytes
-from sdpagraph.cache.defaults import ENV_DIR, ENV_MODE, default_cache_dir
-from sdpagraph.cache.graph_cache import DEFAULT_MODE, check_mode
+from sdpagraph.formatting import format_bytes
 from sdpagraph.cli.check import add_command_parser, fail
+from sdpagraph.config import CACHE_DIR, CACHE_MODE
 
 GPU_DEFAULT_SEQ = 1024
 CPU_DEFAULT_SEQ = 256  # the XLA backend materializes B*N*T*T scores: keep the default CPU run short
@@ -74,7 +72,7 @@ def _positive(flag: str) -> Callable[[str], int]:
 def run_demo(batch: int = 2, seq: int | None = None, heads: int = 8, head_dim: int = 64, repeats: int = 5) -> int:
     """The demo; `seq=None` picks GPU_DEFAULT_SEQ on a GPU and CPU_DEFAULT_SEQ otherwise."""
     try:
-        mode = check_mode(os.environ.get(ENV_MODE) or DEFAULT_MODE, source=ENV_MODE)
+        mode = CACHE_MODE.get()
     except ValueError as error:
         return fail("sdpagraph demo", str(error), as_json=False)
     # Imported here: jax is slow to import, and `sdpagraph cache ...` should start fast.
@@ -251,9 +249,9 @@ def _time(fn: Callable, *args: Any, repeats: int = 5) -> float:
 
 
 def _print_cache(mode: str, used: bool) -> None:
-    directory = default_cache_dir()
-    origin = f"from {ENV_DIR}" if os.environ.get(ENV_DIR) else f"the default; {ENV_DIR} changes it"
-    mode_origin = f"from {ENV_MODE}" if os.environ.get(ENV_MODE) else f"the default; {ENV_MODE} changes it"
+    directory = CACHE_DIR.get()
+    origin = f"from {CACHE_DIR.name}" if CACHE_DIR.raw() else f"the default; {CACHE_DIR.name} changes it"
+    mode_origin = f"from {CACHE_MODE.name}" if CACHE_MODE.raw() else f"the default; {CACHE_MODE.name} changes it"
     print(f"graph cache: {directory} ({origin}), mode {mode} ({mode_origin})")
     if not used:
         # Nothing above touched it: cuDNN graphs are built (and cached) only where cuDNN runs.

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from sdpagraph.cli.check import add_command_parser, fail
 
 if TYPE_CHECKING:
-    from sdpagraph.deploy.specfile import SpecEntry
+    from sdpagraph.deploy.spec_entry import SpecEntry
     from sdpagraph.deploy.verify import VerifyReport
 # sdpagraph.deploy (and jax) are imported by the handlers: building the parser stays light.
 
@@ -90,7 +90,8 @@ def _run(args: argparse.Namespace, command: str,
          run: Callable[[list[SpecEntry]], Any]) -> int:
     """Check the spec files and the directory, then run; errors are one line (and JSON with --json)."""
     from sdpagraph.deploy.precompile import BuilderUnavailable, without_gpu_preallocation
-    from sdpagraph.deploy.specfile import SpecFileError, load_entries
+    from sdpagraph.deploy.spec_entry import SpecFileError
+    from sdpagraph.deploy.specfile import load_entries
 
     prog = f"sdpagraph {command}"
     without_gpu_preallocation()

@@ -208,19 +208,16 @@ def _executor() -> dict[str, Any]:
 
 
 def _cache() -> dict[str, Any]:
-    from sdpagraph.cache.defaults import ENV_MAX_BYTES, ENV_MODE, default_cache_dir, parse_size
-    from sdpagraph.cache.graph_cache import DEFAULT_DISK_MAX_BYTES, DEFAULT_MODE, check_mode
+    from sdpagraph.config import CACHE_DIR, CACHE_MAX_BYTES, CACHE_MODE
 
-    directory = default_cache_dir(os.environ)
-    mode_text = os.environ.get(ENV_MODE) or DEFAULT_MODE
+    directory = CACHE_DIR.get()
     try:
-        mode = check_mode(mode_text, source=ENV_MODE)
+        mode = mode_text = CACHE_MODE.get()
     except ValueError as error:
         mode = None
         mode_text = f"invalid: {error}"
     try:
-        max_bytes = parse_size(os.environ[ENV_MAX_BYTES], source=ENV_MAX_BYTES) \
-            if os.environ.get(ENV_MAX_BYTES) else DEFAULT_DISK_MAX_BYTES
+        max_bytes = CACHE_MAX_BYTES.get()
         size_text = f"max {max_bytes / 1024**3:.3g} GiB"
     except ValueError as error:
         max_bytes, size_text = None, f"max bytes invalid: {error}"

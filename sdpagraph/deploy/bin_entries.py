@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from sdpagraph.deploy.specfile import SpecEntry, merge
+from sdpagraph.deploy.spec_entry import SpecEntry
+from sdpagraph.deploy.specfile import merge
 from sdpagraph.graphs.binning import bin_plan
 
 

@@ -5,9 +5,10 @@
 
 For each entry of the spec file, the graphs the runtime would use (its own keys, on this
 machine's GPU, cuDNN and frontend) are found in DIR (never built), run once on random inputs
-of the entry's shapes and compared with a float32 NumPy reference (`jax_api.numerics`); the
+of the entry's shapes and compared with a float32 NumPy reference (`numerics.check`); the
 result is written into their entries' metadata (same key, same blob), which is what the runtime
-reads: a failed graph is never used, and strict serving runs checked graphs only.
+reads (`numerics.gate`): a failed graph is never used, and strict serving runs checked graphs only.
+Pass/fail and the errors' wording are `numerics.record`'s.
 
 Exit codes: 0 every entry passed; 1 an entry failed, could not be checked, or is not in DIR;
 2 this machine cannot run graphs (no GPU, no cuDNN frontend, no executor).
@@ -23,11 +24,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
-from sdpagraph.cache.admin import format_age, format_table
 from sdpagraph.cache.graph_cache import GraphCache
-from sdpagraph.cache.graphs import graph_key, record_numerics
+from sdpagraph.formatting import format_age, format_table
+from sdpagraph.graph_store import graph_key
+from sdpagraph.numerics import check as numerics_check
+from sdpagraph.numerics.gate import record_numerics
+from sdpagraph.numerics.record import error_text, errors_text, format_error, over_tolerance
 from sdpagraph.deploy.bin_entries import with_bins
-from sdpagraph.deploy.specfile import SpecEntry, load_entries
+from sdpagraph.deploy.spec_entry import SpecEntry
+from sdpagraph.deploy.specfile import load_entries
 
 STATUSES = ("passed", "failed", "error", "missing")
 EXIT_UNAVAILABLE = 2
@@ -121,10 +126,8 @@ class NumericsReport:
 def _cell(check: EntryCheck, name: str) -> str:
     if name not in check.errors:
         return ""
-    value = check.errors[name]
-    text = f"{value:.1e}" if math.isfinite(value) else str(value)
-    over = not math.isfinite(value) or value > check.tolerances.get(name, math.inf)
-    return text + ("!" if over else "")
+    over = name in over_tolerance(check.errors, check.tolerances)
+    return format_error(check.errors[name]) + ("!" if over else "")
 
 
 def _merge_bounds(bounds: list[tuple[str, float]]) -> list[tuple[str, float]]:
@@ -153,7 +156,7 @@ def verify_numerics(specs: Any, cache_dir: str | os.PathLike[str], *, progress: 
 
     `specs`: a spec file path, several, or SpecEntry objects. `progress`: a line per entry on
     stderr (True), on the given stream, or none (False). `seed`: the random inputs' seed (default:
-    fresh per entry). `check`: replaces `jax_api.numerics.check_numerics` (tests).
+    fresh per entry). `check`: replaces `numerics.check.check_numerics` (tests).
     Raises SpecFileError for an invalid spec file (checked first, on any machine).
     """
     entries = with_bins(load_entries(specs))  # and the bins packed calls run on
@@ -162,8 +165,7 @@ def verify_numerics(specs: Any, cache_dir: str | os.PathLike[str], *, progress: 
     reason = unavailable_reason()
     if reason is not None:
         return NumericsReport(directory, entries, (), time.monotonic() - started, unavailable=reason)
-    if check is None:
-        from sdpagraph.jax_api.numerics import check_numerics as check
+    check = numerics_check.check_numerics if check is None else check
     stream = sys.stderr if progress is True else (progress or None)
     cache = GraphCache(directory, mode="readwrite", max_bytes=NO_EVICTION)
     checks = []
@@ -180,8 +182,7 @@ def check_entry(entry: SpecEntry, cache: GraphCache, *, index: int = 0, check: C
                 seed: int | None = None) -> EntryCheck:
     """Check one entry's graphs in `cache` (never built: "missing" when absent) and record the
     result in their entries. For precompile, after it built an entry's graphs into its cache."""
-    if check is None:
-        from sdpagraph.jax_api.numerics import check_numerics as check
+    check = numerics_check.check_numerics if check is None else check
     return _check_entry(index, entry, cache, check, seed)
 
 
@@ -198,7 +199,7 @@ def _check_entry(index: int, entry: SpecEntry, cache: GraphCache, check: Callabl
         result = check(entry.spec, entry.score_mod, entry.training, cache, **kwargs)
     except Exception as error:  # noqa: BLE001 - one broken entry must not stop the others
         return EntryCheck(index, "error", seconds=time.perf_counter() - started,
-                          detail=f"{type(error).__name__}: {' '.join(str(error).split())[:300]}")
+                          detail=error_text(error))
     write_errors = cache.stats()["write_errors"]
     record_numerics(cache, keys, result.to_record())
     recorded = cache.stats()["write_errors"] == write_errors
@@ -212,5 +213,4 @@ def _check_entry(index: int, entry: SpecEntry, cache: GraphCache, check: Callabl
 def _progress_text(check: EntryCheck) -> str:
     if check.status in ("missing", "error"):
         return f"{check.status}: {check.detail}"
-    errors = ", ".join(f"{name} {value:.1e}" for name, value in check.errors.items())
-    return f"{check.status} ({errors}) in {check.seconds:.1f} s"
+    return f"{check.status} ({errors_text(check.errors)}) in {check.seconds:.1f} s"

@@ -22,14 +22,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TextIO
 
 from sdpagraph.cache import GraphCache
-from sdpagraph.cache.admin import format_age, format_table
-from sdpagraph.cache.graphs import cached_graph, check_graphs, graph_key
-from sdpagraph.cache.defaults import verify_mode
+from sdpagraph.formatting import format_age, format_table
+from sdpagraph.graph_store import cached_graph, check_graphs, graph_key
+from sdpagraph.config import VERIFY
 from sdpagraph.deploy.numerics import check_entry
 from sdpagraph.deploy.bin_entries import with_bins
-from sdpagraph.deploy.specfile import SpecEntry, load_entries
+from sdpagraph.deploy.spec_entry import SpecEntry
+from sdpagraph.deploy.specfile import load_entries
+from sdpagraph.errors import SdpagraphError, Unsupported
 from sdpagraph.graphs.builder import GraphBuildError
-from sdpagraph.graphs.mod_lowering import Unsupported
 from sdpagraph.graphs.support import environment_reason
 
 STATUSES = ("built", "cached", "unsupported", "failed")
@@ -42,7 +43,7 @@ PLAIN_PROGRESS_INTERVAL_S = 10.0
 PARENT_POLL_INTERVAL_S = 0.5
 
 
-class BuilderUnavailable(RuntimeError):
+class BuilderUnavailable(SdpagraphError, RuntimeError):
     """This process cannot build or key cuDNN graphs (no GPU, no cuDNN frontend)."""
 
 
@@ -64,7 +65,7 @@ class Builder:
 
 
 def cudnn_builder() -> Builder:
-    """The real builder (the runtime's `cache.graphs`), for the GPU and cuDNN of this process."""
+    """The real builder (the runtime's `graph_store`), for the GPU and cuDNN of this process."""
     return Builder(build=cached_graph, graph_key=graph_key, check_graphs=check_graphs,
                    declines=(Unsupported, GraphBuildError), unavailable=environment_reason,
                    check_numerics=check_entry)
@@ -239,7 +240,7 @@ def _precompile_entry(task: tuple[int, SpecEntry, str, Builder]) -> list[GraphRe
             results.append(GraphResult(index, direction, "unsupported", results[-1].detail))
         else:
             results.append(_precompile_graph(index, entry, direction, cache, builder))
-    if builder.check_numerics is not None and verify_mode() != "off" and \
+    if builder.check_numerics is not None and VERIFY.get() != "off" and \
             all(result.status in ("built", "cached") for result in results):
         results = _checked_numerics(index, entry, cache, builder, results)
     return results

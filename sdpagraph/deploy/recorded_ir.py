@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from sdpagraph.graphs.ir import BOOL, FLOAT, INT, LEAF_OPS, OP_PARAMS, ScoreModIR, _canonicalize
+from sdpagraph.scoremod.ir import BOOL, FLOAT, INT, LEAF_OPS, OP_PARAMS, ScoreModIR, _canonicalize
 from sdpagraph.spec import AttentionSpec
 
 

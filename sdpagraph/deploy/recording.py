@@ -1,6 +1,6 @@
 """Recording the specs a process traces into a spec file (`record`, SDPAGRAPH_RECORD).
 
-`record_call` listens to the runtime (`jax_api.listeners.add_trace_listener`): it is
+`record_call` listens to the runtime (`listeners.add_trace_listener`): it is
 called once per traced attention call and returns at once when nothing is recording. Entries are merged into the file under a lock and written
 atomically, so processes recording into one file merge instead of clobbering.
 """
@@ -11,12 +11,12 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-from sdpagraph.deploy.specfile import SpecEntry, add_to_spec_file
-from sdpagraph.graphs.ir import ScoreModIR
-from sdpagraph.jax_api.listeners import add_trace_listener
+from sdpagraph.config import RECORD
+from sdpagraph.deploy.spec_entry import SpecEntry
+from sdpagraph.deploy.specfile import add_to_spec_file
+from sdpagraph.scoremod.ir import ScoreModIR
+from sdpagraph.listeners import add_trace_listener
 from sdpagraph.spec import AttentionSpec, directions_for
-
-ENV_RECORD = "SDPAGRAPH_RECORD"
 
 
 class Recorder:
@@ -62,7 +62,7 @@ def record(path: str | os.PathLike[str]) -> Iterator[None]:
 
 def record_call(spec: AttentionSpec, ir: ScoreModIR | None, training: bool) -> None:
     """The runtime's trace listener: one traced attention call. Cheap when nothing is recording."""
-    environment_path = os.environ.get(ENV_RECORD)
+    environment_path = RECORD.get()
     if not _active and not environment_path:
         return
     with _recording_lock:

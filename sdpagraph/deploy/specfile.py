@@ -26,7 +26,7 @@ or *hand-written*: the arguments of `sdpagraph.attention`, as shapes instead of 
              | {"mod": "softcap", "args": [30.0]}      (a factory of sdpagraph.mods)
              | [SCORE_MOD, ...]                         (mods.compose of the list)
 
-A hand-written entry is resolved by tracing `jax_api.call.prepare_call` on
+A hand-written entry is resolved by tracing `call.prepare_call` on
 `jax.ShapeDtypeStruct`s, the runtime's own normalization, so it yields exactly the spec
 and IR the runtime traces. Recorded specs are checked the same way. An invalid entry
 raises SpecFileError (a ValueError): "specs.json: entry 3: field 'dtype': ...". So does a
@@ -34,91 +34,27 @@ file that cannot be read as a spec file (missing, a directory, unreadable, binar
 UTF-8, not JSON): "specs.json: no such file". A recorded score_mod IR is checked node by
 node and must be in the canonical form the recorder writes (`deploy.recorded_ir`).
 
-Recording into spec files (`record`, SDPAGRAPH_RECORD) is in `sdpagraph.deploy.recording`.
+An entry is a `deploy.spec_entry.SpecEntry`, parsed by `deploy.entry_parser`. Recording into spec
+files (`record`, SDPAGRAPH_RECORD) is in `sdpagraph.deploy.recording`.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
-from dataclasses import dataclass
-from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable
 
 import filelock
-import jax
-import jax.numpy as jnp
 
-from sdpagraph import mods
 from sdpagraph.cache.disk import write_atomically
-from sdpagraph.deploy.recorded_ir import clip, recorded_score_mod
-from sdpagraph.graphs.ir import ScoreModIR
-from sdpagraph.jax_api.call import prepare_call
-from sdpagraph.spec import DTYPES, INFERENCE_DIRECTIONS, TRAINING_DIRECTIONS, AttentionSpec, directions_for
+from sdpagraph.deploy.entry_parser import parse_entry
+from sdpagraph.deploy.spec_entry import SpecEntry, SpecFileError
 
 FORMAT = "sdpagraph-specs"
 VERSION = 1
-
-
-RECORDED_FIELDS = ("spec", "score_mod", "directions", "summary")
-# In this order, each field's arguments join the call: an error belongs to the first field
-# whose arguments make the call invalid (so a conflict is reported at its second half).
-ARGUMENT_FIELDS = ("scale", "is_causal", "causal_alignment", "local_window_size", "chunk_size",
-                   "query_seq_lengths", "key_value_seq_lengths", "segment_ids", "max_segments_per_seq",
-                   "max_seqlen_q", "max_seqlen_kv", "score_mod")
-HAND_WRITTEN_FIELDS = ("shapes", "dtype", "training", *ARGUMENT_FIELDS, "score_mod_tensors")
 JSON_WIDTH = 100
-ARRAY_ARGUMENTS = ("query", "key", "value", "bias", "mask")
-# The factories of sdpagraph.mods a spec file may name; `compose` is spelled as a list.
-MOD_FACTORIES = ("softcap", "alibi", "relative_position_bias", "causal", "sliding_window", "chunked",
-                 "prefix_lm")
-
-
-@dataclass(frozen=True)
-class SpecEntry:
-    """One attention config and the graph directions it needs."""
-
-    spec: AttentionSpec
-    score_mod: ScoreModIR | None
-    directions: tuple[str, ...]
-
-    @property
-    def training(self) -> bool:
-        return self.directions == TRAINING_DIRECTIONS
-
-    @property
-    def identity(self) -> tuple[str, str, tuple[str, ...]]:
-        """What makes two entries the same (for de-duplication and the file's order)."""
-        return self.spec.canonical(), "" if self.score_mod is None else self.score_mod.digest, self.directions
-
-    def describe(self) -> str:
-        """One human line: the spec summary and the score_mod's hash prefix."""
-        mod = "" if self.score_mod is None else f" score_mod {self.score_mod.digest[:12]}"
-        return self.spec.summary() + mod
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "spec": self.spec.to_dict(),
-            "score_mod": None if self.score_mod is None else self.score_mod.to_dict(),
-            "directions": list(self.directions),
-            "summary": self.describe(),
-        }
 
 
 # -- reading -------------------------------------------------------------------------------
-
-
-class SpecFileError(ValueError):
-    """A spec file or entry is invalid; the message (one line) names the file, the entry and
-    the field. The same facts as attributes, where known: `path`, `entry` (0-based), `field`."""
-
-    def __init__(self, message: str, path: str | None = None, entry: int | None = None,
-                 field: str | None = None) -> None:
-        super().__init__(message)
-        self.path = path
-        self.entry = entry
-        self.field = field
-
 
 def load_specs(path: str | os.PathLike[str]) -> list[SpecEntry]:
     """The entries of a spec file, resolved and validated, in file order."""
@@ -179,255 +115,6 @@ def parse_specs(document: Any) -> list[SpecEntry]:
         raise SpecFileError(f"format {document.get('format')!r} version {document.get('version')!r}; "
                             f"this sdpagraph reads {FORMAT!r} version {VERSION}")
     return [parse_entry(index, item) for index, item in enumerate(document["entries"])]
-
-
-def parse_entry(index: int, item: Any) -> SpecEntry:
-    """One entry, recorded or hand-written."""
-    if not isinstance(item, dict) or ("spec" in item) == ("shapes" in item):
-        raise SpecFileError(f"entry {index}: an entry is an object with either 'spec' (recorded) or 'shapes' "
-                            f"(hand-written), got {clip(repr(item))}", entry=index)
-    try:
-        return _parse_recorded(item) if "spec" in item else _parse_hand_written(item)
-    except _FieldError as error:
-        raise SpecFileError(f"entry {index}: field {error.field!r}: {' '.join(error.message.split())}",
-                            entry=index, field=error.field) from error.__cause__
-
-
-class _FieldError(Exception):
-    def __init__(self, field: str, message: str):
-        super().__init__(field, message)
-        self.field = field
-        self.message = message
-
-
-@contextmanager
-def _field(name: str) -> Iterator[None]:
-    """Blame errors raised inside on the entry field `name` (user code raises anything)."""
-    try:
-        yield
-    except _FieldError:
-        raise
-    except Exception as error:  # noqa: BLE001 - imports and user factories may raise anything
-        text = str(error) if isinstance(error, (ValueError, TypeError)) else f"{type(error).__name__}: {error}"
-        raise _FieldError(name, text) from error
-
-
-def _check_keys(item: Mapping[str, Any], allowed: Sequence[str], required: Sequence[str]) -> None:
-    for name in item:
-        if name not in allowed:
-            raise _FieldError(name, f"unknown field; an entry of this kind has {', '.join(allowed)}")
-    for name in required:
-        if name not in item:
-            raise _FieldError(name, "missing")
-
-
-def _parse_recorded(item: Mapping[str, Any]) -> SpecEntry:
-    _check_keys(item, RECORDED_FIELDS, required=("spec", "directions"))
-    with _field("spec"):
-        if not isinstance(item["spec"], dict):
-            raise TypeError(f"must be an AttentionSpec object, got {type(item['spec']).__name__}")
-        spec = AttentionSpec.from_dict(item["spec"])
-        _check_runtime_makes(spec)
-    with _field("score_mod"):
-        raw = item.get("score_mod")
-        score_mod = None if raw is None else recorded_score_mod(raw, spec)
-    with _field("directions"):
-        directions = tuple(item["directions"]) if isinstance(item["directions"], list) else None
-        if directions not in (TRAINING_DIRECTIONS, INFERENCE_DIRECTIONS):
-            raise ValueError(f"must be {list(TRAINING_DIRECTIONS)} or {list(INFERENCE_DIRECTIONS)}, "
-                             f"got {item['directions']!r}")
-    return SpecEntry(spec, score_mod, directions)
-
-
-def _check_runtime_makes(spec: AttentionSpec) -> None:
-    """Reject a spec the runtime never produces (an edited file would build useless graphs)."""
-    made = _trace_call(_arguments_of(spec)).spec
-    if made.canonical() != spec.canonical():
-        given, expected = spec.to_dict(), made.to_dict()
-        different = [name for name in given if json.dumps(given[name]) != json.dumps(expected[name])]
-        raise ValueError("not what the runtime makes of these arguments: "
-                         + ", ".join(f"{name} is {given[name]!r}, the runtime has {expected[name]!r}"
-                                     for name in different))
-
-
-def _arguments_of(spec: AttentionSpec) -> dict[str, Any]:
-    """`prepare_call` arguments (ShapeDtypeStructs for arrays) that describe `spec`."""
-    dtype = jnp.dtype(spec.dtype)
-    batch, q_len, kv_len = spec.batch, spec.q_len, spec.kv_len
-    arguments: dict[str, Any] = {
-        "query": _struct([batch, q_len, spec.num_heads, spec.head_dim], dtype),
-        "key": _struct([batch, kv_len, spec.num_kv_heads, spec.head_dim], dtype),
-        "value": _struct([batch, kv_len, spec.num_kv_heads, spec.head_dim_v], dtype),
-        "scale": spec.scale,
-        "is_causal": spec.is_causal,
-        "causal_alignment": spec.causal_alignment,
-        "local_window_size": spec.window,
-        "chunk_size": spec.chunk_size,
-    }
-    if spec.bias_shape is not None:
-        arguments["bias"] = _struct(list(spec.bias_shape), dtype)
-    if spec.mask_shape is not None:
-        arguments["mask"] = _struct(list(spec.mask_shape), jnp.bool_)
-    if spec.has_q_lengths:
-        arguments["query_seq_lengths"] = _int_struct([batch])
-    if spec.has_kv_lengths:
-        arguments["key_value_seq_lengths"] = _int_struct([batch])
-    if spec.segments is not None:
-        q_ids, kv_ids = _int_struct([batch, q_len]), _int_struct([batch, kv_len])
-        arguments["segment_ids"] = q_ids if spec.segments == "self" else (q_ids, kv_ids)
-        arguments["max_segments_per_seq"] = spec.max_segments
-        for name in ("max_seqlen_q", "max_seqlen_kv"):
-            if getattr(spec, name) is not None:
-                arguments[name] = getattr(spec, name)
-    return arguments
-
-
-def _parse_hand_written(item: Mapping[str, Any]) -> SpecEntry:
-    _check_keys(item, HAND_WRITTEN_FIELDS, required=("shapes", "dtype"))
-    with _field("dtype"):
-        dtype = _dtype(item["dtype"])
-        if dtype.name not in DTYPES:
-            raise ValueError(f"must be one of {', '.join(DTYPES)}, got {item['dtype']!r}")
-    with _field("shapes"):
-        arguments = _array_arguments(item["shapes"], dtype)
-        call = _trace_call(arguments)
-    with _field("training"):
-        training = item.get("training", True)
-        if not isinstance(training, bool):
-            raise TypeError(f"must be true or false, got {training!r}")
-    with _field("score_mod_tensors"):
-        if "score_mod_tensors" in item and "score_mod" not in item:
-            raise ValueError("needs a score_mod")
-        mod_tensors = _mod_tensors(item.get("score_mod_tensors", {}))
-    for name in (name for name in ARGUMENT_FIELDS if name in item):
-        with _field(name):
-            arguments.update(_field_arguments(name, item[name], call.spec.batch))
-            if name == "score_mod":
-                arguments["score_mod_tensors"] = mod_tensors
-            call = _trace_call(arguments)
-    return SpecEntry(call.spec, call.score_mod, directions_for(training))
-
-
-def _dtype(name: Any) -> Any:
-    if not isinstance(name, str):
-        raise TypeError(f"must be a dtype name such as \"bfloat16\", got {name!r}")
-    return jnp.dtype(name)
-
-
-def _shape(value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                              for d in value):
-        raise TypeError(f"a shape is a list of sizes (non-negative ints), got {value!r}")
-    return tuple(value)
-
-
-def _struct(shape: Any, dtype: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(_shape(shape), dtype)
-
-
-def _int_struct(shape: Any) -> jax.ShapeDtypeStruct:
-    return _struct(shape, jnp.int32)
-
-
-def _array_arguments(shapes: Any, dtype: Any) -> dict[str, Any]:
-    if not isinstance(shapes, dict):
-        raise TypeError(f'must be an object {{"query": [...], "key": [...], "value": [...]}}, got {shapes!r}')
-    for name in shapes:
-        if name not in ARRAY_ARGUMENTS:
-            raise ValueError(f"unknown array {name!r}; shapes has {', '.join(ARRAY_ARGUMENTS)}")
-    for name in ARRAY_ARGUMENTS[:3]:
-        if name not in shapes:
-            raise ValueError(f"{name!r} is missing")
-    return {name: _struct(shape, jnp.bool_ if name == "mask" else dtype) for name, shape in shapes.items()}
-
-
-def _field_arguments(name: str, value: Any, batch: int) -> dict[str, Any]:
-    """The `prepare_call` arguments of one hand-written field (validated by the runtime's code)."""
-    if name in ("query_seq_lengths", "key_value_seq_lengths"):
-        if not isinstance(value, bool):
-            raise TypeError(f"must be true (the call passes (B,) lengths) or false, got {value!r}")
-        return {name: _int_struct([batch]) if value else None}
-    if name == "segment_ids":
-        return {name: _segment_ids(value)}
-    if name == "score_mod":
-        return {name: resolve_score_mod(value)}
-    return {name: value}
-
-
-def _segment_ids(value: Any) -> Any:
-    if isinstance(value, dict) and set(value) == {"shape"}:
-        return _int_struct(value["shape"])
-    if isinstance(value, dict) and set(value) == {"q_shape", "kv_shape"}:
-        return _int_struct(value["q_shape"]), _int_struct(value["kv_shape"])
-    raise TypeError(f'must be {{"shape": [B, T]}} or {{"q_shape": [B, T], "kv_shape": [B, S]}}, got {value!r}')
-
-
-def _mod_tensors(value: Any) -> dict[str, Any]:
-    """Scalars stay numbers (their values are bound at run time); arrays become shapes."""
-    if not isinstance(value, dict):
-        raise TypeError(f"must be an object of names to numbers or {{\"shape\", \"dtype\"}}, got {value!r}")
-    tensors = {}
-    for name, tensor in value.items():
-        if isinstance(tensor, dict) and set(tensor) == {"shape", "dtype"}:
-            tensors[name] = _struct(tensor["shape"], _dtype(tensor["dtype"]))
-        elif isinstance(tensor, (int, float)) and not isinstance(tensor, bool):
-            tensors[name] = tensor
-        else:
-            raise TypeError(f"{name!r} must be a number or {{\"shape\": [...], \"dtype\": ...}}, got {tensor!r}")
-    return tensors
-
-
-def resolve_score_mod(value: Any) -> Any:
-    """A hand-written SCORE_MOD (see the module docstring) -> a score_mod callable."""
-    if isinstance(value, list) and value:
-        return mods.compose(*(resolve_score_mod(part) for part in value))
-    if isinstance(value, str):
-        return _checked_callable(_import(value), value)
-    if isinstance(value, dict) and set(value) - {"args", "kwargs"} in ({"mod"}, {"import"}):
-        if "mod" in value:
-            if value["mod"] not in MOD_FACTORIES:
-                raise ValueError(f"unknown sdpagraph.mods factory {value['mod']!r}; one of {', '.join(MOD_FACTORIES)}")
-            factory = getattr(mods, value["mod"])
-        else:
-            factory = _import(value["import"])
-        args, kwargs = value.get("args", []), value.get("kwargs", {})
-        if not isinstance(args, list) or not isinstance(kwargs, dict):
-            raise TypeError(f"args must be a list and kwargs an object, got {args!r} and {kwargs!r}")
-        return _checked_callable(factory(*args, **kwargs), value)
-    raise TypeError('must be "package.module:name", {"import": ..., "args": [...], "kwargs": {...}}, '
-                    f'{{"mod": NAME, "args": [...]}} or a non-empty list of those; got {value!r}')
-
-
-def _import(path: Any) -> Any:
-    if not isinstance(path, str) or path.count(":") != 1:
-        raise ValueError(f"an import path is \"package.module:name\", got {path!r}")
-    module_name, attribute = path.split(":")
-    target = importlib.import_module(module_name)
-    for part in attribute.split("."):
-        target = getattr(target, part)
-    return target
-
-
-def _checked_callable(mod: Any, source: Any) -> Any:
-    if not callable(mod):
-        raise TypeError(f"{source!r} gives a {type(mod).__name__}, not a score_mod callable")
-    return mod
-
-
-def _trace_call(arguments: Mapping[str, Any]) -> Any:
-    """`prepare_call(**arguments)` traced as under `jax.jit`: ShapeDtypeStruct leaves become
-    abstract arrays (score_mod_tensors arrays too), every other argument stays static."""
-    leaves, tree = jax.tree_util.tree_flatten(dict(arguments))
-    is_array = [isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves]
-    prepared = []
-
-    def trace(arrays: list[Any]) -> None:
-        supply = iter(arrays)
-        filled = [next(supply) if array else leaf for leaf, array in zip(leaves, is_array)]
-        prepared.append(prepare_call(**jax.tree_util.tree_unflatten(tree, filled)))
-
-    jax.eval_shape(trace, [leaf for leaf, array in zip(leaves, is_array) if array])
-    return prepared[0]
 
 
 # -- writing -------------------------------------------------------------------------------

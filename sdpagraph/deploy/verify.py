@@ -14,13 +14,14 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from sdpagraph.cache.admin import format_table
+from sdpagraph.formatting import format_table
 from sdpagraph.cache.disk import DiskStore, Miss
 from sdpagraph.cache.graph_cache import DEFAULT_LOCK_TIMEOUT_S
 from sdpagraph.cache.keys import key_digest, key_text, key_versions
 from sdpagraph.deploy.precompile import Builder, ExitCode, usable_builder
 from sdpagraph.deploy.bin_entries import with_bins
-from sdpagraph.deploy.specfile import SpecEntry, load_entries
+from sdpagraph.deploy.spec_entry import SpecEntry
+from sdpagraph.deploy.specfile import load_entries
 
 
 @dataclass(frozen=True)

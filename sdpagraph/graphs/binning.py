@@ -5,7 +5,7 @@ score_mod, which cuDNN 9.19 runs on no packed graph) computes every tile of a (T
 the tiles between documents, and skips none of them for a mask written in a mod. When every
 document is at most `rows` tokens long (the call's `max_seqlen_kv` hint), the documents can be
 moved, whole, into rows of `rows` tokens, several to a row, first-fit by decreasing length
-(`jax_api.packed_bins`): the dense twin then runs at (bins, rows) instead of (B, T), with as
+(`backends.cudnn.bins.packed`): the dense twin then runs at (bins, rows) instead of (B, T), with as
 many tokens and a fraction of the tiles. The mod sees the same thing in a bin: it reads no
 positions (`folds_segments` requires that), no batch index and no per-row array, and causal and
 window masks count from each document's start, which moving a whole document keeps.
@@ -16,21 +16,20 @@ The number of bins is static: `bins` holds `BIN_SLACK` times the tokens' worth o
 First-fit needed 1.09x (B8 T8192, documents of 64-2048 tokens, 2048-token bins) and 1.06x (B4
 T8192, 64-512, 512) in `bench/probe_bins.py`, where each bin past the need cost the forward ~1.5%
 (H100, 2026-11-25). A call whose
-documents need more runs unbinned, on the dense twin of its own shape (`jax_api.packed_bins`
+documents need more runs unbinned, on the dense twin of its own shape (`backends.cudnn.bins.packed`
 chooses at run time), so the answer never depends on it.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 
-from sdpagraph.graphs.ir import ScoreModIR
+from sdpagraph.config import BINS
+from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.graphs.operands import folds_segments
 from sdpagraph.spec import AttentionSpec
 
-ENV_SWITCH = "SDPAGRAPH_BINS"  # "0": no call runs on bins, and no bins' graphs are built
 BIN_SLACK = 1.1
 ROW_MULTIPLE = 128  # cuDNN's tile: a row of bins is a whole number of them
 # Bin only where the bins' tiles are at most this share of the dense twin's: below it the gathers
@@ -68,7 +67,7 @@ def bin_reason(spec: AttentionSpec, ir: ScoreModIR | None) -> str | None:
 def bin_plan(spec: AttentionSpec, ir: ScoreModIR | None) -> BinPlan | None:
     """The bins a call runs on, or None where it runs unbinned (`bin_reason`, bins that would save
     less than half of the dense twin's tiles, or SDPAGRAPH_BINS=0, read when a call is traced)."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or bin_reason(spec, ir) is not None:
+    if not BINS.enabled() or bin_reason(spec, ir) is not None:
         return None
     rows = min(spec.q_len, -(-spec.max_seqlen_kv // ROW_MULTIPLE) * ROW_MULTIPLE)
     bins = math.ceil(BIN_SLACK * spec.batch * spec.q_len / rows) + 1

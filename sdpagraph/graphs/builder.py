@@ -3,7 +3,7 @@
     compile_graph(spec, ir, direction, env) -> (blob, meta)    direction: forward | inference | backward
     graph_identity(spec, ir, direction) -> (spec text, IR text) what the compiled graph depends on
 
-The builder only compiles: keys and get-or-build live in the cache layer (`cache.graphs`),
+The builder only compiles: keys and get-or-build live in the cache layer (`graph_store`),
 which composes a graph's key from `graph_identity` and the `BuildEnvironment`. The IR text
 is "lowering<N>:" + `ir.forward_digest` for forward and inference graphs (they never run the
 bprop) and `ir.digest` for backward ("none" without a mod), N being LOWERING_VERSION. A
@@ -59,8 +59,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from sdpagraph.errors import SdpagraphError
 from sdpagraph.graphs.compiled import CompiledGraph
-from sdpagraph.graphs.ir import ScoreModIR
+from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.graphs.lowering import lower, new_graph
 from sdpagraph.graphs.operands import graph_spec
 from sdpagraph.spec import AttentionSpec
@@ -72,7 +73,7 @@ NO_MOD = "none"
 # by an older sdpagraph miss instead of serving the old graph. 2: masks in cuDNN's operand
 # order, re-emitted in the bprop, int literals as INT32 (2026-11-22).
 LOWERING_VERSION = 2
-CUDNN_SONAME = "libcudnn.so.9"  # the executor binds the same library (ffi/executor.cc, section 2)
+CUDNN_SONAME = "libcudnn.so.9"  # the executor binds the same library (ffi/csrc/cudnn_library.cc)
 FRONTEND_DISTRIBUTION = "nvidia-cudnn-frontend"
 
 
@@ -85,7 +86,7 @@ class BuildEnvironment:
     gpu: str  # e.g. "sm90 NVIDIA H200"
 
 
-class GraphBuildError(RuntimeError):
+class GraphBuildError(SdpagraphError, RuntimeError):
     """cuDNN declined or failed to build a graph; `message` is cuDNN's own text."""
 
     def __init__(self, direction: str, message: str, cudnn_version: str):

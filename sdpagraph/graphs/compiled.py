@@ -82,3 +82,11 @@ class CompiledGraph:
                 raise KeyError(f"score_mod scalar {source!r} has no value; got {sorted(scalars)}")
             values[uid] = np.dtype(dtype).type(scalars[source] if kind == "scalar" else source)
         return values
+
+
+def scalar_bits(compiled: CompiledGraph, scalars: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """(uids, 4-byte host representation of each pass-by-value scalar, as int32 bit patterns)."""
+    values = compiled.pass_by_value_values(scalars)
+    uids = np.array(sorted(values), np.int64)
+    bits = np.array([np.array(values[u]).view(np.int32) for u in uids], np.int32)  # values are 4-byte typed
+    return uids, bits.reshape(-1)

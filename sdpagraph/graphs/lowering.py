@@ -9,7 +9,7 @@ Masks: without a mod, the spec's masks become cuDNN's native flags (padding and 
 segments through sequence lengths, causal and windows as a diagonal band around the
 aligned diagonal). With a mod (a user score_mod, or a chunk size, which has no flag),
 cuDNN switches those flags off, so causal, window and chunk masks are lowered into the
-mod (`graphs.masks`) and emitted after the user's IR (`graphs.mod_lowering`).
+mod (`scoremod.masks`) and emitted after the user's IR (`graphs.mod_lowering`).
 
 A boolean mask has no flag: it reaches the graph as (part of) the additive bias operand
 (`operands.bias_operand_shape`; the JAX side fills in a large negative value where the
@@ -32,12 +32,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sdpagraph.graphs.ir import ScoreModIR
-from sdpagraph.graphs.masks import mask_ir, needs_mod, segment_arrays, segment_ir
+from sdpagraph.errors import Unsupported
+from sdpagraph.scoremod.ir import ScoreModIR
+from sdpagraph.scoremod.masks import mask_ir, needs_mod, segment_arrays, segment_ir
 from sdpagraph.graphs.mod_lowering import (
     ModEmitter,
     ModStage,
-    Unsupported,
     cudnn_type_map,
     pass_by_value_plan,
 )

@@ -1,6 +1,6 @@
 """ScoreModIR -> cuDNN pointwise ops, inside sdpa's score_mod / score_mod_bprop callbacks.
 
-A graph's mod runs in stages: the user's IR, then the spec's masks (`graphs.masks`).
+A graph's mod runs in stages: the user's IR, then the spec's masks (`scoremod.masks`).
 The forward callback applies them in that order; the bprop callback applies their
 bprops in reverse (mask bprop first, then the user's). Every op gets an explicit
 compute type and result type: cuDNN declines backward graphs whose callback
@@ -14,7 +14,7 @@ literals are INT32 ones, as in cuDNN's own diagonal band mask: cuDNN's tile skip
 reads a diagonal's shift as an int32, so a FLOAT -128.0 there made it skip every tile
 (bottom-right causal with T > S gave zeros, H100, cuDNN 9.19). Comparisons against an
 int literal build; against a FLOAT pass-by-value (a float literal or a scalar) they find
-no engine, so `graphs.masks` compares positions with positions plus int literals.
+no engine, so `scoremod.masks` compares positions with positions plus int literals.
 
 The bprop may use forward tensors (softcap's bprop reads the pre-tanh value), so the
 node -> tensor map of each stage lives on the `ModEmitter` of one graph, shared by its
@@ -27,14 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from sdpagraph.graphs.ir import BOOL, FLOAT, INT, OP_PARAMS, ScoreModIR
+from sdpagraph.errors import Unsupported
+from sdpagraph.scoremod.ir import BOOL, FLOAT, INT, OP_PARAMS, ScoreModIR
 from sdpagraph.graphs.operands import CONST_PREFIX, SCALAR_PREFIX
 
 BOUND_LEAVES = ("score", "dscore")
-
-
-class Unsupported(ValueError):
-    """sdpagraph cannot express this config as a cuDNN graph; the message says why in one sentence."""
 
 
 @dataclass(frozen=True)

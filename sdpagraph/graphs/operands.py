@@ -21,8 +21,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from sdpagraph.graphs.ir import FLOAT, INT, ScoreModIR
-from sdpagraph.graphs.masks import SEGMENT_ARRAYS, needs_mod, segment_arrays
+import numpy as np
+
+from sdpagraph.scoremod.ir import FLOAT, INT, ScoreModIR
+from sdpagraph.scoremod.masks import SEGMENT_ARRAYS, needs_mod, segment_arrays
 from sdpagraph.spec import DIRECTIONS, AttentionSpec
 
 ARRAY_PREFIX = "array:"
@@ -242,3 +244,14 @@ def _row_major(shape: tuple[int, ...], dtype: str) -> TensorDesc:
 def _check_direction(direction: str) -> None:
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+
+
+# The bias value that masks a score out where a bias operand carries masks (a finite value: -inf
+# would make fully masked rows NaN in cuDNN's softmax).
+MASKED_BIAS = {"bfloat16": -1e30, "float16": float(np.finfo(np.float16).min)}
+
+
+def stats_shape(spec: AttentionSpec) -> tuple[int, ...]:
+    # Packed graphs keep one fp32 stat per (token, head), token major; dense ones (B, N, T).
+    b, n, t = spec.batch, spec.num_heads, spec.q_len
+    return (b, t, n) if spec.segments else (b, n, t)

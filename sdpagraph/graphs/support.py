@@ -1,7 +1,7 @@
 """The answer to "will this config run on cuDNN here, and if not, why?".
 
 The answer comes from building the graphs the runtime would use (`answer_from_builds`);
-the cache layer (`cache.graphs.check_graphs`) runs it through the cache and remembers it.
+the cache layer (`graph_store.check_graphs`) runs it through the cache and remembers it.
 """
 from __future__ import annotations
 
@@ -10,15 +10,12 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+from sdpagraph.errors import Unsupported
 from sdpagraph.graphs.builder import GraphBuildError
-from sdpagraph.graphs.ir import ScoreModIR
-from sdpagraph.graphs.mod_lowering import Unsupported
+from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.graphs.binning import NEEDS_HINT, bin_plan, bin_reason
 from sdpagraph.graphs.operands import folds_segments
 from sdpagraph.spec import AttentionSpec, directions_for
-
-BACKENDS = ("cudnn", "xla", "small_seq")
-
 
 @dataclass(frozen=True)
 class Support:
@@ -30,6 +27,12 @@ class Support:
 
     def __bool__(self) -> bool:
         return self.supported
+
+
+def graph_answer(supported: bool, reason: str) -> Support:
+    """An answer about cuDNN's graphs alone; which backend then runs the call is for the backend layer
+    to name (`backends.cudnn`), so `backend` is left empty here."""
+    return Support(supported, "", reason)
 
 
 def environment_reason() -> str | None:
@@ -59,7 +62,7 @@ def answer_from_builds(spec: AttentionSpec, ir: ScoreModIR | None, training: boo
     """
     reason = environment_reason()
     if reason is not None:
-        return Support(False, "xla", reason), True
+        return graph_answer(False, reason), True
     directions = directions_for(training)
     try:
         for direction in directions:
@@ -67,11 +70,11 @@ def answer_from_builds(spec: AttentionSpec, ir: ScoreModIR | None, training: boo
     except passthrough:
         raise
     except Unsupported as error:
-        return Support(False, "xla", str(error)), True
+        return graph_answer(False, str(error)), True
     except GraphBuildError as error:
-        return Support(False, "xla", condense_reason(spec, error)), True
+        return graph_answer(False, condense_reason(spec, error)), True
     except Exception as error:  # noqa: BLE001 - the query must answer, whatever went wrong
-        return Support(False, "xla", f"building the cuDNN graph failed unexpectedly: {type(error).__name__}: "
+        return graph_answer(False, f"building the cuDNN graph failed unexpectedly: {type(error).__name__}: "
                        f"{' '.join(str(error).split())[:300]}"), False
     what = "forward and backward graphs" if training else "inference graph"
     how = _DENSE_SEGMENTS if folds_segments(spec, ir) else ""
@@ -80,7 +83,7 @@ def answer_from_builds(spec: AttentionSpec, ir: ScoreModIR | None, training: boo
         how += _BINS.format(bins=bins.bins, rows=bins.rows)
     elif how and bin_reason(spec, ir) == NEEDS_HINT:
         how += _BINS_HINT
-    return Support(True, "cudnn", f"cuDNN builds the {what}{how}"), True
+    return graph_answer(True, f"cuDNN builds the {what}{how}"), True
 
 
 # What a supported answer adds when packed segments run on the dense twin (`operands.graph_spec`).

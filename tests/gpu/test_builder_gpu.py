@@ -27,14 +27,15 @@ import jax.numpy as jnp  # noqa: E402
 
 from sdpagraph import mods  # noqa: E402
 from sdpagraph.cache import GraphCache  # noqa: E402
-from sdpagraph.cache.graphs import cached_graph, check_graphs  # noqa: E402
+from sdpagraph.graph_store import cached_graph, check_graphs  # noqa: E402
 from sdpagraph.graphs import builder, support  # noqa: E402
-from sdpagraph.graphs.ir import FLOAT, INT  # noqa: E402
-from sdpagraph.graphs.trace import TensorInfo, trace_score_mod  # noqa: E402
+from sdpagraph.scoremod.ir import FLOAT, INT  # noqa: E402
+from sdpagraph.scoremod.trace import TensorInfo, trace_score_mod  # noqa: E402
 from sdpagraph.graphs.lowering import lower, new_graph  # noqa: E402
-from sdpagraph.jax_api.call import prepare_call  # noqa: E402
-from sdpagraph.jax_api.segments import segment_metadata  # noqa: E402
-from sdpagraph.jax_api.xla import _layout, allowed_mask, xla_attention  # noqa: E402
+from sdpagraph.call import prepare_call  # noqa: E402
+from sdpagraph.segments.metadata import segment_metadata  # noqa: E402
+from sdpagraph.backends.masking import allowed_mask, token_layout as _layout  # noqa: E402
+from sdpagraph.backends.xla import xla_attention  # noqa: E402
 from sdpagraph.spec import AttentionSpec  # noqa: E402
 from tests.reference import rel_err  # noqa: E402
 
@@ -372,7 +373,7 @@ OP_PROBES = {  # name -> (score_mod, tensors); each is built forward and backwar
     "abs_int": (_probe_abs_int, {}),
     "int_scalar": (_probe_int_scalar, {"n": TensorInfo("scalar", INT)}),
 }
-# What sdpagraph's own mask lowering (graphs.masks) emits: these must build. (A boolean
+# What sdpagraph's own mask lowering (scoremod.masks) emits: these must build. (A boolean
 # aux array used as a select mask crashed the probe process with SIGFPE on cuDNN 9.19.)
 MASK_LOWERING_PROBES = ("causal_index_cmp", "int_literal_window", "chunk_mod")
 

@@ -12,9 +12,11 @@ import pytest
 import sdpagraph
 from sdpagraph import ffi, mods
 from sdpagraph.cache import GraphCache, set_default_cache
-from sdpagraph.cache import graphs as cached_graphs
-from sdpagraph.jax_api import numerics
-from sdpagraph.jax_api.call import prepare_call
+from sdpagraph import graph_store as cached_graphs
+from sdpagraph.numerics import check as numerics
+from sdpagraph.numerics import gate as numerics_gate
+from sdpagraph.numerics.record import NUMERICS_FIELD
+from sdpagraph.call import prepare_call
 
 
 @pytest.fixture
@@ -41,7 +43,7 @@ def inputs(shape, kv_heads=None, dtype=jnp.bfloat16, seed=0):
 
 
 def records(cache, call, training=True):
-    return [record for _, record in cached_graphs.numerics_records(call.spec, call.score_mod, training, cache)]
+    return [record for _, record in numerics_gate.numerics_records(call.spec, call.score_mod, training, cache)]
 
 
 CONFIGS = {
@@ -99,7 +101,7 @@ def test_a_tampered_entry_is_caught_and_the_call_runs_on_xla(private_cache, capl
     tampered = prepare_call(q, k, v, scale=2 * scale, **kwargs)
     for direction in ("forward", "backward"):
         blob, meta = private_cache.get(cached_graphs.graph_key(right.spec, right.score_mod, direction))
-        meta = {name: value for name, value in meta.items() if name != cached_graphs.NUMERICS_FIELD}
+        meta = {name: value for name, value in meta.items() if name != NUMERICS_FIELD}
         private_cache.put(cached_graphs.graph_key(tampered.spec, tampered.score_mod, direction), blob, meta)
 
     support = sdpagraph.check_support(q, k, v, scale=2 * scale, **kwargs)

@@ -1,4 +1,4 @@
-"""Packed documents on bins on a GPU (`graphs.binning`, `jax_api.packed_bins`): cuDNN's dense twin on
+"""Packed documents on bins on a GPU (`graphs.binning`, `backends.cudnn.bins.packed`): cuDNN's dense twin on
 the bins, with the packer as a Triton program, against the XLA backend on the whole rows: outputs and
 gradients on fresh random inputs, and documents that do not fit running unbinned."""
 import jax
@@ -9,8 +9,8 @@ import pytest
 import sdpagraph
 from sdpagraph import mods
 from sdpagraph.graphs.binning import bin_plan
-from sdpagraph.jax_api import packed_bins
-from sdpagraph.jax_api.call import prepare_call
+from sdpagraph.backends.cudnn.bins import packed as packed_bins
+from sdpagraph.call import prepare_call
 
 from tests.reference import rel_err
 from tests.test_packed_bins import random_documents

@@ -9,7 +9,7 @@ import pytest
 
 import sdpagraph
 from sdpagraph import mods
-from sdpagraph.jax_api import small_seq_kernel
+from sdpagraph.backends.small_seq import kernel as small_seq_kernel
 
 from tests.reference import rel_err
 

@@ -1,0 +1,312 @@
+"""`sdpagraph.attention` and `sdpagraph.check_support`: one argument path, two questions.
+
+Both normalize arguments with `call.prepare_call` (the same code), so the support
+query and the runtime can never disagree about what a call means.
+
+Layers above (deployment's spec recording) watch the calls the runtime traces through
+`listeners.add_trace_listener`, so this module never imports them.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Mapping
+
+import jax.numpy as jnp
+
+from sdpagraph.cache import CacheMissError
+from sdpagraph.graphs.support import Support
+from sdpagraph.parallel import context_parallel
+from sdpagraph.backends import registry
+from sdpagraph.backends.base import Backend
+from sdpagraph.dispatch import rule as dispatch
+from sdpagraph.call import PreparedCall, as_4d, prepare_call
+from sdpagraph.listeners import notify_trace_listeners
+from sdpagraph.logs import log_once, logger
+from sdpagraph.numerics import gate as numerics_gate
+
+def _notify_listeners(call: PreparedCall, training: bool) -> None:
+    notify_trace_listeners(call.spec, call.score_mod, training)
+
+
+def _strict_miss_message(call: PreparedCall, miss: CacheMissError) -> str:
+    return (f"{miss} Spec: {call.spec.summary()}. Record it with SDPAGRAPH_RECORD=specs.json (or "
+            "`with sdpagraph.record('specs.json')`), then on this GPU type run `sdpagraph precompile specs.json "
+            "--cache-dir $SDPAGRAPH_CACHE_DIR`; `sdpagraph verify --specs specs.json --cache-dir DIR` checks a cache.")
+
+
+def _check_implementation(implementation: Any) -> None:
+    """ValueError unless `implementation` is None or a registered backend's name."""
+    if implementation is not None:
+        registry.get(implementation)
+
+
+def _answer(backend: Backend, call: PreparedCall, training: bool, *, raise_on_miss: bool) -> Support:
+    """Whether `backend` runs the call. Its compiled kernels must compute the right values once (the
+    numerical check, with the call's scalar values) before they are used; a strict cache that lacks
+    them raises (the runtime) or answers no (`check_support`), with how to precompile them."""
+    if call.inputs.python_mods is not None and not backend.runs_python_mods:
+        return Support(False, registry.reference().name, call.inputs.python_mods.reason)
+    try:
+        verify = functools.partial(numerics_gate.checked, scalars=call.inputs.mod_scalars)
+        return backend.support(call.spec, call.score_mod, training=training, verify=verify)
+    except CacheMissError as miss:
+        if raise_on_miss:
+            raise CacheMissError(_strict_miss_message(call, miss)) from None
+        return Support(False, registry.reference().name, _strict_miss_message(call, miss))
+
+
+def _decide(call: PreparedCall, implementation: str | None, training: bool, *, raise_on_miss: bool) -> Support:
+    """Which backend runs the call, and why: `Support(the first backend runs it, backend, reason)`.
+
+    `Support.supported` speaks of the first backend in preference order (cuDNN): whether it can run
+    the call. `implementation=None` asks `dispatch.choose` for the fastest backend that can run the
+    call, asking each backend (and building its graphs) only when it would win; a forced backend that
+    cannot run the call answers with its reason (`_choose_backend` raises it as a ValueError).
+    """
+    primary = registry.names()[0]
+    if implementation is not None:
+        answer = _answer(registry.get(implementation), call, training, raise_on_miss=raise_on_miss)
+        if implementation == primary or not answer.supported:
+            return Support(answer.supported and implementation == primary, implementation if answer.supported
+                           else registry.reference().name,
+                           answer.reason or f"implementation={implementation!r} was requested")
+        return Support(False, implementation, f"implementation={implementation!r} was requested")
+    answers: dict[str, Support] = {}
+
+    def lazily(backend: Backend):
+        def ask() -> Support:
+            answers[backend.name] = _answer(backend, call, training, raise_on_miss=raise_on_miss)
+            return answers[backend.name]
+        return ask
+
+    candidates = {name: lazily(registry.get(name)) for name in registry.names()}
+    choice = dispatch.choose(call.spec, candidates, training=training, has_score_mod=call.score_mod is not None)
+    primary_answer = answers.get(primary)
+    if choice.backend == primary:
+        return primary_answer
+    if choice.backend == registry.reference().name and primary_answer is not None and not primary_answer.supported:
+        return Support(False, choice.backend, primary_answer.reason)  # the first cannot: its reason is the answer
+    return Support(primary_answer is not None and primary_answer.supported, choice.backend, choice.reason)
+
+
+def _choose_backend(call: PreparedCall, implementation: str | None, training: bool) -> str:
+    decision = _decide(call, implementation, training, raise_on_miss=True)
+    if implementation is not None and decision.backend != implementation:
+        raise ValueError(f"implementation={implementation!r} cannot run {call.spec.summary()}: {decision.reason}")
+    if decision.backend != registry.names()[0] and implementation is None:
+        log_once(logger, logging.INFO,
+                 f"sdpagraph: using the {decision.backend} backend for {call.spec.summary()}: {decision.reason}")
+    return decision.backend
+
+
+def attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | None = None,
+    return_residual: bool = False,
+    causal_alignment: str = "top_left",
+    segment_ids: Any = None,
+    max_segments_per_seq: int | None = None,
+    chunk_size: int | None = None,
+    score_mod: Callable | None = None,
+    score_mod_tensors: Mapping[str, Any] | None = None,
+    score_mod_bprop: Callable | None = None,
+    mask_mod: Callable | None = None,
+    training: bool = True,
+    max_seqlen_q: int | None = None,
+    max_seqlen_kv: int | None = None,
+    context_parallel_axis: str | None = None,
+    load_balanced: bool = False,
+    context_parallel_strategy: str = "ring",
+    mesh: Any = None,
+) -> Any:
+    r"""Scaled dot-product attention with flex-attention extensions; a drop-in for
+    `jax.nn.dot_product_attention`.
+
+    Computes, per batch b and head n (query head n reads key/value head n // (N // K)):
+
+        logits = score_mod(scale * q . k^T) + bias
+        out    = softmax(logits masked by every mask below) . v
+
+    Args:
+      query: `(B, T, N, H)` (or `(T, N, H)`), float32 / bfloat16 / float16.
+      key: `(B, S, K, H)`; N must be a multiple of K (GQA / MQA).
+      value: `(B, S, K, H_v)`.
+      bias: additive bias broadcastable to `(B, N, T, S)`; differentiable. As in jax, a
+        lower rank is left-padded with 1s: `(S,)`, `(T, S)`, `(N, T, S)` (also with 3-D
+        unbatched inputs), a scalar; every other axis must be 1 or full.
+      mask: boolean, broadcastable to `(B, N, T, S)` the same way; True means attend.
+      scale: logit scale, default `1 / sqrt(H)`.
+      is_causal: causal mask, aligned by `causal_alignment`.
+      query_seq_lengths / key_value_seq_lengths: `(B,)` int32 valid lengths (padding).
+        Padded query rows give zero output.
+      local_window_size: `w` or `(left, right)`: query i sees keys in
+        `[i - left, i + right]` around the aligned diagonal; -1 leaves a side open.
+      implementation: None (the fastest backend that can run the call, by measured speed:
+        cuDNN for most calls; XLA or "small_seq" where cuDNN is measured slower, e.g. query
+        length 1-4 with 32 keys or fewer over a huge batch; the reason is logged once at
+        INFO), "xla", "cudnn" (raises with the reason if unsupported), or "small_seq" (the
+        small-sequence backend: T <= 4, S <= 32, or packed with `max_seqlen_q` <= 4 and
+        `max_seqlen_kv` <= 32; raises outside that regime).
+      return_residual: also return the logsumexp, shape `(B, T, N)`, as jax does.
+      causal_alignment: "top_left" (jax's default) or "bottom_right": the diagonal ends
+        at the last query/key pair, for T != S.
+      segment_ids: packed sequences: `(B, T)` int32 (self-attention) or a pair
+        `(q_segment_ids (B, T), kv_segment_ids (B, S))`. 0 marks padding; a segment is
+        a contiguous run of one id; the k-th query segment attends to the k-th key
+        segment only. Causal, windows, chunks and score_mod positions count from each
+        segment's start.
+      max_segments_per_seq: static bound on segments per row (default: T, always
+        enough). A row of query ids with more segments raises `ValueError` (with the row,
+        its count and the bound) when the ids are concrete. Under `jit` the ids are
+        checked when the call runs (O(B*T) and one host callback; the error arrives as
+        a `jax.errors.JaxRuntimeError` with that message). `SDPAGRAPH_CHECK_SEGMENTS=0`
+        switches both checks off; segments past the bound are then dropped (their
+        query rows give 0).
+      chunk_size: Llama-4 chunked attention: only keys in the same chunk of
+        `chunk_size` positions (per segment when packed); combines with `is_causal`.
+      score_mod: an elementwise change of the scaled scores `score[b, h, q, kv]`, in one
+        of two forms. jax.numpy, as in PyTorch FlexAttention:
+        `score_mod(score, b, h, q_idx, kv_idx) -> score`, e.g.
+        `lambda s, b, h, q, kv: 30 * jnp.tanh(s / 30)`; it is traced once and converted
+        into a cuDNN graph (arrays it closes over and indexes by `b`, `h`, `q_idx` or
+        `kv_idx`, like `slopes[h]`, become graph operands). What the conversion cannot
+        express (a gather at a computed index, control flow, random numbers) runs on
+        XLA, and `check_support` names it. Or the graph form
+        `score_mod(graph, score, tensors) -> tensor`, written with cudnn-frontend
+        pygraph pointwise ops (`graph.tanh(input=...)`, `graph.gen_index(input=score,
+        axis=2)`, ...) or Python operators; see `sdpagraph.mods` for ready-made ones.
+        Any other number of parameters is a TypeError.
+      score_mod_tensors: names -> values the mod receives as graph tensors. Python or
+        NumPy scalars are bound at execution (a new value does not rebuild a cuDNN
+        graph); arrays broadcastable to `(B, N, T, S)` become operands and are
+        constants for differentiation (use `bias` for a differentiable additive term).
+        jax scalars (traced under `jit`, e.g. `mods.softcap(cap)` with `cap` an
+        argument) are `(1, 1, 1, 1)` array operands: no new graph per value, and
+        constants for differentiation too. A mod reading a name it was not given
+        raises a `KeyError` that is also a `ValueError`, naming the missing tensor.
+      score_mod_bprop: `score_mod_bprop(graph, dscore, tensors) -> tensor`, the gradient
+        through the mod. Derived automatically when omitted.
+      mask_mod: `mask_mod(b, h, q_idx, kv_idx) -> bool` in jax.numpy, True = attend, as in
+        FlexAttention; applied after the score_mod and combined with every other mask.
+        Native patterns (`q_idx >= kv_idx`, windows) become the masks cuDNN skips tiles
+        for. A row it leaves with nothing to attend gives 0 on XLA (on cuDNN such rows
+        are not yet checked on a GPU).
+      training: False selects cuDNN's inference graph (no softmax stats) when no
+        gradient is needed.
+      max_seqlen_q / max_seqlen_kv: static bounds on the length of each packed query /
+        key segment (positive ints; with `segment_ids` only). Runtime lengths are unknown
+        at trace time, so these hints say when a packed call is in the small-sequence
+        regime (`max_seqlen_q` <= 4, `max_seqlen_kv` <= 32; without a hint it is not).
+        In self-attention (one ids array) a segment has as many keys as queries, so the
+        smaller hint given bounds both. cuDNN uses `max_seqlen_kv` to run packed
+        self-attention with a score_mod on short rows of whole documents (bins: see
+        `graphs.binning`; on one GPU); other backends only validate them. A longer
+        segment raises `ValueError` (concrete ids) or fails the jitted call when it runs,
+        as `max_segments_per_seq` does (and `SDPAGRAPH_CHECK_SEGMENTS=0` switches that
+        off: the small-sequence backend then drops keys past the bound).
+      context_parallel_axis: a mesh axis name: q, k, v (and `segment_ids`) are split
+        along the sequence (dim 1) over it, and attention runs without gathering k or v
+        (docs/multi-gpu.md). The mesh is `jax.set_mesh(...)`'s or `mesh=`; inside a
+        `jax.shard_map` that maps the axis, q, k, v are the local blocks. Other mesh
+        axes split the batch when they divide it. Not with `bias`, `mask`, sequence
+        lengths or cross-attention segment ids (use `segment_ids`). Score_mods, masks
+        and windows see global positions. T and S must be divisible by the axis size
+        (twice it when `load_balanced`), else `ValueError`.
+      load_balanced: the sequence is in `sdpagraph.load_balance` order (device i holds
+        chunks i and 2·cp−1−i of 2·cp), which evens out causal work; the output comes
+        back in that order too (`sdpagraph.unload_balance` restores it).
+      context_parallel_strategy: "ring" (K/V blocks pass around the ring with
+        `ppermute`, overlapped with compute; causal blocks in the future are skipped),
+        "all_to_all" (heads <-> sequence with `all_to_all`: each device attends the whole
+        sequence on N/cp heads; N and K must be divisible by cp), or "auto" (all_to_all
+        when the heads divide cp and T <= 65536 or the ring would run XLA blocks, else
+        ring; measured on two H200s, where all_to_all was 1.33x / 1.04x faster at T16384 /
+        T65536).
+      mesh: the mesh of `context_parallel_axis`, when no `jax.set_mesh` is active.
+
+    Returns:
+      `(B, T, N, H_v)` in the input dtype (and the logsumexp if `return_residual`).
+      With an empty axis (B, T, S or N of 0) it returns what jax does: an empty
+      array, or zeros (logsumexp -inf) when S is 0, from the XLA backend whatever
+      `implementation` says.
+    """
+    if context_parallel_axis is None and (load_balanced or context_parallel_strategy != "ring" or mesh is not None):
+        raise ValueError("load_balanced, context_parallel_strategy and mesh apply to context parallelism: "
+                         "pass context_parallel_axis= (the mesh axis the sequence is split over)")
+    _check_implementation(implementation)
+    if context_parallel_axis is not None and load_balanced and segment_ids is not None:
+        segment_ids = context_parallel.natural_order(segment_ids, context_parallel_axis, mesh)
+    call = prepare_call(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        causal_alignment=causal_alignment, segment_ids=segment_ids,
+        max_segments_per_seq=max_segments_per_seq, chunk_size=chunk_size, score_mod=score_mod,
+        score_mod_tensors=score_mod_tensors, score_mod_bprop=score_mod_bprop, mask_mod=mask_mod,
+        max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+    )
+    if call.spec.empty_axes:  # nothing to compute (no graph to build): jax's empty or zero result
+        implementation = registry.reference().name
+    # Only calls a graph can serve; a context-parallel call reports its block graphs itself.
+    if (implementation != registry.reference().name and call.inputs.python_mods is None
+            and context_parallel_axis is None):
+        _notify_listeners(call, training)
+    q, k, v = (as_4d(x, call.unbatched) for x in (query, key, value))
+    # A context-parallel call's blocks run the backend context_parallel.plan chooses.
+    backend = "context_parallel" if context_parallel_axis is not None else _choose_backend(call, implementation,
+                                                                                            training)
+    if backend == "context_parallel":
+        out, lse = context_parallel.attention(
+            call, q, k, v, axis=context_parallel_axis, load_balanced=load_balanced,
+            strategy=context_parallel_strategy, mesh=mesh, implementation=implementation)
+    else:  # an inference graph keeps no softmax stats: a residual needs the training one
+        out, lse = registry.get(backend).attention(call.spec, q, k, v, call.inputs, call.score_mod,
+                                                   training=training or return_residual,
+                                                   verify=numerics_gate.checked)
+    if call.unbatched:
+        out, lse = out[0], lse[0]
+    if return_residual:
+        return out, jnp.swapaxes(lse, -1, -2).astype(out.dtype)
+    return out
+
+
+def check_support(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *,
+                  training: bool = True, **kwargs: Any) -> Support:
+    """Will `attention(query, key, value, bias, mask, **kwargs)` run on cuDNN here, and if not, why?
+
+    `supported` says whether cuDNN runs the call; `backend` is the backend `attention` will use
+    (the fastest that can run it, see `implementation`), and `reason` says why, with the predicted
+    times when the choice was made by speed. Takes the same arguments as `attention` (arrays or `jax.ShapeDtypeStruct`s) and
+    normalizes them with the same code. Invalid arguments raise the same errors
+    `attention` raises. `training=True` checks the backward graph too. A supported
+    answer leaves the graphs in the cache, so the later call builds nothing. With
+    `context_parallel_axis`, the answer is about the graphs of one device's blocks.
+    """
+    kwargs.pop("return_residual", None)
+    implementation = kwargs.pop("implementation", None)
+    _check_implementation(implementation)
+    parallel = {name: kwargs.pop(name) for name in ("context_parallel_axis", "load_balanced",
+                                                    "context_parallel_strategy", "mesh") if name in kwargs}
+    axis = parallel.get("context_parallel_axis")
+    if axis is not None and parallel.get("load_balanced") and kwargs.get("segment_ids") is not None:
+        kwargs["segment_ids"] = context_parallel.natural_order(kwargs["segment_ids"], axis, parallel.get("mesh"))
+    call = prepare_call(query, key, value, bias, mask, **kwargs)
+    if axis is not None:
+        return context_parallel.support(call, axis, parallel.get("load_balanced", False),
+                                        parallel.get("context_parallel_strategy", "ring"), parallel.get("mesh"),
+                                        implementation)
+    if call.spec.empty_axes:
+        return Support(False, registry.reference().name, f"axis {', '.join(call.spec.empty_axes)} has size 0: nothing to compute; "
+                                     "attention returns jax's empty (or zero) result from the XLA backend")
+    return _decide(call, implementation, training, raise_on_miss=False)

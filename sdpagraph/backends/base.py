@@ -1,0 +1,50 @@
+"""The contract every backend keeps: a name, whether (and why not) it can run a call, and how it runs it.
+
+    backend.support(spec, score_mod, training=..., verify=...) -> Support   can it run this call here?
+    backend.attention(spec, q, k, v, inputs, score_mod, training=..., verify=...) -> (out, lse)
+
+Every backend computes the same function (`sdpagraph.attention`'s docstring; the masks are
+`backends.masking`'s): `out` is (B, T, N, H_v) in the input dtype and `lse` the logsumexp (B, N, T)
+in float32, or None where the backend ran an inference graph that keeps no softmax statistics.
+Backends are found through `backends.registry`, never by importing one another; dispatch,
+`implementation=`, `check_support`, context parallelism and the CLI all ask the registry.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, ClassVar
+
+from sdpagraph.call import RuntimeInputs
+from sdpagraph.graphs.support import Support
+from sdpagraph.scoremod.ir import ScoreModIR
+from sdpagraph.spec import AttentionSpec
+
+# The numerical check a backend's compiled kernels must pass before they run user data
+# (`numerics.gate.checked`, passed down by the layer above); backends that compile nothing ignore it.
+Verify = Callable[..., Any]
+
+
+class Backend(abc.ABC):
+    """One way to compute attention. Subclasses set `name` and implement `support` and `attention`."""
+
+    name: ClassVar[str]
+    # Whether the backend runs jax.numpy mods the score_mod IR cannot express (`scoremod.forms.PythonMods`).
+    runs_python_mods: ClassVar[bool] = False
+    # Whether a packed call with `max_seqlen_q` / `max_seqlen_kv` hints costs what the sequences its
+    # hints bound cost (dispatch's prediction); otherwise it costs the dense (B, T, S).
+    packs_by_hints: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def support(self, spec: AttentionSpec, score_mod: ScoreModIR | None, *, training: bool,
+                verify: Verify | None = None) -> Support:
+        """Whether this backend runs (spec, score_mod) here, and if not, why (`Support.reason`).
+        May raise `cache.CacheMissError` when a strict cache lacks what the backend would build."""
+
+    @abc.abstractmethod
+    def attention(self, spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: RuntimeInputs,
+                  score_mod: ScoreModIR | None, *, training: bool = True,
+                  verify: Verify | None = None) -> tuple[Any, Any]:
+        """(output, logsumexp) of the call; `training=False` may skip the softmax statistics."""
+
+    def __repr__(self) -> str:
+        return f"<sdpagraph backend {self.name!r}>"

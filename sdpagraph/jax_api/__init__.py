@@ -1,1 +1,0 @@
-"""JAX integration: the public `attention`, the support query and the backends."""

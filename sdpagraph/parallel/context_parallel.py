@@ -1,0 +1,277 @@
+"""Context parallelism: `attention(..., context_parallel_axis="cp")` with q, k, v split along the
+sequence over a mesh axis, without gathering k or v.
+
+    attention ── prepare_call ── context_parallel.attention
+        ├─ check (ValueError naming context_parallel_axis and the numbers), the mesh, the strategy
+        └─ jax.shard_map over every mesh axis: the sequence over `cp`, the batch over the other axes
+             ├─ "ring"        ring.ring_attention: K/V blocks pass around the ring (ppermute)
+             └─ "all_to_all"  heads <-> sequence (jax.lax.all_to_all), one whole-sequence call per
+                              device on N/cp heads, and back
+
+Inside a `jax.shard_map` that already maps the axis, q, k, v are the local blocks: the strategy
+runs on them directly. Built on JAX's own machinery (shard_map, ppermute, all_to_all); no runtime of
+our own. Which backend the blocks run: cuDNN when it can (`ring.cudnn_reason`, and a support check of
+the block graphs), else the XLA backend, with the reason logged once at INFO.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from sdpagraph.cache import CacheMissError
+from sdpagraph.logs import log_once, logger
+from sdpagraph.graphs.support import Support
+from sdpagraph.backends import registry
+from sdpagraph.numerics import gate as numerics_gate
+from sdpagraph.parallel import ring
+from sdpagraph.call import PreparedCall
+from sdpagraph.listeners import notify_trace_listeners
+from sdpagraph.parallel.load_balance import load_balance, unload_balance
+from sdpagraph.segments.metadata import segment_positions, segment_run_ids
+from sdpagraph.backends.cudnn.sharding import Split, local_ir, local_spec
+from sdpagraph.spec import AttentionSpec
+
+STRATEGIES = ("ring", "all_to_all", "auto")
+# "auto" takes all_to_all up to this sequence length when the heads divide the axis: on two H200s
+# all_to_all beat the load-balanced ring at both lengths measured, 1.33x at T16384 and 1.04x at
+# T65536 (bench/multi_gpu.py, docs/results/h200x2-2026-11-24-multi-gpu.md). Beyond the longest
+# length measured the ring, whose transfers hide better the longer its blocks, is kept.
+AUTO_ALL_TO_ALL_MAX_LEN = 65536
+
+
+def _fail(axis: Any, message: str) -> ValueError:
+    return ValueError(f"context_parallel_axis={axis!r}: {message}")
+
+
+def _mesh_shape(axis: Any, mesh: Any) -> tuple[dict[str, int], bool]:
+    """(axis name -> size of the mesh, whether `axis` is already manual: inside a shard_map)."""
+    context = jax.sharding.get_abstract_mesh()
+    if axis in getattr(context, "manual_axes", ()):
+        return dict(context.shape), True
+    if mesh is None:
+        mesh = context
+    shape = dict(getattr(mesh, "shape", {}) or {})
+    if not shape:
+        raise _fail(axis, "needs a mesh: call attention under `with jax.set_mesh(mesh):` or pass mesh=")
+    if axis not in shape:
+        raise _fail(axis, f"is not an axis of the mesh, whose axes are {tuple(shape)} (sizes {tuple(shape.values())})")
+    return shape, False
+
+
+def check(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh: Any) -> tuple[dict[str, int], bool]:
+    """Validate a context-parallel call; returns `_mesh_shape`."""
+    spec = call.spec
+    if not isinstance(axis, str):
+        raise TypeError(f"context_parallel_axis must be a mesh axis name (str), got {type(axis).__name__}")
+    if not isinstance(load_balanced, bool):
+        raise TypeError(f"load_balanced must be a bool, got {type(load_balanced).__name__}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"context_parallel_strategy must be one of {STRATEGIES}, got {strategy!r}")
+    shape, manual = _mesh_shape(axis, mesh)
+    cp = shape[axis]
+    if manual and spec.segments:
+        raise _fail(axis, "packed segment_ids inside a shard_map over the axis need the whole sequence's "
+                          "segments: call attention outside the shard_map")
+    pieces = 2 * cp if load_balanced else cp
+    why = "2 * cp, load_balanced=True" if load_balanced else "cp"
+    for name, length in (("query", spec.q_len), ("key/value", spec.kv_len)):
+        length = length * cp if manual else length  # inside a shard_map the call sees one block
+        if length % pieces:
+            raise _fail(axis, f"the {name} sequence length {length} must be divisible by {pieces} ({why}; "
+                              f"the axis has cp={cp} devices)")
+    unsupported = [name for name, present in (
+        ("bias", spec.bias_shape is not None), ("mask", spec.mask_shape is not None),
+        ("query_seq_lengths / key_value_seq_lengths", spec.has_padding),
+        ("a pair of segment_ids (cross-attention)", spec.segments == "cross")) if present]
+    unsupported += [f"score_mod_tensors[{name!r}] of shape {tuple(x.shape)} (it varies along T or S)"
+                    for name, x in (call.inputs.mod_arrays or {}).items() if x.shape[2] > 1 or x.shape[3] > 1]
+    if unsupported:
+        raise _fail(axis, f"context parallelism does not take {', '.join(unsupported)}; use segment_ids for "
+                          "packed or padded sequences")
+    if strategy == "all_to_all" and (spec.num_heads % cp or spec.num_kv_heads % cp):
+        raise _fail(axis, f"context_parallel_strategy='all_to_all' needs the query heads N={spec.num_heads} and "
+                          f"key/value heads K={spec.num_kv_heads} divisible by cp={cp}; use 'ring'")
+    return shape, manual
+
+
+def choose_strategy(spec: AttentionSpec, cp: int, strategy: str, ring_on_xla: bool = False) -> str:
+    """'auto': all_to_all when the heads divide cp and either T <= AUTO_ALL_TO_ALL_MAX_LEN or the
+    ring would run XLA blocks (`ring_on_xla`: windows, packed segments, mask_mods; all_to_all runs
+    those on cuDNN); else ring. Measured on two GPUs up to T65536 (AUTO_ALL_TO_ALL_MAX_LEN): the
+    ring's transfers hide behind its blocks' compute only when blocks are long, while all_to_all
+    runs one whole-sequence call per device but moves q, k, v and o unhidden."""
+    if strategy != "auto":
+        return strategy
+    heads_divide = spec.num_heads % cp == 0 and spec.num_kv_heads % cp == 0
+    return "all_to_all" if heads_divide and (spec.q_len <= AUTO_ALL_TO_ALL_MAX_LEN or ring_on_xla) else "ring"
+
+
+def _cudnn_reason(graphs: list[tuple[AttentionSpec, Any]], implementation: str | None, reason: str | None,
+                  running: bool) -> str | None:
+    """Why the (spec, score_mod IR) graphs cannot run on cuDNN (None: they can). Both strategies run
+    graphs with softmax stats (the ring merges by them), so the training graphs are asked for. When
+    `running` (not a support query), the graphs are reported to the trace listeners (spec recording)
+    and a strict cache's miss raises, saying how to precompile them."""
+    if implementation == registry.reference().name:
+        return f"implementation={implementation!r} was requested"
+    if reason is not None:
+        return reason
+    for spec, ir in graphs:
+        if running:
+            notify_trace_listeners(spec, ir, True)
+        try:
+            answer = registry.primary().support(spec, ir, training=True, verify=numerics_gate.checked)
+        except CacheMissError as miss:
+            message = (f"{miss} It is a block graph of a context-parallel call ({spec.summary()}). Record the run "
+                       "(SDPAGRAPH_RECORD=specs.json records block graphs) and run `sdpagraph precompile specs.json` "
+                       "on this GPU type.")
+            if running:
+                raise CacheMissError(message) from None
+            return message
+        if not answer.supported:
+            return answer.reason
+    return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a context-parallel call runs."""
+
+    axis: str
+    cp: int
+    strategy: str  # "ring" or "all_to_all"
+    manual: bool  # inside a shard_map over the axis: q, k, v are the local blocks
+    batch_axes: tuple[str, ...]  # the other mesh axes, splitting the batch
+    local: AttentionSpec  # one device's batch, the global sequence lengths
+    backend: str  # the blocks': the primary backend's name (cuDNN) or the reference's (XLA)
+    reason: str  # why that backend
+
+
+def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh: Any,
+         implementation: str | None, running: bool = True) -> Plan:
+    shape, manual = check(call, axis, load_balanced, strategy, mesh)
+    spec, cp = call.spec, shape[axis]
+    ring_reason = ring.cudnn_reason(spec, call.score_mod, call.inputs.python_mods)
+    strategy = choose_strategy(spec, cp, strategy, ring_on_xla=ring_reason is not None and implementation != registry.reference().name)
+    # The batch splits over the other mesh axes when they divide it. Inside a shard_map the prepared
+    # spec already holds the local batch and sequence blocks: the global lengths are cp times those.
+    others = () if manual else tuple(a for a in shape if a != axis)
+    if others and spec.batch % math.prod(shape[a] for a in others):
+        others = ()
+    if manual:
+        local = dataclasses.replace(spec, q_len=spec.q_len * cp, kv_len=spec.kv_len * cp)
+    else:
+        local = dataclasses.replace(spec, batch=spec.batch // math.prod(shape[a] for a in others))
+    if strategy == "ring":
+        blocks = ring.RingPlan(local, axis, cp, load_balanced, registry.primary().name, call.score_mod, ())
+        graphs = [(blocks.block_spec(causal), blocks.block_ir) for causal in sorted({False, spec.is_causal})]
+        reason = ring_reason
+    else:
+        split = Split(head_axes=(axis,), heads=cp, kv_heads=cp)
+        graphs = [(local_spec(local, split), local_ir(call.score_mod, local, split))]
+        reason = call.inputs.python_mods.reason if call.inputs.python_mods is not None else None
+    reason = _cudnn_reason(graphs, implementation, reason, running)
+    backend = (registry.primary() if reason is None else registry.reference()).name
+    where = f"context parallel ({strategy} over {axis!r}, cp={cp})"
+    reason = f"{where}: blocks run on cuDNN" if reason is None else f"{where}: blocks run on the XLA backend: {reason}"
+    return Plan(axis, cp, strategy, manual, others, local, backend, reason)
+
+
+def support(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh: Any,
+            implementation: str | None) -> Support:
+    """`check_support`'s answer for a context-parallel call: which backend its blocks run, and why."""
+    how = plan(call, axis, load_balanced, strategy, mesh, implementation, running=False)
+    return Support(how.backend == registry.primary().name, how.backend, how.reason)
+
+
+# ----------------------------------------------------------------------------- the strategies
+
+def natural_order(segment_ids: Any, axis: Any, mesh: Any) -> Any:
+    """Load-balanced segment ids in their natural order (`attention` prepares the call from these):
+    a segment is a contiguous run of the natural sequence, and `max_segments_per_seq` counts those."""
+    if isinstance(segment_ids, (tuple, list)):
+        return type(segment_ids)(natural_order(ids, axis, mesh) for ids in segment_ids)
+    shape, _ = _mesh_shape(axis, mesh)
+    return unload_balance(segment_ids, shape[axis])
+
+
+def _token_facts(ids: Any, cp: int, load_balanced: bool, max_segments: int) -> Any:
+    """(position in its segment, valid, segment number) per token of the WHOLE sequence (natural
+    order: they need every earlier token), then in the order of q, k, v. Segments past
+    `max_segments` are padding, as on one device."""
+    run = segment_run_ids(ids)
+    facts = (segment_positions(ids), (run > 0) & (run <= max_segments), run)
+    return tuple(load_balance(x, cp) for x in facts) if load_balanced else facts
+
+
+def _ring(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, tok):
+    plan = ring.RingPlan(local, axis, cp, load_balanced, backend, call.score_mod,
+                         tuple(sorted((call.inputs.mod_scalars or {}).items())), call.inputs.python_mods)
+    return ring.ring_attention(plan, q, k, v, {"arrays": arrays, "q_tok": tok, "kv_tok": tok})
+
+
+def _all_to_all(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, ids):
+    """Heads <-> sequence: each device gets the whole sequence of N/cp heads, runs one call, and
+    sends the output (and logsumexp) back to the sequence split."""
+    me = jax.lax.axis_index(axis)
+    to_heads = lambda x: jax.lax.all_to_all(x, axis, 2, 1, tiled=True)  # noqa: E731
+    q, k, v = (to_heads(x) for x in (q, k, v))
+    if load_balanced:  # the gathered sequence is in device order of the balanced chunks
+        q, k, v = (unload_balance(x, cp) for x in (q, k, v))
+    split = Split(head_axes=(axis,), heads=cp, kv_heads=cp)
+    spec, ir = local_spec(local, split), local_ir(call.score_mod, local, split)
+    # Score_mod arrays with a head axis (ALiBi slopes): this device's heads.
+    arrays = {n: x if x.shape[1] == 1 else jax.lax.dynamic_slice_in_dim(x, me * spec.num_heads, spec.num_heads, 1)
+              for n, x in arrays.items()}
+    inputs = dataclasses.replace(call.inputs, mod_arrays=arrays)
+    if ids is not None:
+        ids = jax.lax.all_gather(ids, axis, axis=1, tiled=True)  # natural order (`natural_order`)
+        inputs = dataclasses.replace(inputs, q_segment_ids=ids, kv_segment_ids=ids)
+    out, lse = registry.get(backend).attention(spec, q, k, v, inputs, ir, training=True)
+    if load_balanced:
+        out, lse = load_balance(out, cp), load_balance(lse, cp, seq_axis=2)
+    return jax.lax.all_to_all(out, axis, 1, 2, tiled=True), jax.lax.all_to_all(lse, axis, 2, 1, tiled=True)
+
+
+# ----------------------------------------------------------------------------- entry
+
+def attention(call: PreparedCall, q: Any, k: Any, v: Any, *, axis: str, load_balanced: bool, strategy: str,
+              mesh: Any, implementation: str | None) -> tuple[Any, Any]:
+    """(output (B, T, N, Hv), logsumexp (B, N, T)) of a context-parallel call, q, k, v 4-D."""
+    blocks_on = (registry.primary().name, registry.reference().name)
+    if implementation not in (None, *blocks_on):
+        raise ValueError(f"implementation={implementation!r} cannot run context-parallel attention "
+                         f"(context_parallel_axis={axis!r}): use None, {blocks_on[0]!r} or {blocks_on[1]!r}")
+    how = plan(call, axis, load_balanced, strategy, mesh, implementation)
+    if how.backend != implementation and implementation is not None:
+        raise ValueError(f"implementation={implementation!r} cannot run {call.spec.summary()}: {how.reason}")
+    if how.backend != registry.primary().name and implementation is None:
+        log_once(logger, logging.INFO, f"sdpagraph: {call.spec.summary()}: {how.reason}", topic=how.reason)
+    cp, local, backend, strategy = how.cp, how.local, how.backend, how.strategy
+    arrays = dict(call.inputs.mod_arrays or {})
+    ids = call.inputs.q_segment_ids
+
+    def body(q, k, v, arrays, ids):
+        if strategy == "all_to_all":
+            return _all_to_all(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, ids)
+        tok = None if ids is None else tuple(jnp.asarray(x) for x in ids)
+        return _ring(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, tok)
+
+    if strategy == "ring" and ids is not None:  # per-token facts over the whole sequence
+        ids = _token_facts(jnp.asarray(ids), cp, load_balanced, call.spec.max_segments)
+    if how.manual:
+        return body(q, k, v, arrays, ids)
+    batch = how.batch_axes or None
+    qkv = P(batch, axis)
+    array_spec = {n: P(batch if x.shape[0] > 1 else None) for n, x in arrays.items()}
+    ids_spec = None if ids is None else (P(batch, axis) if strategy == "all_to_all" else (P(batch, axis),) * 3)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(qkv, qkv, qkv, array_spec, ids_spec),
+                       out_specs=(qkv, P(batch, None, axis)))
+    return fn(q, k, v, arrays, ids)

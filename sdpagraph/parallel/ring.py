@@ -1,0 +1,326 @@
+"""Ring attention: the body of a context-parallel call, run inside `jax.shard_map` on one device's
+blocks of q, k, v (sequence-split over the mesh axis `RingPlan.axis`).
+
+Forward: the key/value blocks (and their per-token facts, with packed segments) pass around the ring
+with `jax.lax.ppermute`, each transfer issued before the attention of the block already here, so
+XLA overlaps it with that compute. Every step attends the local queries to the visiting keys; the
+partial outputs merge by their logsumexp (`_merge`). Backward (`jax.custom_vjp`): a second ring
+passes key/value blocks with their dk/dv accumulators; each block's gradients are computed from the
+FINAL output and logsumexp, which makes them exact (the softmax of a block row is
+exp(score - final logsumexp)), and one last transfer brings each dk/dv home.
+
+A device holds one chunk of the sequence, or two when load-balanced (`load_balance.device_chunks`).
+Work is done per (query chunk, key chunk) pair, whose global offsets decide (traced, per device) if
+it is skipped (every pair masked: a block in the future, or outside the window), runs unmasked, or
+runs masked (`_pair_status`), through `lax.switch`, so each pair runs one of at most three graphs
+whatever the step and device.
+
+Block backends: cuDNN (`registry.primary()`) runs its forward and backward graphs (`block_*`): the
+unmasked graph, and for the diagonal pair the causal one (equal offsets: local causal is global
+causal); a score_mod runs in both, and one that reads positions gets the pair's global offsets as
+int32 operands (`RingPlan.block_ir`), so the graphs stay the same at every step. XLA (`registry.reference()`) runs
+with each token's global position (`masking.TokenLayout`), so masks, windows, chunks, packed segments and
+score_mods that read positions see global positions; its backward is jax's vjp of the block with
+the final output and logsumexp folded in (`_xla_pair_backward`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from sdpagraph.scoremod.ir import ScoreModIR, with_position_offsets
+from sdpagraph.scoremod.masks import KEY_AXIS, QUERY_AXIS
+from sdpagraph.backends import registry
+from sdpagraph.call import RuntimeInputs
+from sdpagraph.scoremod.forms import PythonMods
+from sdpagraph.parallel.load_balance import device_chunks
+from sdpagraph.backends.masking import TokenLayout
+from sdpagraph.spec import UNBOUNDED, AttentionSpec
+
+SKIP, FULL, MASKED = 0, 1, 2
+OFFSETS = {QUERY_AXIS: "__cp_q_offset", KEY_AXIS: "__cp_kv_offset"}  # gen_index axis -> operand name
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """Everything static about one ring (hashable: custom_vjp's non-differentiable argument).
+
+    `spec` is the call's spec with the batch of one device (the sequence lengths stay global)."""
+
+    spec: AttentionSpec
+    axis: str
+    size: int  # devices along `axis`
+    load_balanced: bool
+    backend: str  # the primary backend's name (cuDNN: its block graphs) or the reference's (XLA)
+    score_mod: ScoreModIR | None
+    scalars: tuple[tuple[str, Any], ...]
+    python_mods: PythonMods | None = None
+
+    @property
+    def chunks(self) -> int:
+        return 2 if self.load_balanced else 1
+
+    @property
+    def q_chunk(self) -> int:
+        return self.spec.q_len // (self.size * self.chunks)
+
+    @property
+    def kv_chunk(self) -> int:
+        return self.spec.kv_len // (self.size * self.chunks)
+
+    @property
+    def shift(self) -> int:
+        """The aligned diagonal: query q sees key q + shift."""
+        return self.spec.kv_len - self.spec.q_len if self.spec.causal_alignment == "bottom_right" else 0
+
+    def offsets(self, device: Any, length: int) -> list[Any]:
+        """Global start of each chunk `device` (traced) holds, for chunks of `length` tokens."""
+        table = jnp.asarray(device_chunks(self.size, self.load_balanced), jnp.int32)
+        return [table[device, c] * length for c in range(self.chunks)]
+
+    @property
+    def reads_positions(self) -> bool:
+        return self.score_mod is not None and self.score_mod.reads_positions
+
+    @functools.cached_property
+    def block_ir(self) -> ScoreModIR | None:
+        """The score_mod of the cuDNN block graphs: positions shifted by the pair's global offsets,
+        int32 operands (`OFFSETS`), so one graph serves every pair."""
+        return with_position_offsets(self.score_mod, OFFSETS) if self.reads_positions else self.score_mod
+
+    def block_spec(self, causal: bool) -> AttentionSpec:
+        """The spec of one (query chunk, key chunk) pair on the cuDNN path."""
+        return dataclasses.replace(self.spec, q_len=self.q_chunk, kv_len=self.kv_chunk, is_causal=causal,
+                                   causal_alignment="top_left")
+
+
+def cudnn_reason(spec: AttentionSpec, score_mod: ScoreModIR | None, python_mods: PythonMods | None) -> str | None:
+    """Why a ring of this call cannot run cuDNN blocks (None: it can)."""
+    if python_mods is not None:
+        return python_mods.reason
+    if score_mod is not None and score_mod.reads_positions and any(n.op == "binary_select" for n in score_mod.nodes):
+        return ("its mods select by position (a mask_mod, or jnp.where in a score_mod): a block can leave a row "
+                "with nothing to attend, which the XLA blocks handle")
+    if spec.segments:
+        return "packed segments span blocks (the XLA blocks take each token's global segment and position)"
+    if spec.has_window or spec.chunk_size is not None:
+        return "windows and chunks mask blocks at varying offsets (the XLA blocks mask by global positions)"
+    if spec.is_causal and spec.q_len != spec.kv_len:
+        return f"causal with T={spec.q_len} != S={spec.kv_len} has no diagonal block"
+    return None
+
+
+# ----------------------------------------------------------------------------- one pair of chunks
+
+def _pair_status(plan: RingPlan, q_start: Any, kv_start: Any) -> Any:
+    """SKIP when no query of the pair may see any of its keys, FULL when each sees every key, else
+    MASKED; from the position masks (causal, window) and the chunks' global starts."""
+    spec = plan.spec
+    q_lo, q_hi = q_start + plan.shift, q_start + plan.shift + plan.q_chunk - 1  # aligned diagonals
+    k_lo, k_hi = kv_start, kv_start + plan.kv_chunk - 1
+    left, right = spec.window
+    none, every = jnp.bool_(False), jnp.bool_(not spec.segments and spec.chunk_size is None)
+    if spec.is_causal:
+        none, every = none | (k_lo > q_hi), every & (k_hi <= q_lo)
+    if left != UNBOUNDED:
+        none, every = none | (k_hi < q_lo - left), every & (k_lo >= q_hi - left)
+    if right != UNBOUNDED:
+        none, every = none | (k_lo > q_hi + right), every & (k_hi <= q_lo + right)
+    return jnp.where(none, SKIP, jnp.where(every, FULL, MASKED)).astype(jnp.int32)
+
+
+def _layout(plan: RingPlan, q_start: Any, kv_start: Any, q_tok: Any, kv_tok: Any) -> TokenLayout:
+    """Global positions (and segments) of the pair's tokens. `*_tok`: (position, valid, segment) per
+    token with packed segments, computed over the whole sequence; None: positions from the start."""
+    b = plan.spec.batch
+
+    def side(start, length, tok):
+        if tok is not None:
+            return tok
+        pos = jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32), (b, length))
+        return pos, jnp.ones((b, length), bool), None
+
+    (qp, qv, qg), (kp, kv, kg) = side(q_start, plan.q_chunk, q_tok), side(kv_start, plan.kv_chunk, kv_tok)
+    return TokenLayout(qp, kp, qv, kv, qg, kg, plan.shift)
+
+
+def _xla_pair(plan: RingPlan, arrays: Mapping[str, Any], q, k, v, layout: TokenLayout) -> tuple[Any, Any]:
+    spec = dataclasses.replace(plan.spec, q_len=plan.q_chunk, kv_len=plan.kv_chunk, segments=None, max_segments=0)
+    inputs = RuntimeInputs(mod_scalars=dict(plan.scalars), mod_arrays=arrays, python_mods=plan.python_mods)
+    return registry.reference().block_attention(spec, q, k, v, inputs, plan.score_mod, layout)
+
+
+def _cudnn_static(plan: RingPlan, causal: bool) -> Any:
+    return registry.primary().block_static(plan.block_spec(causal), plan.block_ir, dict(plan.scalars))
+
+
+def _cudnn_operands(plan: RingPlan, arrays: Mapping[str, Any], q_start: Any, kv_start: Any) -> dict[str, Any]:
+    """The block graph's array operands: the score_mod's, and the pair's global offsets when it reads positions."""
+    if plan.reads_positions:
+        offset = lambda start: jnp.reshape(start, (1, 1, 1, 1)).astype(jnp.int32)  # noqa: E731
+        arrays = {**arrays, OFFSETS[QUERY_AXIS]: offset(q_start), OFFSETS[KEY_AXIS]: offset(kv_start)}
+    return registry.primary().block_operands(RuntimeInputs(mod_arrays=arrays))
+
+
+def _pair_forward(plan: RingPlan, arrays, acc, q, k, v, q_start, kv_start, q_tok, kv_tok) -> tuple[Any, Any]:
+    """`acc` (output fp32, logsumexp (B, N, T)) of the local query chunk, merged with one key chunk's;
+    a skipped pair leaves it as it is (no merge pass)."""
+    status = _pair_status(plan, q_start, kv_start)
+    skip = lambda acc, q, k, v: acc  # noqa: E731
+    if plan.backend == registry.reference().name:
+        layout = _layout(plan, q_start, kv_start, q_tok, kv_tok)
+        run = lambda acc, q, k, v: _merge(acc, _xla_pair(plan, arrays, q, k, v, layout))  # noqa: E731
+        return jax.lax.switch(status, (skip, run, run), acc, q, k, v)
+    aux = _cudnn_operands(plan, arrays, q_start, kv_start)
+
+    def graph(causal):
+        static = _cudnn_static(plan, causal)
+        return lambda acc, q, k, v: _merge(acc, registry.primary().block_forward(static, q, k, v, aux))
+
+    # MASKED on cuDNN is only ever the diagonal pair of a causal call (`cudnn_reason`): the causal graph.
+    return jax.lax.switch(status, (skip, graph(False), graph(plan.spec.is_causal)), acc, q, k, v)
+
+
+def _xla_pair_backward(plan, arrays, q, k, v, layout, o, lse, d_o, d_rows) -> tuple[Any, Any, Any]:
+    """Exact block gradients on XLA: with w = exp(lse_block - lse) the block's share of each row,
+    the output is sum_blocks w * out_block, so the block receives d_out = w * dO and
+    d_lse_block = w * (<dO, out_block> - <dO, o>) (`d_rows` = <dO, o>)."""
+    (out_b, lse_b), pullback = jax.vjp(lambda q, k, v: _xla_pair(plan, arrays, q, k, v, layout), q, k, v)
+    w = jnp.where(jnp.isneginf(lse_b), 0.0, jnp.exp(lse_b - jnp.where(jnp.isneginf(lse), 0.0, lse)))  # (B, N, T)
+    w_rows = jnp.swapaxes(w, 1, 2)[..., None]
+    d_out = (d_o.astype(jnp.float32) * w_rows).astype(out_b.dtype)
+    mine = jnp.swapaxes(jnp.sum(d_o.astype(jnp.float32) * out_b.astype(jnp.float32), axis=-1), 1, 2)
+    return pullback((d_out, w * (mine - d_rows)))
+
+
+def _pair_backward(plan, arrays, grads, q, k, v, q_start, kv_start, q_tok, kv_tok, o, lse, d_o, d_rows):
+    """`grads` (dq, dk, dv, fp32) plus one pair's; a skipped pair leaves them as they are."""
+    status = _pair_status(plan, q_start, kv_start)
+    skip = lambda grads, q, k, v: grads  # noqa: E731
+    add = lambda grads, new: tuple(g + x.astype(jnp.float32) for g, x in zip(grads, new))  # noqa: E731
+    if plan.backend == registry.reference().name:
+        layout = _layout(plan, q_start, kv_start, q_tok, kv_tok)
+        run = lambda grads, q, k, v: add(grads, _xla_pair_backward(  # noqa: E731
+            plan, arrays, q, k, v, layout, o, lse, d_o, d_rows))
+        return jax.lax.switch(status, (skip, run, run), grads, q, k, v)
+    aux = _cudnn_operands(plan, arrays, q_start, kv_start)
+    o_io = o.astype(q.dtype)
+
+    def graph(causal):
+        static = _cudnn_static(plan, causal)
+        return lambda grads, q, k, v: add(grads, registry.primary().block_backward(static, q, k, v, aux, o_io, lse, d_o))
+
+    return jax.lax.switch(status, (skip, graph(False), graph(plan.spec.is_causal)), grads, q, k, v)
+
+
+# ----------------------------------------------------------------------------- the ring
+
+def _merge(acc: tuple[Any, Any], new: tuple[Any, Any]) -> tuple[Any, Any]:
+    """Two partial softmax results (normalized output fp32 (B, T, N, Hv), logsumexp (B, N, T)) of
+    the same queries over disjoint keys, merged; rows with nothing to attend stay 0 / -inf."""
+    (o_a, lse_a), (o_b, lse_b) = acc, new
+    top = jnp.maximum(lse_a, lse_b)
+    top = jnp.where(jnp.isneginf(top), 0.0, top)
+    w_a, w_b = jnp.exp(lse_a - top), jnp.exp(lse_b - top)
+    total = w_a + w_b
+    lse = jnp.where(total > 0, top + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    rows = lambda w: jnp.swapaxes(w / jnp.where(total > 0, total, 1.0), 1, 2)[..., None]  # noqa: E731
+    return o_a * rows(w_a) + o_b.astype(jnp.float32) * rows(w_b), lse
+
+
+def _split(x: Any, parts: int, axis: int = 1) -> list[Any]:
+    return [None] * parts if x is None else jnp.split(x, parts, axis=axis)
+
+
+def _tok_chunks(tok: Any, parts: int) -> list[Any]:
+    """Per-chunk (position, valid, segment) of a side's tokens, or None each."""
+    if tok is None:
+        return [None] * parts
+    return list(zip(*(jnp.split(x, parts, axis=1) for x in tok)))
+
+
+def _pass(plan: RingPlan, tree: Any) -> Any:
+    """Send to the next device along the ring."""
+    return jax.lax.ppermute(tree, plan.axis, [(i, (i + 1) % plan.size) for i in range(plan.size)])
+
+
+def _ring_forward(plan: RingPlan, q, k, v, extras) -> tuple[Any, Any]:
+    me = jax.lax.axis_index(plan.axis)
+    c = plan.chunks
+    q_starts = plan.offsets(me, plan.q_chunk)
+    qs, q_toks = _split(q, c), _tok_chunks(extras["q_tok"], c)
+    b, _, n, _ = q.shape
+    # Nothing attended yet: output 0, logsumexp -inf; made from q (`*_like`) so that inside a user's
+    # shard_map they vary over its axes as the computed results do.
+    rows = [jnp.zeros_like(x[..., :1], jnp.float32) for x in qs]
+    acc = [(jnp.broadcast_to(r, (b, plan.q_chunk, n, v.shape[-1])),
+            jnp.swapaxes(jnp.full_like(r[..., 0], -jnp.inf), 1, 2)) for r in rows]
+    visiting = (k, v, extras["kv_tok"])
+    for step in range(plan.size):
+        arriving = _pass(plan, visiting) if step < plan.size - 1 else None  # in flight during this step
+        kv_starts = plan.offsets((me - step) % plan.size, plan.kv_chunk)
+        ks, vs, kv_toks = _split(visiting[0], c), _split(visiting[1], c), _tok_chunks(visiting[2], c)
+        for a in range(c):
+            for j in range(c):
+                acc[a] = _pair_forward(plan, extras["arrays"], acc[a], qs[a], ks[j], vs[j], q_starts[a], kv_starts[j],
+                                       q_toks[a], kv_toks[j])
+        visiting = arriving
+    out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
+    return out, jnp.concatenate([lse for _, lse in acc], axis=-1)
+
+
+def _ring_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o) -> tuple[Any, Any, Any]:
+    me = jax.lax.axis_index(plan.axis)
+    c = plan.chunks
+    q_starts = plan.offsets(me, plan.q_chunk)
+    d_rows = jnp.swapaxes(jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1), 1, 2)  # (B, N, T)
+    qs, q_toks, os_, dos = _split(q, c), _tok_chunks(extras["q_tok"], c), _split(o, c), _split(d_o, c)
+    lses, d_rowss = _split(lse, c, axis=-1), _split(d_rows, c, axis=-1)
+    dq = [jnp.zeros_like(x, jnp.float32) for x in qs]  # `*_like`: varying as the results (see forward)
+    visiting = (k, v, extras["kv_tok"])
+    d_kv = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
+    for step in range(plan.size):
+        arriving = _pass(plan, visiting) if step < plan.size - 1 else None
+        kv_starts = plan.offsets((me - step) % plan.size, plan.kv_chunk)
+        ks, vs, kv_toks = _split(visiting[0], c), _split(visiting[1], c), _tok_chunks(visiting[2], c)
+        dks, dvs = _split(d_kv[0], c), _split(d_kv[1], c)
+        for j in range(c):
+            for a in range(c):
+                dq[a], dks[j], dvs[j] = _pair_backward(
+                    plan, extras["arrays"], (dq[a], dks[j], dvs[j]), qs[a], ks[j], vs[j], q_starts[a], kv_starts[j],
+                    q_toks[a], kv_toks[j], os_[a], lses[a], dos[a], d_rowss[a])
+        d_kv = (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
+        # dk/dv travel with their key/value block; after the last step one more pass brings them home.
+        if plan.size > 1:
+            d_kv = _pass(plan, d_kv)
+        visiting = arriving
+    return (jnp.concatenate(dq, axis=1).astype(q.dtype), d_kv[0].astype(k.dtype), d_kv[1].astype(v.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def ring_attention(plan: RingPlan, q, k, v, extras) -> tuple[Any, Any]:
+    """(output (B, T_local, N, Hv), logsumexp (B, N, T_local)) of the local queries over every key.
+
+    `extras`: {"arrays": score_mod arrays (B|1, N|1, 1, 1), "q_tok" / "kv_tok": (position, valid,
+    segment) per local token with packed segments, else None}; constants for differentiation. The
+    logsumexp is returned without a gradient, as on the cuDNN path."""
+    return _ring_forward(plan, q, k, v, extras)
+
+
+def _ring_fwd(plan: RingPlan, q, k, v, extras):
+    out, lse = _ring_forward(plan, q, k, v, extras)
+    return (out, lse), (q, k, v, extras, out, lse)
+
+
+def _ring_bwd(plan: RingPlan, residuals, cotangents):
+    q, k, v, extras, out, lse = residuals
+    dq, dk, dv = _ring_backward(plan, q, k, v, extras, out, lse, cotangents[0])
+    return dq, dk, dv, jax.tree.map(lambda _: None, extras)
+
+
+ring_attention.defvjp(_ring_fwd, _ring_bwd)
