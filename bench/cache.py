@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from sdpagraph.cache import CacheKey, GraphCache, key_digest  # noqa: E402
-from sdpagraph.cache.admin import verify_entries  # noqa: E402
+from sdpagraph.deploy.cache_admin import verify_entries  # noqa: E402
 from sdpagraph.cache.disk import DiskStore  # noqa: E402
 
 CHECKSUM_BYTES = 32

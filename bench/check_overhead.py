@@ -1,4 +1,4 @@
-"""What the numerical check adds to a cold build, as a user meets it (issue 15: <= 20%).
+"""What the numerical check adds to a cold build, as a user meets it (target: <= 20%).
 
     python bench/check_overhead.py [--repeat N] [--out DIR]      on a GPU
 

@@ -1,4 +1,4 @@
-"""What the numerical check (issue 15) costs next to the cold build it follows (target: <= 20%).
+"""What the numerical check costs next to the cold build it follows (target: <= 20%).
 
     python bench/numerics.py [--out DIR] [--repeat N]      on a GPU
     python bench/numerics.py --quick                       on a CPU, with a stand-in for the graphs
@@ -29,7 +29,7 @@ import os
 from child import run_child  # bench/ is on sys.path when a script here runs
 
 CONFIGS = {"small": (2, 256, 8, 64), "medium": (4, 1024, 16, 128), "large": (4, 4096, 16, 128)}  # B, T, N(=K), H
-TARGET = 0.2  # issue 15: the check must stay under 20% of the build it follows
+TARGET = 0.2  # the check must stay under 20% of the build it follows
 QUICK_CONFIGS = {"small": (2, 256, 8, 64), "large": (2, 1024, 8, 64)}  # on a CPU: the stand-in runs whole shapes
 
 CHILD = r"""

@@ -1,5 +1,5 @@
 """Probe: can a Pallas (Triton) kernel run the small-sequence forward closer to HBM bandwidth than
-the XLA formulation (issue 14: >= 85% of the datasheet's 3.35 TB/s at B30720 T1 S2-16 N16 H128)?
+the XLA formulation (target: >= 85% of the datasheet's 3.35 TB/s at B30720 T1 S2-16 N16 H128)?
 
     python bench/probe_small_seq_pallas.py [--quick] [--backend-only]
                                     on a GPU (--quick: a CPU, interpret mode; --backend-only: no sweep

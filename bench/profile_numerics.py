@@ -1,4 +1,4 @@
-"""Where the numerical check's time goes (issue 15): cProfile of `check_numerics` after a cold build.
+"""Where the numerical check's time goes: cProfile of `check_numerics` after a cold build.
 
     python bench/profile_numerics.py [B T N H] [--out DIR]      on a GPU
 

@@ -20,8 +20,7 @@ from sdpagraph.parallel import context_parallel
 from sdpagraph.backends import registry
 from sdpagraph.backends.base import Backend
 from sdpagraph.dispatch import rule as dispatch
-from sdpagraph.call import PreparedCall, as_4d, prepare_call
-from sdpagraph.listeners import notify_trace_listeners
+from sdpagraph.call import PreparedCall, as_4d, notify_trace_listeners, prepare_call
 from sdpagraph.logs import log_once, logger
 from sdpagraph.numerics import gate as numerics_gate
 

@@ -2,6 +2,10 @@
 
 `prepare_call` is the one argument path of the runtime (`api`) and of the
 spec-file reader (`deploy.specfile`), so the two can never disagree about what a call means.
+
+Layers above the runtime (deployment's spec recording) hear of every call traced for a graph through
+`add_trace_listener`, so the runtime never imports them; under SPMD each call's per-device spec is
+reported too (`backends.cudnn.sharding`, when XLA partitions the call).
 """
 from __future__ import annotations
 
@@ -258,3 +262,26 @@ def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_caus
         mod_scalars=scalars, mod_arrays=arrays, python_mods=python_mods,
     )
     return PreparedCall(call.spec, ir, inputs, call.unbatched)
+
+
+# ----------------------------------------------------------------------------- trace listeners
+
+TraceListener = Callable[[AttentionSpec, "ScoreModIR | None", bool], None]
+_trace_listeners: list[TraceListener] = []
+_listeners_lock = threading.Lock()
+
+
+def add_trace_listener(listener: TraceListener) -> None:
+    """Call `listener(spec, score_mod_ir, training)` for every attention call traced for a graph
+    (not for `implementation="xla"`). Listeners must return fast when they have nothing to do."""
+    with _listeners_lock:
+        if listener not in _trace_listeners:
+            _trace_listeners.append(listener)
+
+
+def notify_trace_listeners(spec: AttentionSpec, ir: ScoreModIR | None, training: bool) -> None:
+    """Report one spec to every listener."""
+    with _listeners_lock:
+        listeners = list(_trace_listeners)
+    for listener in listeners:
+        listener(spec, ir, training)

@@ -26,7 +26,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from sdpagraph.cache.defaults import default_cache, verify_mode
+from sdpagraph.cache.defaults import default_cache
+from sdpagraph.config import VERIFY
 from sdpagraph.cache.graph_cache import CacheMissError, GraphCache
 from sdpagraph.cache.keys import CacheKey
 from sdpagraph.memo import BoundedMemo
@@ -116,7 +117,7 @@ def check_graphs(spec: AttentionSpec, ir: ScoreModIR | None, training: bool,
     never checked).
     """
     cache = _current_cache() if cache is None else cache
-    verifying = verify is not None and verify_mode() != "off"
+    verifying = verify is not None and VERIFY.get() != "off"
     with _answers_lock:  # weakly keyed: a dropped cache takes its answers with it
         answers = _answers.setdefault(cache, BoundedMemo(ANSWERS_PER_CACHE))
     question = (spec, None if ir is None else ir.digest, training, verifying)

@@ -3,7 +3,7 @@
 Every layer shares this module. `normalize_arguments` is the ONE place where the
 public arguments of `attention` / `check_support` are validated and turned into an
 `AttentionSpec`, so that the support query and the runtime can never disagree on
-what a call means (the bug Transformer Engine's review found, seed 003).
+what a call means.
 
 An `AttentionSpec` holds static facts only (shapes, dtypes, flags, sizes). Runtime
 values (sequence lengths, segment ids, score_mod scalar values) never enter it, so

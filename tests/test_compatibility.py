@@ -1,4 +1,4 @@
-"""Spec files and cache entries written before the deploy/ and cli/ layout (commit f57fb7e) stay
+"""Spec files and cache entries written by earlier layouts of the package stay
 valid: the spec file loads to the same specs, and the runtime's keys find the old entries."""
 import json
 import shutil

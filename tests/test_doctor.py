@@ -9,6 +9,7 @@ import sdpagraph
 from sdpagraph import ffi
 from sdpagraph.cli import doctor, main
 from sdpagraph.ffi import loader
+from sdpagraph.config import EXECUTOR_LIBRARY
 
 LABELS = ["sdpagraph", "python", "jax", "jaxlib", "jax CUDA plugin", "GPU", "CUDA", "cuDNN", "cuDNN frontend",
           "executor", "cache", "verdict"]
@@ -19,7 +20,7 @@ def no_executor(tmp_path, monkeypatch):
     """A process whose loader has not run yet and finds no library (loads are once per process)."""
     missing = tmp_path / "absent.so"
     monkeypatch.setattr(loader, "_state", loader._LoadState())
-    monkeypatch.setenv(loader.LIBRARY_ENV, str(missing))
+    monkeypatch.setenv(EXECUTOR_LIBRARY.name, str(missing))
     return missing
 
 

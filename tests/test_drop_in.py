@@ -1,4 +1,4 @@
-"""Drop-in with jax.nn.dot_product_attention, and nothing silently dropped (issue 16, part 2).
+"""Drop-in with jax.nn.dot_product_attention, and nothing silently dropped.
 
 - every bias / mask shape jax accepts (lower ranks left-padded to 4-D), with jax's meaning, on the
   XLA backend and on the cuDNN path's JAX side (a stand-in for the graph); the shapes jax rejects

@@ -1,22 +1,26 @@
 """The entry file format is written in Python (cache/entry.py, cache/keys.py) and read in C++
-(ffi/executor.cc, which loads entries on its own): both sides must use the same constants."""
+(ffi/csrc/entry_file.cc, which loads entries on its own): both sides must use the same constants."""
 import re
 from pathlib import Path
 
 from sdpagraph.cache import entry, keys
 from sdpagraph.graphs import builder
 
-EXECUTOR = Path(__file__).resolve().parents[1] / "sdpagraph" / "ffi" / "executor.cc"
+# The executor's C++ sources; the constants below live in entry_file.cc, graph_registry.cc and
+# cudnn_library.cc, but are looked for in all of them so that moving one between files is no failure.
+EXECUTOR_SOURCES = Path(__file__).resolve().parents[1] / "sdpagraph" / "ffi" / "csrc"
 
 
 def cpp_source():
-    return EXECUTOR.read_text()
+    files = sorted(EXECUTOR_SOURCES.glob("*.h")) + sorted(EXECUTOR_SOURCES.glob("*.cc"))
+    assert files, f"no C++ sources in {EXECUTOR_SOURCES}"
+    return "\n".join(path.read_text() for path in files)
 
 
 def cpp_constant(name):
-    match = re.search(rf"constexpr\s+[\w:<>,* ]+\s+{name}\s*=\s*([^;]+);", cpp_source())
-    assert match, f"{name} not found in {EXECUTOR.name}"
-    return match.group(1).strip()
+    matches = re.findall(rf"constexpr\s+[\w:<>,* ]+\s+{name}\s*=\s*([^;]+);", cpp_source())
+    assert len(matches) == 1, f"{name} defined {len(matches)} times in {EXECUTOR_SOURCES}, not once"
+    return matches[0].strip()
 
 
 def test_magic_version_and_header_size_agree():

@@ -3,8 +3,8 @@ entry points and links no CUDA library, the loader reports a missing or broken l
 library's cache entry reader agrees with the Python writer and rejects every kind of bad file.
 
 Tests that need the library skip when the loader finds none: in this checkout's sdpagraph/ffi/, or
-the installed package's when it was built from this executor.cc (`loader.locate`); CI installs the
-package first (.ci/run runs `pip install ".[test]"`, which builds it).
+the installed package's when it was built from this checkout's sdpagraph/ffi/csrc (`loader.locate`);
+CI installs the package first (.ci/run runs `pip install ".[test]"`, which builds it).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import pytest
 from sdpagraph.cache.entry import Entry, encode_entry
 from sdpagraph.cache.keys import key_digest
 from sdpagraph.ffi import loader
+from sdpagraph.config import EXECUTOR_LIBRARY
 
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = loader.library_path()
@@ -54,7 +55,7 @@ def _environment(extra: dict[str, str]) -> dict[str, str]:
 
     # .ci/run exports SDPAGRAPH_REQUIRE_FFI=1 for its install; these builds decide it themselves.
     environment = {name: value for name, value in os.environ.items()
-                   if name not in (loader.LIBRARY_ENV, "SDPAGRAPH_REQUIRE_FFI")}
+                   if name not in (EXECUTOR_LIBRARY.name, "SDPAGRAPH_REQUIRE_FFI")}
     environment.update(extra)
     return environment
 
@@ -116,18 +117,18 @@ def test_loader_reports_a_missing_extension(tmp_path):
     missing = tmp_path / "absent.so"
     output = run_python(
         "from sdpagraph import ffi; print(ffi.load()); print(ffi.unavailable_reason())",
-        **{loader.LIBRARY_ENV: str(missing)})
+        **{EXECUTOR_LIBRARY.name: str(missing)})
     loaded, reason = output.splitlines()
     assert loaded == "None"
     assert reason.startswith("FFI extension not built")
-    assert str(missing) in reason and loader.LIBRARY_ENV in reason
+    assert str(missing) in reason and EXECUTOR_LIBRARY.name in reason
 
 
 def test_loader_reports_a_library_that_does_not_load(tmp_path):
     broken = tmp_path / "broken.so"
     broken.write_bytes(b"not an ELF file")
     output = run_python("from sdpagraph import ffi; print(ffi.unavailable_reason())",
-                        **{loader.LIBRARY_ENV: str(broken)})
+                        **{EXECUTOR_LIBRARY.name: str(broken)})
     assert output.startswith(f"FFI extension at {broken} failed to load")
 
 
@@ -135,7 +136,7 @@ def test_loader_functions_raise_when_the_extension_is_missing(tmp_path):
     output = run_python(
         "from sdpagraph import ffi\n"
         "try:\n    ffi.register_graph('0' * 64, b'x')\nexcept RuntimeError as error:\n    print(error)",
-        **{loader.LIBRARY_ENV: str(tmp_path / "absent.so")})
+        **{EXECUTOR_LIBRARY.name: str(tmp_path / "absent.so")})
     assert output.startswith("FFI extension not built")
 
 

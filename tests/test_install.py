@@ -7,7 +7,6 @@ the way the README says) and skip otherwise; the rest runs everywhere on the CPU
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from sdpagraph.ffi import loader
+from sdpagraph.config import EXECUTOR_LIBRARY
 
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY_IN_WHEEL = f"sdpagraph/ffi/{loader.LIBRARY_FILE}"
@@ -31,7 +31,7 @@ needs_cmake = pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is
 
 
 def _clean_environment(**extra: str) -> dict[str, str]:
-    drop = (loader.LIBRARY_ENV, "SDPAGRAPH_REQUIRE_FFI")
+    drop = (EXECUTOR_LIBRARY.name, "SDPAGRAPH_REQUIRE_FFI")
     environment = {name: value for name, value in os.environ.items() if name not in drop}
     environment.update(extra)
     return environment
@@ -65,8 +65,7 @@ def test_installed_build_status_says_built_from_this_source(installed):
     assert STATUS_IN_WHEEL in {str(path) for path in installed.files or ()}
     status = json.loads(Path(installed.locate_file(STATUS_IN_WHEEL)).read_text())
     assert status["built"] is True and status["reason"] is None
-    source = (REPO / "sdpagraph" / "ffi" / loader.SOURCE_FILE).read_bytes()
-    assert status["source_sha256"] == hashlib.sha256(source).hexdigest()
+    assert status["source_sha256"] == loader.source_digest(REPO / "sdpagraph" / "ffi" / loader.SOURCE_DIR)
 
 
 @expect_executor
@@ -135,7 +134,7 @@ def package(tmp_path, monkeypatch):
     directory = tmp_path / "site-packages" / "sdpagraph" / "ffi"
     directory.mkdir(parents=True)
     monkeypatch.setattr(loader, "__file__", str(directory / "loader.py"))
-    monkeypatch.delenv(loader.LIBRARY_ENV, raising=False)
+    monkeypatch.delenv(EXECUTOR_LIBRARY.name, raising=False)
     return directory
 
 
@@ -179,10 +178,10 @@ def test_a_library_next_to_the_loader_wins(package):
 
 
 def test_the_environment_variable_overrides(package, tmp_path, monkeypatch):
-    monkeypatch.setenv(loader.LIBRARY_ENV, str(tmp_path / "absent.so"))
+    monkeypatch.setenv(EXECUTOR_LIBRARY.name, str(tmp_path / "absent.so"))
     path, reason = loader.locate()
     assert path == tmp_path / "absent.so"
-    assert reason.startswith(f"FFI extension not built: {loader.LIBRARY_ENV} points at {tmp_path / 'absent.so'}")
+    assert reason.startswith(f"FFI extension not built: {EXECUTOR_LIBRARY.name} points at {tmp_path / 'absent.so'}")
 
 
 class FakeDistribution:
@@ -195,13 +194,14 @@ class FakeDistribution:
 
 @pytest.fixture
 def checkout(tmp_path, monkeypatch):
-    """A fake source checkout (executor.cc next to the loader, no library) and a fake installed
+    """A fake source checkout (a csrc folder next to the loader, no library) and a fake installed
     distribution in another directory; returns (checkout ffi dir, installed ffi dir)."""
     source = tmp_path / "repo" / "sdpagraph" / "ffi"
     source.mkdir(parents=True)
-    (source / loader.SOURCE_FILE).write_text("// executor source\n")
+    (source / loader.SOURCE_DIR).mkdir()
+    (source / loader.SOURCE_DIR / "executor.cc").write_text("// executor source\n")
     monkeypatch.setattr(loader, "__file__", str(source / "loader.py"))
-    monkeypatch.delenv(loader.LIBRARY_ENV, raising=False)
+    monkeypatch.delenv(EXECUTOR_LIBRARY.name, raising=False)
     site = tmp_path / "site-packages"
     (site / "sdpagraph" / "ffi").mkdir(parents=True)
     monkeypatch.setattr(importlib.metadata, "distribution", lambda name: FakeDistribution(site))
@@ -211,7 +211,7 @@ def checkout(tmp_path, monkeypatch):
 def test_a_checkout_uses_the_installed_library_built_from_its_source(checkout):
     source, installed = checkout
     (installed / loader.LIBRARY_FILE).write_bytes(b"")
-    digest = hashlib.sha256((source / loader.SOURCE_FILE).read_bytes()).hexdigest()
+    digest = loader.source_digest(source / loader.SOURCE_DIR)
     write_status(installed, built=True, reason=None, source_sha256=digest)
     assert loader.locate() == (installed / loader.LIBRARY_FILE, None)
 
@@ -222,7 +222,7 @@ def test_a_checkout_refuses_an_installed_library_of_other_source(checkout):
     write_status(installed, built=True, reason=None, source_sha256="0" * 64)
     path, reason = loader.locate()
     assert path == source / loader.LIBRARY_FILE
-    assert "built from another version of executor.cc" in reason and "`pip install .`" in reason
+    assert "built from another version of the executor's sources" in reason and "`pip install .`" in reason
 
 
 def test_a_checkout_reports_why_the_installed_package_has_no_library(checkout):

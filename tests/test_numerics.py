@@ -1,4 +1,4 @@
-"""The numerical check of cuDNN graphs (issue 15), on the CPU with a stand-in graph executor.
+"""The numerical check of cuDNN graphs, on the CPU with a stand-in graph executor.
 
 No GPU: the build is faked (`builder.compile_graph` returns a plan-shaped entry), the cuDNN
 availability checks are forced to "available", and the graph core of the cuDNN path

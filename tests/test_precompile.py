@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from sdpagraph.cache import GraphCache
-from sdpagraph.cache.admin import verify_entries
+from sdpagraph.deploy.cache_admin import verify_entries
 from sdpagraph.graph_store import graph_key
 from sdpagraph.graphs import builder
 from sdpagraph.graphs.binning import bin_plan

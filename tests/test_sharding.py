@@ -32,7 +32,6 @@ from sdpagraph.graphs.operands import graph_io, graph_spec, uid_map
 from sdpagraph.graphs.support import Support
 from sdpagraph.backends.cudnn import backend as cudnn_backend
 from sdpagraph.numerics import gate as numerics_gate
-from sdpagraph.backends.cudnn import sharding
 from sdpagraph.config import PARTITION
 from sdpagraph.backends.cudnn.graph_on_xla import run_on_xla
 from tests.devices import has_cpu_devices, rerun_with_cpu_devices

@@ -6,7 +6,7 @@ import threading
 from typing import Mapping
 
 from sdpagraph.cache.graph_cache import GraphCache
-from sdpagraph.config import CACHE_DIR, CACHE_MAX_BYTES, CACHE_MODE, VERIFY
+from sdpagraph.config import CACHE_DIR, CACHE_MAX_BYTES, CACHE_MODE
 
 # The process-wide instance (one of the two module-level caches the design allows).
 _default: GraphCache | None = None
@@ -32,8 +32,3 @@ def set_default_cache(cache: GraphCache | None) -> None:
 def cache_from_env(environ: Mapping[str, str] | None = None) -> GraphCache:
     """A cache configured by `environ` (default: the process's environment)."""
     return GraphCache(CACHE_DIR.get(environ), mode=CACHE_MODE.get(environ), max_bytes=CACHE_MAX_BYTES.get(environ))
-
-
-def verify_mode(environ: Mapping[str, str] | None = None) -> str:
-    """SDPAGRAPH_VERIFY (`config.VERIFY`), for `graph_store`."""
-    return VERIFY.get(environ)

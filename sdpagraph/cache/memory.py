@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from sdpagraph.cache.entry import Entry
-from sdpagraph.memo import BoundedMemo  # noqa: F401 - re-exported: api imports it from here
 
 DEFAULT_MAX_ENTRIES = 512
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024

@@ -5,7 +5,7 @@ import argparse
 import sys
 from typing import Callable
 
-from sdpagraph.cache import admin
+from sdpagraph.deploy import cache_admin as admin
 from sdpagraph.cli.check import add_command_parser
 from sdpagraph.config import CACHE_DIR, parse_size
 

@@ -16,7 +16,7 @@ import re
 import sys
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
-from sdpagraph.formatting import format_table
+from sdpagraph.deploy.formatting import format_table
 
 if TYPE_CHECKING:
     from sdpagraph.deploy.spec_entry import SpecEntry

@@ -23,7 +23,7 @@ import argparse
 import time
 from typing import Any, Callable
 
-from sdpagraph.formatting import format_bytes
+from sdpagraph.deploy.formatting import format_bytes
 from sdpagraph.cli.check import add_command_parser, fail
 from sdpagraph.config import CACHE_DIR, CACHE_MODE
 

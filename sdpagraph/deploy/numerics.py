@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
 from sdpagraph.cache.graph_cache import GraphCache
-from sdpagraph.formatting import format_age, format_table
+from sdpagraph.deploy.formatting import format_age, format_table
 from sdpagraph.graph_store import graph_key
 from sdpagraph.numerics import check as numerics_check
 from sdpagraph.numerics.gate import record_numerics

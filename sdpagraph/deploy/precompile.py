@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TextIO
 
 from sdpagraph.cache import GraphCache
-from sdpagraph.formatting import format_age, format_table
+from sdpagraph.deploy.formatting import format_age, format_table
 from sdpagraph.graph_store import cached_graph, check_graphs, graph_key
 from sdpagraph.config import VERIFY
 from sdpagraph.deploy.numerics import check_entry

@@ -15,7 +15,7 @@ from sdpagraph.config import RECORD
 from sdpagraph.deploy.spec_entry import SpecEntry
 from sdpagraph.deploy.specfile import add_to_spec_file
 from sdpagraph.scoremod.ir import ScoreModIR
-from sdpagraph.listeners import add_trace_listener
+from sdpagraph.call import add_trace_listener
 from sdpagraph.spec import AttentionSpec, directions_for
 
 

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from sdpagraph.formatting import format_table
+from sdpagraph.deploy.formatting import format_table
 from sdpagraph.cache.disk import DiskStore, Miss
 from sdpagraph.cache.graph_cache import DEFAULT_LOCK_TIMEOUT_S
 from sdpagraph.cache.keys import key_digest, key_text, key_versions

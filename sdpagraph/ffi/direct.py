@@ -3,9 +3,9 @@
     with DeviceArena(device) as arena:
         results = arena.run(digest, uids, operands, results, scalar_uids, scalar_words)
 
-The numerical check (`jax_api.numerics_direct`) runs each freshly built graph once on random
+The numerical check (`numerics.direct`) runs each freshly built graph once on random
 inputs. Through XLA that needed a program compiled per config, which took longer than building the
-graph; here the executor runs the graph directly (executor.cc, section 8): device memory the arena
+graph; here the executor runs the graph directly (csrc/direct.cc): device memory the arena
 allocates (zero-filled) and frees, copies in and out, and one synchronous run on a stream of the
 executor's own.
 

@@ -58,15 +58,17 @@ import threading
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
+from sdpagraph.config import EXECUTOR_LIBRARY
+
 EXECUTOR_TARGET = "sdpagraph_execute"
 LIBRARY_FILE = "_sdpagraph_executor.so"
 # Written by the build (CMakeLists.txt) next to the library: {"built": bool, "reason": str | None, ...}.
 BUILD_STATUS_FILE = "_build_status.json"
-# The executor's source: next to this file in a source checkout only (the wheel leaves it out).
-SOURCE_FILE = "executor.cc"
+# The executor's C++ sources (*.h, *.cc): a folder next to this file in a source checkout only (the
+# wheel leaves it out).
+SOURCE_DIR = "csrc"
+SOURCE_SUFFIXES = (".h", ".cc")
 DISTRIBUTION = "sdpagraph"
-# Points at a library somewhere else (a build directory) instead of the one next to this file.
-LIBRARY_ENV = "SDPAGRAPH_EXECUTOR_LIBRARY"
 
 # How to get a library, for each way of not having one.
 _REINSTALL_HINT = (
@@ -77,7 +79,7 @@ _REINSTALL_HINT = (
 )
 _CHECKOUT_HINT = "`pip install .` from the checkout builds and installs it"
 
-# Status codes of the library's C entry points (executor.cc, section 9).
+# Status codes of the library's C entry points (csrc/entry_points.cc).
 _STATUS_MESSAGES = {
     1: "graph key is not a 64-digit lowercase hex digest",
     2: "blob is empty",
@@ -159,7 +161,7 @@ class ExecutorLib:
         if reason is not None:
             raise ValueError(f"cache entry {os.fspath(path)}: {reason}")
 
-    # Direct runs (executor.cc, section 8; `ffi.direct` wraps them): raw device addresses as ints.
+    # Direct runs (csrc/direct.h; `ffi.direct` wraps them): raw device addresses as ints.
 
     def device_alloc(self, device: int, size: int) -> int:
         """Allocates `size` zero-filled bytes on `device` (CUDA ordinal); the address (0 for 0 bytes)."""
@@ -246,30 +248,30 @@ def locate() -> tuple[Path, str | None]:
     there is none and how to get one).
 
     The library is ``$SDPAGRAPH_EXECUTOR_LIBRARY`` when set, else the one next to this file. In a
-    source checkout without one (this directory has executor.cc and no build status: `python -m
+    source checkout without one (this directory has the csrc folder and no build status: `python -m
     sdpagraph` or `pytest` run from the repository root after `pip install .`), it is the library of
-    the installed sdpagraph distribution, provided that was built from this checkout's executor.cc.
+    the installed sdpagraph distribution, provided that was built from this checkout's csrc sources
+    (``source_digest``).
     """
-    override = os.environ.get(LIBRARY_ENV)
+    override = EXECUTOR_LIBRARY.get()
     if override:
         path = Path(override)
         if path.is_file():
             return path, None
-        return path, (f"FFI extension not built: {LIBRARY_ENV} points at {path}, which does not exist; "
+        return path, (f"FFI extension not built: {EXECUTOR_LIBRARY.name} points at {path}, which does not exist; "
                       f"unset it to use the installed executor")
     here = Path(__file__).resolve().parent
     local = here / LIBRARY_FILE
     if local.is_file():
         return local, None
     status = build_status(here)
-    if status is None and (here / SOURCE_FILE).is_file():
+    if status is None and (here / SOURCE_DIR).is_dir():
         return _installed_library(here, local)
     return local, missing_reason(local, status)
 
 
 def _installed_library(checkout: Path, local: Path) -> tuple[Path, str | None]:
     """The installed distribution's library for a source checkout that has none (see ``locate``)."""
-    import hashlib
     import importlib.metadata
 
     try:
@@ -283,11 +285,23 @@ def _installed_library(checkout: Path, local: Path) -> tuple[Path, str | None]:
     status = build_status(installed)
     if not library.is_file():
         return local, missing_reason(library, status)
-    source_digest = hashlib.sha256((checkout / SOURCE_FILE).read_bytes()).hexdigest()
-    if status is None or status.get("source_sha256") != source_digest:
+    if status is None or status.get("source_sha256") != source_digest(checkout / SOURCE_DIR):
         return local, (f"FFI extension not used: this checkout has no {local.name}, and the installed one "
-                       f"({library}) was built from another version of {SOURCE_FILE}; {_CHECKOUT_HINT}")
+                       f"({library}) was built from another version of the executor's sources "
+                       f"({SOURCE_DIR}/); {_CHECKOUT_HINT}")
     return library, None
+
+
+def source_digest(directory: str | os.PathLike) -> str:
+    """The digest the build records as ``source_sha256`` for the executor's sources in ``directory``
+    (CMakeLists.txt computes the same): the sha256 of one ``"<name> <sha256 of the file>\\n"`` line
+    per ``*.h`` and ``*.cc`` file in it, in name order."""
+    import hashlib
+
+    files = sorted((path for path in Path(directory).iterdir()
+                    if path.suffix in SOURCE_SUFFIXES and path.is_file()), key=lambda path: path.name)
+    manifest = "".join(f"{path.name} {hashlib.sha256(path.read_bytes()).hexdigest()}\n" for path in files)
+    return hashlib.sha256(manifest.encode()).hexdigest()
 
 
 def load() -> ExecutorLib | None:

@@ -4,7 +4,7 @@ A graph's mod runs in stages: the user's IR, then the spec's masks (`scoremod.ma
 The forward callback applies them in that order; the bprop callback applies their
 bprops in reverse (mask bprop first, then the user's). Every op gets an explicit
 compute type and result type: cuDNN declines backward graphs whose callback
-intermediates are untyped (measured on cuDNN 9.19, see DESIGN.md).
+intermediates are untyped (measured on cuDNN 9.19 with frontend 1.32).
 
 Leaves are graph tensors created on the outer pygraph before `sdpa` is called (cuDNN
 calls the callbacks later, while it lowers the graph): scalars and literals become

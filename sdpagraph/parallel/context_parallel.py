@@ -32,7 +32,7 @@ from sdpagraph.backends import registry
 from sdpagraph.numerics import gate as numerics_gate
 from sdpagraph.parallel import ring
 from sdpagraph.call import PreparedCall
-from sdpagraph.listeners import notify_trace_listeners
+from sdpagraph.call import notify_trace_listeners
 from sdpagraph.parallel.load_balance import load_balance, unload_balance
 from sdpagraph.segments.metadata import segment_positions, segment_run_ids
 from sdpagraph.backends.cudnn.sharding import Split, local_ir, local_spec

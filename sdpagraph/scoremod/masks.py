@@ -7,7 +7,7 @@ attention at all. Such graphs run the user's mod and then this one: one
 
 It is recorded with the same recorder as user mods, so it goes through the same
 emitter, and `scoremod.ir_eval` can check it against the XLA backend's `allowed_mask`
-on a CPU. The semantics follow `jax_api/xla.py` on the dense layout (on the mod path, key
+on a CPU. The semantics follow `backends/masking.py` on the dense layout (on the mod path, key
 padding travels in the bias operand and packed self-attention segments in `segment_ir`, the
 dense twin's extra stage; see `graphs.operands`):
 

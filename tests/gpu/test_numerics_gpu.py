@@ -1,4 +1,4 @@
-"""The numerical check of cuDNN graphs (issue 15) on the GPU: correct graphs pass and record their
+"""The numerical check of cuDNN graphs on the GPU: correct graphs pass and record their
 errors; a tampered entry (another config's plan under this config's key) is caught, and the
 call runs on XLA. Skipped without a GPU (conftest.py).
 """

@@ -22,7 +22,6 @@ from sdpagraph.backends.base import Backend, Verify
 from sdpagraph.cache.graph_cache import CacheMissError
 from sdpagraph.graph_store import CachedGraph, cached_graph, check_graphs
 from sdpagraph.graphs.binning import BinPlan, bin_plan
-from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.scoremod.masks import SEGMENT_ARRAYS
 from sdpagraph.graphs.compiled import scalar_bits

@@ -52,7 +52,7 @@ from sdpagraph.cache import CacheMissError
 from sdpagraph.config import PARTITION
 from sdpagraph.logs import log_once, logger
 from sdpagraph.scoremod.ir import Node, ScoreModIR
-from sdpagraph.listeners import notify_trace_listeners
+from sdpagraph.call import notify_trace_listeners
 from sdpagraph.spec import AttentionSpec
 
 # Dimension labels: B batch, N query heads, K key/value heads, T query and S key positions, H / HV

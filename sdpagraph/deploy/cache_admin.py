@@ -22,7 +22,7 @@ from sdpagraph.cache.disk import DiskStore, Miss, StoredFile
 from sdpagraph.cache.entry import Entry
 from sdpagraph.cache.graph_cache import DEFAULT_LOCK_TIMEOUT_S
 from sdpagraph.cache.keys import spec_of
-from sdpagraph.formatting import format_age, format_bytes, format_table
+from sdpagraph.deploy.formatting import format_age, format_bytes, format_table
 
 SPEC_COLUMN_WIDTH = 60
 EXIT_ERROR = 2
