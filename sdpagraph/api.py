@@ -12,6 +12,7 @@ import functools
 import logging
 from typing import Any, Callable, Mapping
 
+import jax
 import jax.numpy as jnp
 
 from sdpagraph.cache import CacheMissError
@@ -276,7 +277,8 @@ def attention(
     if call.unbatched:
         out, lse = out[0], lse[0]
     if return_residual:
-        return out, jnp.swapaxes(lse, -1, -2).astype(out.dtype)
+        # As jax: the logsumexp is an output of the forward only, never differentiated through.
+        return out, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(out.dtype))
     return out
 
 
