@@ -120,13 +120,17 @@ def assert_ran_its_own_kernels(backend: str, executed: list | None, directions: 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_matches_the_references(backend, case, size, dtype, cudnn_stand_in):
-    if (backend, case, size, dtype) == ("cudnn", "mask", "large", "bfloat16") and cudnn_stand_in is None:
-        pytest.xfail("on an H100 (cuDNN 9.19) the numerical check rejects cuDNN's training graphs for a boolean "
-                     "mask with an empty row at S=64 (dq error inf; S=16, 48, 128 pass), so "
-                     "implementation='cudnn' raises; without it the call runs on XLA")
     call = draw(case, size, dtype)
     skip_unless_runs(backend, call)
-    got = run_training(backend, call)
+    try:
+        got = run_training(backend, call)
+    except ValueError as error:
+        # On an H100 (cuDNN 9.19) the numerical check has rejected cuDNN's backward graphs at T48 S64
+        # bf16 (a mask with an empty row: dq inf; jnp_alibi on some draws: dk, dv inf), so
+        # implementation='cudnn' raises; without it such a call runs on XLA.
+        if cudnn_stand_in is None and "computed wrong values on this GPU" in str(error):
+            pytest.xfail(f"the numerical check declined cuDNN's graphs: {error}")
+        raise
     assert_ran_its_own_kernels(backend, cudnn_stand_in, {"forward", "backward"})
     compare("vs float64 NumPy:", got, numpy_reference(call), call)
     expected = jax_reference(call)
