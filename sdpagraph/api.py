@@ -4,7 +4,7 @@ Both normalize arguments with `call.prepare_call` (the same code), so the suppor
 query and the runtime can never disagree about what a call means.
 
 Layers above (deployment's spec recording) watch the calls the runtime traces through
-`listeners.add_trace_listener`, so this module never imports them.
+`call.add_trace_listener`, so this module never imports them.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from sdpagraph.dispatch import rule as dispatch
 from sdpagraph.call import PreparedCall, as_4d, notify_trace_listeners, prepare_call
 from sdpagraph.logs import log_once, logger
 from sdpagraph.numerics import gate as numerics_gate
+
 
 def _notify_listeners(call: PreparedCall, training: bool) -> None:
     notify_trace_listeners(call.spec, call.score_mod, training)
@@ -64,13 +65,13 @@ def _decide(call: PreparedCall, implementation: str | None, training: bool, *, r
     call, asking each backend (and building its graphs) only when it would win; a forced backend that
     cannot run the call answers with its reason (`_choose_backend` raises it as a ValueError).
     """
-    primary = registry.names()[0]
+    primary = registry.primary().name
     if implementation is not None:
         answer = _answer(registry.get(implementation), call, training, raise_on_miss=raise_on_miss)
-        if implementation == primary or not answer.supported:
-            return Support(answer.supported and implementation == primary, implementation if answer.supported
-                           else registry.reference().name,
-                           answer.reason or f"implementation={implementation!r} was requested")
+        if not answer.supported:
+            return Support(False, registry.reference().name, answer.reason)
+        if implementation == primary:
+            return answer
         return Support(False, implementation, f"implementation={implementation!r} was requested")
     answers: dict[str, Support] = {}
 
@@ -94,7 +95,7 @@ def _choose_backend(call: PreparedCall, implementation: str | None, training: bo
     decision = _decide(call, implementation, training, raise_on_miss=True)
     if implementation is not None and decision.backend != implementation:
         raise ValueError(f"implementation={implementation!r} cannot run {call.spec.summary()}: {decision.reason}")
-    if decision.backend != registry.names()[0] and implementation is None:
+    if decision.backend != registry.primary().name and implementation is None:
         log_once(logger, logging.INFO,
                  f"sdpagraph: using the {decision.backend} backend for {call.spec.summary()}: {decision.reason}")
     return decision.backend
@@ -308,6 +309,7 @@ def check_support(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
                                         parallel.get("context_parallel_strategy", "ring"), parallel.get("mesh"),
                                         implementation)
     if call.spec.empty_axes:
-        return Support(False, registry.reference().name, f"axis {', '.join(call.spec.empty_axes)} has size 0: nothing to compute; "
-                                     "attention returns jax's empty (or zero) result from the XLA backend")
+        return Support(False, registry.reference().name,
+                       f"axis {', '.join(call.spec.empty_axes)} has size 0: nothing to compute; "
+                       "attention returns jax's empty (or zero) result from the XLA backend")
     return _decide(call, implementation, training, raise_on_miss=False)

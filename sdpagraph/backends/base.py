@@ -12,20 +12,20 @@ Backends are found through `backends.registry`, never by importing one another; 
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 from sdpagraph.call import RuntimeInputs
+from sdpagraph.graph_store import Verify
 from sdpagraph.graphs.support import Support
 from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.spec import AttentionSpec
 
-# The numerical check a backend's compiled kernels must pass before they run user data
-# (`numerics.gate.checked`, passed down by the layer above); backends that compile nothing ignore it.
-Verify = Callable[..., Any]
-
 
 class Backend(abc.ABC):
-    """One way to compute attention. Subclasses set `name` and implement `support` and `attention`."""
+    """One way to compute attention. Subclasses set `name` and implement `support` and `attention`.
+
+    `verify` is the numerical check's gate that compiled kernels pass before they run user data
+    (`numerics.gate.checked`, passed down by the layer above); backends that compile nothing ignore it."""
 
     name: ClassVar[str]
     # Whether the backend runs jax.numpy mods the score_mod IR cannot express (`scoremod.forms.PythonMods`).

@@ -1,6 +1,6 @@
 """Recording the specs a process traces into a spec file (`record`, SDPAGRAPH_RECORD).
 
-`record_call` listens to the runtime (`listeners.add_trace_listener`): it is
+`record_call` listens to the runtime (`call.add_trace_listener`): it is
 called once per traced attention call and returns at once when nothing is recording. Entries are merged into the file under a lock and written
 atomically, so processes recording into one file merge instead of clobbering.
 """

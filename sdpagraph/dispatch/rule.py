@@ -2,13 +2,13 @@
 
 A backend that can run a call is not necessarily a good choice: on an H100, cuDNN builds the graphs
 of B30720 T1 S16 N16 H128 and runs them 3.3x (forward) / 3.6x (forward+backward) slower than plain
-XLA, 11x / 9x at S4 (docs/results/h100-2026-11-24.md). So `attention` asks this module, with the backends that can run the
-call, which one to use.
+XLA, 11x / 9x at S4 (docs/results/h100-2026-11-24.md). So `attention` asks this module, with the
+backends that can run the call, which one to use.
 
 The rule (`choose`):
 
-1. `implementation=<a backend's name>` (`backends.registry`) forces that backend (ValueError with its reason when
-   it cannot run the call). `implementation=None` chooses:
+1. `implementation=<a backend's name>` (`backends.registry`) forces that backend (ValueError with its
+   reason when it cannot run the call). `implementation=None` chooses:
 2. Among the candidates that can run the call, predict each one's time for the call's pass ("fwd"
    for a call that is not differentiated, `training=False`; "fwd_bwd" otherwise) and take the smallest.
 3. A prediction is a measurement when the calibration table holds one of this shape class: the same
@@ -30,8 +30,8 @@ The rule (`choose`):
 The table (`dispatch.table.Table`): measured points for one GPU type. Built in: one per GPU type in
 `dispatch/data/*.json` (dated and sourced). `SDPAGRAPH_DISPATCH_TABLE=path.json` (written by `python
 bench/dispatch.py --write-table path.json` on the GPU) adds or replaces tables by GPU name
-(`jax.Device.device_kind`). A GPU with no table uses the H100 one (and the reason says so); a machine without a GPU uses no
-table (cuDNN does not run there, and the XLA backend, the reference, runs the call).
+(`jax.Device.device_kind`). A GPU with no table uses the H100 one (and the reason says so); a machine
+without a GPU uses no table (cuDNN does not run there, and the XLA backend, the reference, runs the call).
 """
 from __future__ import annotations
 

@@ -246,8 +246,9 @@ def _check_direction(direction: str) -> None:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
 
 
-# The bias value that masks a score out where a bias operand carries masks (a finite value: -inf
-# would make fully masked rows NaN in cuDNN's softmax).
+# Where a boolean mask or folded key padding says no, the bias operand holds this: finite (a row
+# with no allowed key must not turn into NaN inside cuDNN; sdpagraph zeroes such rows itself), and
+# small enough that cuDNN's fp32 exp2 scaling (x log2 e) of it does not overflow.
 MASKED_BIAS = {"bfloat16": -1e30, "float16": float(np.finfo(np.float16).min)}
 
 

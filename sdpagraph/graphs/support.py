@@ -19,7 +19,8 @@ from sdpagraph.spec import AttentionSpec, directions_for
 
 @dataclass(frozen=True)
 class Support:
-    """`supported`: cuDNN runs this config. `backend`: what `attention` will use. `reason`: why."""
+    """`supported`: cuDNN runs this config. `backend`: what `attention` will use (empty in an answer
+    about cuDNN's graphs alone, `graph_answer`). `reason`: why."""
 
     supported: bool
     backend: str

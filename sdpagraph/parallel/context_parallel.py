@@ -31,8 +31,7 @@ from sdpagraph.graphs.support import Support
 from sdpagraph.backends import registry
 from sdpagraph.numerics import gate as numerics_gate
 from sdpagraph.parallel import ring
-from sdpagraph.call import PreparedCall
-from sdpagraph.call import notify_trace_listeners
+from sdpagraph.call import PreparedCall, notify_trace_listeners
 from sdpagraph.parallel.load_balance import load_balance, unload_balance
 from sdpagraph.segments.metadata import segment_positions, segment_run_ids
 from sdpagraph.backends.cudnn.sharding import Split, local_ir, local_spec
@@ -159,7 +158,8 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
     shape, manual = check(call, axis, load_balanced, strategy, mesh)
     spec, cp = call.spec, shape[axis]
     ring_reason = ring.cudnn_reason(spec, call.score_mod, call.inputs.python_mods)
-    strategy = choose_strategy(spec, cp, strategy, ring_on_xla=ring_reason is not None and implementation != registry.reference().name)
+    ring_on_xla = ring_reason is not None and implementation != registry.reference().name
+    strategy = choose_strategy(spec, cp, strategy, ring_on_xla=ring_on_xla)
     # The batch splits over the other mesh axes when they divide it. Inside a shard_map the prepared
     # spec already holds the local batch and sequence blocks: the global lengths are cp times those.
     others = () if manual else tuple(a for a in shape if a != axis)

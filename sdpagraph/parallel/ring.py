@@ -213,7 +213,8 @@ def _pair_backward(plan, arrays, grads, q, k, v, q_start, kv_start, q_tok, kv_to
 
     def graph(causal):
         static = _cudnn_static(plan, causal)
-        return lambda grads, q, k, v: add(grads, registry.primary().block_backward(static, q, k, v, aux, o_io, lse, d_o))
+        backward = registry.primary().block_backward
+        return lambda grads, q, k, v: add(grads, backward(static, q, k, v, aux, o_io, lse, d_o))
 
     return jax.lax.switch(status, (skip, graph(False), graph(plan.spec.is_causal)), grads, q, k, v)
 

@@ -149,9 +149,6 @@ class _Validity(NamedTuple):
     attended: Any = None  # (B|1, T, N|1, 1) bool when the bias carries masks: rows with a key to attend to
 
 
-# Where a boolean mask or folded key padding says no, the bias operand holds this: finite (a row
-# with no allowed key must not turn into NaN inside cuDNN; sdpagraph zeroes such rows itself), and
-# small enough that cuDNN's fp32 exp2 scaling (x log2 e) of it does not overflow.
 def _packed_operands(spec: AttentionSpec, inputs: RuntimeInputs) -> dict[str, Any]:
     """Per row: the lengths (B, M) and token offsets (B, M + 1) of its packed segments, in O(T).
 
