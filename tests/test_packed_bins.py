@@ -64,6 +64,22 @@ def first_fit_decreasing(lengths, rows, bins):
     return placed
 
 
+def document_lengths(ids: np.ndarray) -> list[int]:
+    """The lengths of the documents (maximal runs of one nonzero id) of every row, longest first."""
+    lengths = []
+    for row in ids:
+        starts = np.flatnonzero(np.diff(np.concatenate([[0], row])) != 0)
+        ends = np.concatenate([starts[1:], [len(row)]])
+        lengths += [int(end - start) for start, end in zip(starts, ends) if row[start] != 0]
+    return sorted(lengths, reverse=True)
+
+
+def reference_fits(ids: np.ndarray, plan) -> bool:
+    """Whether first-fit decreasing places every document of `ids` in the plan's bins."""
+    placed = first_fit_decreasing(document_lengths(ids), plan.rows, plan.bins)
+    return all(bin_ is not None and bin_ < plan.bins for bin_, _ in placed)
+
+
 @pytest.mark.parametrize("low,high,rows,bins", [(8, 64, 64, 40), (1, 40, 64, 40), (30, 60, 64, 12), (5, 6, 64, 1),
                                                 (1, 48, 128, 40)])
 def test_the_packer_places_documents_as_first_fit_decreasing_does(low, high, rows, bins):
@@ -134,9 +150,14 @@ def assert_same(binned, unbinned):
                                                         (True, 5, 1)])
 def test_a_call_on_bins_gives_what_it_gives_unbinned(is_causal, padding, kv_heads):
     rng = np.random.default_rng()
-    ids = random_documents(rng, 2, 1024, 9, 120, padding)
-    call, q, k, v = prepared(rng, ids, 128, is_causal=is_causal, n=4 if kv_heads else 2, kv_heads=kv_heads)
-    plan = bin_plan(call.spec, call.score_mod)
+    # About one draw in twenty needs a bin more than the plan holds (first-fit decreasing, the
+    # reference, says so too) and runs unbinned, which other tests cover: draw until they fit.
+    for _ in range(50):
+        ids = random_documents(rng, 2, 1024, 9, 120, padding)
+        call, q, k, v = prepared(rng, ids, 128, is_causal=is_causal, n=4 if kv_heads else 2, kv_heads=kv_heads)
+        plan = bin_plan(call.spec, call.score_mod)
+        if reference_fits(ids, plan):
+            break
     assert plan is not None and plan.rows == 128 and plan.spec.batch == plan.bins
     layout = packed_bins._layout(call.inputs.q_segment_ids, plan, call.spec.max_segments, True)
     assert bool(layout.fits)
