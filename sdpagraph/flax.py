@@ -16,6 +16,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 
 import sdpagraph
+from sdpagraph.spec import normalize_arguments
 
 # Flax's own arguments to an attention_fn; the rest of `attention_kwargs` goes to sdpagraph.attention.
 _FLAX_ARGUMENTS = ("bias", "mask", "broadcast_dropout", "dropout_rng", "dropout_rate", "deterministic",
@@ -50,6 +51,16 @@ def attention_fn(**attention_kwargs: Any) -> Callable[..., Any]:
                             deterministic: bool = False, dtype: Any = None, precision: Any = None,
                             module: Any = None, is_causal: bool = False) -> Any:
         del broadcast_dropout, dropout_rng, precision
+        if dtype is not None:
+            query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+        kwargs = dict(attention_kwargs)
+        if is_causal:
+            kwargs["is_causal"] = True
+        if mask is not None:
+            mask = jnp.asarray(mask).astype(jnp.bool_)
+        query, key, value, bias, mask, batch = _fold_batch(query, key, value, bias, mask)
+        # Shapes and dtypes first: a wrong array is the error to read, before what the adapter lacks.
+        normalize_arguments(query, key, value, bias, mask)
         if dropout_rate > 0.0 and not deterministic:
             raise ValueError(
                 f"sdpagraph.flax.attention_fn does not implement attention dropout (dropout_rate={dropout_rate}, "
@@ -58,31 +69,30 @@ def attention_fn(**attention_kwargs: Any) -> Callable[..., Any]:
         if module is not None:
             raise ValueError("sdpagraph.flax.attention_fn cannot sow attention weights (sow_weights=True): "
                              "sdpagraph never materializes them")
-        if dtype is not None:
-            query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
-        kwargs = dict(attention_kwargs)
-        if is_causal:
-            kwargs["is_causal"] = True
-        if mask is not None:
-            mask = jnp.asarray(mask).astype(jnp.bool_)
-        ndim = query.ndim
-        if key.ndim != ndim or value.ndim != ndim or ndim < 3:
-            raise ValueError(f"query, key and value must be (batch..., length, heads, head_dim) with the same "
-                             f"batch dims, got shapes {query.shape}, {key.shape}, {value.shape}")
-        if ndim <= 4:
-            return sdpagraph.attention(query, key, value, bias=bias, mask=mask, **kwargs)
-        batch = query.shape[:-3]
-        if key.shape[:-3] != batch or value.shape[:-3] != batch:
-            raise ValueError(f"query, key and value must share their batch dims, got shapes {query.shape}, "
-                             f"{key.shape}, {value.shape}")
-        flat = math.prod(batch)
-        fold = lambda x: jnp.reshape(x, (flat,) + x.shape[-3:])  # noqa: E731
-        out = sdpagraph.attention(fold(query), fold(key), fold(value), bias=_fold_logits(bias, batch, "bias"),
-                                  mask=_fold_logits(mask, batch, "mask"), **kwargs)
-        return jnp.reshape(out, batch + out.shape[1:])
+        out = sdpagraph.attention(query, key, value, bias=bias, mask=mask, **kwargs)
+        return out if batch is None else jnp.reshape(out, batch + out.shape[1:])
 
     sdpagraph_attention.attention_kwargs = dict(attention_kwargs)  # type: ignore[attr-defined]
     return sdpagraph_attention
+
+
+def _fold_batch(query: Any, key: Any, value: Any, bias: Any, mask: Any) -> tuple[Any, ...]:
+    """Several leading batch dims folded into one: (query, key, value, bias, mask, the batch dims to
+    unfold the output into, or None when there was at most one)."""
+    ndim = query.ndim
+    if key.ndim != ndim or value.ndim != ndim or ndim < 3:
+        raise ValueError(f"query, key and value must be (batch..., length, heads, head_dim) with the same "
+                         f"batch dims, got shapes {query.shape}, {key.shape}, {value.shape}")
+    if ndim <= 4:
+        return query, key, value, bias, mask, None
+    batch = query.shape[:-3]
+    if key.shape[:-3] != batch or value.shape[:-3] != batch:
+        raise ValueError(f"query, key and value must share their batch dims, got shapes {query.shape}, "
+                         f"{key.shape}, {value.shape}")
+    flat = math.prod(batch)
+    fold = lambda x: jnp.reshape(x, (flat,) + x.shape[-3:])  # noqa: E731
+    return (fold(query), fold(key), fold(value), _fold_logits(bias, batch, "bias"), _fold_logits(mask, batch, "mask"),
+            batch)
 
 
 def _fold_logits(x: Any, batch: tuple[int, ...], name: str) -> Any:

@@ -18,11 +18,14 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import numpy as np
 
 from sdpagraph.segments.rules import check_segment_count, check_segment_lengths, seqlen_hint_checks
 
-DTYPES = ("float32", "bfloat16", "float16")
+# float64 exists only with jax_enable_x64 (otherwise jax converts it to float32, as here); cuDNN
+# computes in bfloat16/float16, so float64 calls run on the XLA backend.
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 UNBOUNDED = -1  # a window side that does not limit attention
 # The graphs one spec compiles to: forward (output + softmax stats), backward, and inference
@@ -162,8 +165,9 @@ class NormalizedCall:
 
 
 def _dtype_name(x: Any, argname: str) -> str:
+    """The dtype jax computes `x` in: NumPy float64/int64 become float32/int32 unless x64 is on."""
     try:
-        return np.dtype(x.dtype).name
+        return np.dtype(jax.dtypes.canonicalize_dtype(x.dtype)).name
     except (AttributeError, TypeError) as err:
         raise TypeError(f"{argname} must be an array or jax.ShapeDtypeStruct, got {type(x).__name__}") from err
 

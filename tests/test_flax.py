@@ -95,6 +95,14 @@ def test_dropout_and_sow_weights_are_refused():
     fn(q, q, q, dropout_rate=0.1, deterministic=True)  # deterministic: no dropout to apply
     with pytest.raises(ValueError, match="sow"):
         fn(q, q, q, module=object())
+    # A wrong array is reported before what the adapter lacks.
+    bad_key = jnp.ones((1, L, HEADS, 4))
+    with pytest.raises(ValueError, match="head dim"):
+        fn(q, bad_key, q, dropout_rate=0.1, deterministic=False, dropout_rng=jax.random.key(0))
+    with pytest.raises(ValueError, match="batch dims"):
+        fn(q, jnp.ones((2, 1, L, HEADS, 8)), q, module=object())
+    with pytest.raises(ValueError, match="bias"):
+        fn(q, q, q, bias=jnp.ones((3, HEADS, L, L)), dropout_rate=0.1, deterministic=False)
     with pytest.raises(TypeError, match="Flax passes"):
         sdpagraph.flax.attention_fn(mask=None)
     layer = nnx.MultiHeadAttention(num_heads=HEADS, in_features=F, decode=False, dropout_rate=0.5,

@@ -44,7 +44,7 @@ FORMAT = 1
 MEASURED_BATCH_RANGE = 4.0
 CUDNN_TILE = 128
 FEATURES = ("c0", "io_bytes", "scores", "flops", "ctas", "tiles", "gemm_rows")
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 # The built-in table a GPU without one of its own is predicted with (`stand_in_table`).
 STAND_IN_GPU = "NVIDIA H100 80GB HBM3"
 
