@@ -2,7 +2,9 @@
 
     python bench/packed.py [--out DIR] [--no-flex]
 
-Per case (bf16, N16 H128, causal): sdpagraph's packed call (cuDNN), the same documents as rows of
+Per case (bf16, N16 H128, causal): sdpagraph's packed call (cuDNN; the ids are a jit argument, as
+in a training step, so the segment check runs: on the device by default, "check raise" with its
+host callback, "check off" without any check), the same documents as rows of
 their own (dense causal at B*docs x doc length: what the packed call could at best cost), dense
 causal over the whole rows (the rate the issue compares with), the packed call's segment
 metadata alone (the XLA ops before cuDNN), and FlexAttention with a document block mask. Cases
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import sdpagraph
-from sdpagraph.config import BINS
+from sdpagraph.config import BINS, CHECK_SEGMENTS
 from sdpagraph.graphs.binning import bin_plan
 from sdpagraph.backends.cudnn.bins import packed as packed_bins
 from sdpagraph.call import prepare_call
@@ -78,19 +80,27 @@ def softcap(s, b, h, i, j):
 
 
 def jitted(fn, backward):
+    """`fn(q, k, v, *rest)` jitted, or its gradient in q, k, v; every array is an argument (ids too,
+    traced as in a training step)."""
     if not backward:
         return jax.jit(fn)
-    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
+    return jax.jit(jax.grad(lambda q, k, v, *rest: jnp.sum(fn(q, k, v, *rest).astype(jnp.float32)),
+                            argnums=(0, 1, 2)))
 
 
-def bins_off(fn):
-    """`fn` traced with binning switched off (`graphs.binning` reads its switch when a call is traced)."""
+def with_env(fn, name, value):
+    """`fn` traced with the variable `name` set to `value` (binning and the segment check read theirs
+    when a call is traced)."""
     def call(*args):
-        os.environ[BINS.name] = "0"
+        before = os.environ.get(name)
+        os.environ[name] = value
         try:
             return fn(*args)
         finally:
-            del os.environ[BINS.name]
+            if before is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = before
     return call
 
 
@@ -118,19 +128,21 @@ def run(with_flex):
         score_mod = softcap if mod else None
         for backward in (False, True):
             row = {"case": name, "pass": "fwd+bwd" if backward else "fwd", "docs": len(lengths), "max per row": M}
-            packed = lambda q, k, v: sdpagraph.attention(  # noqa: E731
+            packed = lambda q, k, v, seg: sdpagraph.attention(  # noqa: E731
                 q, k, v, is_causal=True, segment_ids=seg, max_segments_per_seq=M, score_mod=score_mod,
                 max_seqlen_kv=hint, implementation="cudnn", training=backward)
-            variants = {
+            variants = {  # the ids are a jit argument: the segment check runs on them (on the device)
                 "packed": packed,
-                "dense rows": lambda q, k, v: sdpagraph.attention(
+                "check raise": with_env(packed, CHECK_SEGMENTS.name, "raise"),  # a host callback per call
+                "check off": with_env(packed, CHECK_SEGMENTS.name, "off"),
+                "dense rows": lambda q, k, v, seg: sdpagraph.attention(
                     q, k, v, is_causal=True, score_mod=score_mod, implementation="cudnn", training=backward),
             }
             if hint is not None:  # on bins by default (graphs.binning): the same call unbinned, side by side
-                variants["unbinned"] = bins_off(packed)
+                variants["unbinned"] = with_env(packed, BINS.name, "0")
             for label, fn in variants.items():
                 try:
-                    row[label + " ms"] = time_ms(jitted(fn, backward), q, k, v)
+                    row[label + " ms"] = time_ms(jitted(fn, backward), q, k, v, seg)
                 except Exception as error:  # record and go on
                     row[label + " ms"], row[label + " error"] = None, f"{type(error).__name__}: {str(error)[:300]}"
             if len(set(lengths)) == 1:  # equal documents: each as a row of its own, the ideal
@@ -160,12 +172,14 @@ def run(with_flex):
 
 def table(rows):
     fmt = lambda x, spec=".3f": format(x, spec) if isinstance(x, (int, float)) else "n/a"  # noqa: E731
-    lines = ["| case | pass | packed ms | real-token TFLOP/s | dense TFLOP/s | packed/dense rate | docs as rows ms | "
-             "metadata ms | unbinned ms | packing ms | flex ms | flex/packed |", "|---" * 12 + "|"]
+    lines = ["| case | pass | packed ms | check raise ms | check off ms | real-token TFLOP/s | dense TFLOP/s | "
+             "packed/dense rate | docs as rows ms | metadata ms | unbinned ms | packing ms | flex ms | flex/packed |",
+             "|---" * 14 + "|"]
     for r in rows:
         rate = r["packed TFLOP/s"] / r["dense TFLOP/s"] if r.get("packed TFLOP/s") and r.get("dense TFLOP/s") else None
         flex = r["flex ms"] / r["packed ms"] if r.get("flex ms") and r.get("packed ms") else None
-        lines.append(f"| {r['case']} | {r['pass']} | {fmt(r.get('packed ms'))} | {fmt(r.get('packed TFLOP/s'), '.0f')} | "
+        lines.append(f"| {r['case']} | {r['pass']} | {fmt(r.get('packed ms'))} | {fmt(r.get('check raise ms'))} | "
+                     f"{fmt(r.get('check off ms'))} | {fmt(r.get('packed TFLOP/s'), '.0f')} | "
                      f"{fmt(r.get('dense TFLOP/s'), '.0f')} | {fmt(rate, '.2f')} | {fmt(r.get('docs as rows ms'))} | "
                      f"{fmt(r.get('metadata ms'))} | {fmt(r.get('unbinned ms'))} | {fmt(r.get('packing ms'))} | "
                      f"{fmt(r.get('flex ms'))} | {fmt(flex, '.2f')} |")

@@ -170,10 +170,12 @@ def attention(
       max_segments_per_seq: static bound on segments per row (default: T, always
         enough). A row of query ids with more segments raises `ValueError` (with the row,
         its count and the bound) when the ids are concrete. Under `jit` the ids are
-        checked when the call runs (O(B*T) and one host callback; the error arrives as
-        a `jax.errors.JaxRuntimeError` with that message). `SDPAGRAPH_CHECK_SEGMENTS=0`
-        switches both checks off; segments past the bound are then dropped (their
-        query rows give 0).
+        checked on the device (O(B*T), no host round trip) and a row past the bound gives
+        NaN output (and logsumexp), so it cannot pass silently; with
+        `SDPAGRAPH_CHECK_SEGMENTS=raise` it raises instead when the call runs (one host
+        callback per call; a `jax.errors.JaxRuntimeError` with the message, also logged
+        at ERROR). `SDPAGRAPH_CHECK_SEGMENTS=off` switches the checks off; segments past
+        the bound are then dropped (their query rows give 0).
       chunk_size: Llama-4 chunked attention: only keys in the same chunk of
         `chunk_size` positions (per segment when packed); combines with `is_causal`.
       score_mod: an elementwise change of the scaled scores `score[b, h, q, kv]`, in one
@@ -213,8 +215,8 @@ def attention(
         smaller hint given bounds both. cuDNN uses `max_seqlen_kv` to run packed
         self-attention with a score_mod on short rows of whole documents (bins: see
         `graphs.binning`; on one GPU); other backends only validate them. A longer
-        segment raises `ValueError` (concrete ids) or fails the jitted call when it runs,
-        as `max_segments_per_seq` does (and `SDPAGRAPH_CHECK_SEGMENTS=0` switches that
+        segment raises `ValueError` (concrete ids) or gives its batch row NaN under `jit`,
+        as `max_segments_per_seq` does (and `SDPAGRAPH_CHECK_SEGMENTS=off` switches that
         off: the small-sequence backend then drops keys past the bound).
       context_parallel_axis: a mesh axis name: q, k, v (and `segment_ids`) are split
         along the sequence (dim 1) over it, and attention runs without gathering k or v
@@ -275,6 +277,7 @@ def attention(
         out, lse = registry.get(backend).attention(call.spec, q, k, v, call.inputs, call.score_mod,
                                                    training=training or return_residual,
                                                    verify=numerics_gate.checked)
+    out, lse = call.poison(out, lse)
     if call.unbatched:
         out, lse = out[0], lse[0]
     if return_residual:

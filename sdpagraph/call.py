@@ -10,6 +10,7 @@ reported too (`backends.cudnn.sharding`, when XLA partitions the call).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import linecache
 import numbers
 import os
@@ -31,7 +32,8 @@ from sdpagraph.scoremod.trace import TensorInfo, trace_score_mod
 from sdpagraph.memo import BoundedMemo
 from sdpagraph.scoremod import forms as flex_mods
 from sdpagraph.scoremod.forms import PythonMods
-from sdpagraph.segments.metadata import check_segment_bound, check_segment_lengths, segment_checks_enabled
+from sdpagraph.segments.metadata import (check_segment_bound, check_segment_lengths, rows_over_segment_bound,
+                                         rows_over_segment_length, segment_check_mode)
 from sdpagraph.segments.rules import seqlen_hint_checks
 from sdpagraph.spec import AttentionSpec, normalize_arguments
 
@@ -59,6 +61,16 @@ class PreparedCall:
     score_mod: ScoreModIR | None
     inputs: RuntimeInputs
     unbatched: bool
+    # (B,) bool, traced: rows whose packed ids break a static bound; their output is NaN (`poison`).
+    invalid_rows: Any = None
+
+    def poison(self, out: Any, lse: Any) -> tuple[Any, Any]:
+        """`out` (B, T, N, H_v) and `lse` (B, N, T) with the invalid rows' values NaN."""
+        if self.invalid_rows is None:
+            return out, lse
+        rows = self.invalid_rows
+        return (jnp.where(rows[:, None, None, None], jnp.nan, out).astype(out.dtype),
+                jnp.where(rows[:, None, None], jnp.nan, lse).astype(lse.dtype))
 
 
 class MissingTensorError(SdpagraphError, KeyError, ValueError):
@@ -204,17 +216,28 @@ def _array_like(x: Any) -> Any:
 
 
 def _check_segments_at_run_time(segment_ids: Any, q_ids: Any, max_segments_per_seq: Any, max_seqlen_q: Any,
-                                max_seqlen_kv: Any, spec: AttentionSpec) -> None:
+                                max_seqlen_kv: Any, spec: AttentionSpec) -> Any:
     """Traced ids cannot be checked when the call is made (`normalize_arguments` checks concrete
-    ones): check the segment count bound and the segment length hints when the call runs
-    (`segments.check_segment_bound`, `segments.check_segment_lengths`)."""
-    if segment_ids is None or not segment_checks_enabled():
-        return
+    ones): the segment count bound and the segment length hints are checked when the call runs, as
+    `segments.segment_check_mode` says. Returns the (B,) bool rows whose output must be NaN, or None
+    (nothing traced to check, or the check raises itself, or is off)."""
+    mode = segment_check_mode()
+    if segment_ids is None or mode == "off":
+        return None
+    checks = []  # (ids, rows over -> (B,) bool, raise when the call runs)
     if max_segments_per_seq is not None and isinstance(q_ids, jax.core.Tracer):
-        check_segment_bound(q_ids, spec.max_segments, "segment_ids" if spec.segments == "self" else "segment_ids[0]")
+        argname = "segment_ids" if spec.segments == "self" else "segment_ids[0]"
+        checks.append((functools.partial(rows_over_segment_bound, q_ids, spec.max_segments),
+                       functools.partial(check_segment_bound, q_ids, spec.max_segments, argname)))
     for argname, ids, hint_name, bound in seqlen_hint_checks(segment_ids, max_seqlen_q, max_seqlen_kv):
         if isinstance(ids, jax.core.Tracer):
-            check_segment_lengths(ids, bound, argname, hint_name)
+            checks.append((functools.partial(rows_over_segment_length, ids, bound),
+                           functools.partial(check_segment_lengths, ids, bound, argname, hint_name)))
+    if mode == "raise" or not checks or spec.empty_axes:
+        for _, raise_when_run in checks:
+            raise_when_run()
+        return None
+    return functools.reduce(jnp.logical_or, (rows_over() for rows_over, _ in checks))
 
 
 def _native_mask_mod(ir: ScoreModIR | None, score_mod: Any, mask_mod: Any, spec: AttentionSpec) -> NativeMask | None:
@@ -252,7 +275,8 @@ def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_caus
     q_ids = kv_ids = None
     if segment_ids is not None:
         q_ids, kv_ids = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
-    _check_segments_at_run_time(segment_ids, q_ids, max_segments_per_seq, max_seqlen_q, max_seqlen_kv, call.spec)
+    invalid_rows = _check_segments_at_run_time(segment_ids, q_ids, max_segments_per_seq, max_seqlen_q,
+                                               max_seqlen_kv, call.spec)
     is_array = not isinstance(query, jax.ShapeDtypeStruct)
     wrap = (lambda x, shape: None if x is None else jnp.reshape(jnp.asarray(x), shape)) if is_array else (lambda x, _: x)
     inputs = RuntimeInputs(
@@ -261,7 +285,7 @@ def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_caus
         q_segment_ids=q_ids, kv_segment_ids=kv_ids,
         mod_scalars=scalars, mod_arrays=arrays, python_mods=python_mods,
     )
-    return PreparedCall(call.spec, ir, inputs, call.unbatched)
+    return PreparedCall(call.spec, ir, inputs, call.unbatched, invalid_rows)
 
 
 # ----------------------------------------------------------------------------- trace listeners

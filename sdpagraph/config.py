@@ -132,11 +132,13 @@ DISPATCH_TABLE = Text(
     "SDPAGRAPH_DISPATCH_TABLE", "",
     "a JSON file of dispatch tables (`python bench/dispatch.py --write-table`) that add to or "
     "replace the built-in ones, by GPU name")
-CHECK_SEGMENTS = Switch(
-    "SDPAGRAPH_CHECK_SEGMENTS", "1",
-    "`0`, `false`, `off` or `no`: packed `segment_ids` that break `max_segments_per_seq` or a "
-    "`max_seqlen_q` / `max_seqlen_kv` hint are not checked (the excess is dropped)",
-    words=True)
+CHECK_SEGMENTS = Choice(
+    "SDPAGRAPH_CHECK_SEGMENTS", "nan",
+    "packed `segment_ids` that break `max_segments_per_seq` or a `max_seqlen_q` / `max_seqlen_kv` "
+    "hint raise `ValueError` when concrete; when traced (under `jit`): `nan` gives their batch rows NaN "
+    "output, computed on the device; `raise` raises when the call runs (a host callback per call, "
+    "which ends XLA's command buffer and syncs); `off` (or `0`) checks nothing and drops the excess",
+    choices=("nan", "raise", "off", "0"), fold_case=True)
 BINS = Switch(
     "SDPAGRAPH_BINS", "1",
     "`0`: no packed call runs on bins, and no bins' graphs are built")

@@ -5,7 +5,8 @@
   raise here too;
 - empty axes (B, T, S or N of 0) give jax's result;
 - rows with more segments than max_segments_per_seq raise (concrete ids) or are checked when
-  the call runs (under jit), unless SDPAGRAPH_CHECK_SEGMENTS=0;
+  the call runs (under jit: NaN rows on the device, or a raise on request), unless
+  SDPAGRAPH_CHECK_SEGMENTS=off;
 - traced scalars (mods.softcap(cap) under jit, traced score_mod_tensors) are device operands.
 """
 import itertools
@@ -279,13 +280,43 @@ def test_cross_attention_checks_the_query_ids(rng):
         sdpagraph.attention(q, k, v, segment_ids=(many, few), max_segments_per_seq=2)
 
 
-def test_traced_ids_past_the_bound_raise_when_the_call_runs(rng):
+def test_traced_ids_past_the_bound_give_their_rows_nan_without_a_host_callback(rng):
+    q, k, v = qkv(rng, 3, 12, 12)
+    call = lambda q, ids: sdpagraph.attention(q, k, v, segment_ids=ids, max_segments_per_seq=4)  # noqa: E731
+    run = jax.jit(call)
+    fine = np.asarray(run(q, jnp.asarray(ids_with_segments([4, 2, 1]))))
+    assert np.all(np.isfinite(fine))
+    out = np.asarray(run(q, jnp.asarray(ids_with_segments([3, 7, 4]))))
+    assert np.all(np.isnan(out[1])) and np.all(np.isfinite(out[[0, 2]]))  # only the row past the bound
+    assert "callback" not in str(jax.make_jaxpr(call)(q, jnp.asarray(ids_with_segments([1, 1, 1]))))
+    # The residual too, and a loss over the batch cannot pass silently.
+    _, lse = jax.jit(lambda q, ids: sdpagraph.attention(q, k, v, segment_ids=ids, max_segments_per_seq=4,
+                                                        return_residual=True))(q, jnp.asarray(ids_with_segments([1, 6, 1])))
+    assert np.all(np.isnan(np.asarray(lse)[1])) and not np.any(np.isnan(np.asarray(lse)[[0, 2]]))
+    loss = jax.jit(jax.value_and_grad(lambda q, ids: jnp.sum(call(q, ids))))
+    value, _ = loss(q, jnp.asarray(ids_with_segments([5, 1, 1])))
+    assert np.isnan(value)
+    # A segment longer than a max_seqlen hint likewise, for the key ids of a cross pair.
+    hinted = jax.jit(lambda q, kv_ids: sdpagraph.attention(q, k, v, segment_ids=(jnp.ones((3, 12), jnp.int32), kv_ids),
+                                                           max_seqlen_kv=4))
+    long_row = np.ones((3, 12), np.int32)
+    long_row[0] = np.repeat([1, 2, 3], 4)
+    long_row[2] = np.repeat([1, 2, 3, 4], 3)
+    out = np.asarray(hinted(q, jnp.asarray(long_row)))
+    assert np.all(np.isnan(out[1])) and np.all(np.isfinite(out[[0, 2]]))
+
+
+def test_traced_ids_past_the_bound_raise_when_the_call_runs_on_request(rng, monkeypatch, caplog):
+    monkeypatch.setenv("SDPAGRAPH_CHECK_SEGMENTS", "raise")
     q, k, v = qkv(rng, 2, 12, 12)
     run = jax.jit(lambda q, ids: sdpagraph.attention(q, k, v, segment_ids=ids, max_segments_per_seq=4))
     run(q, jnp.asarray(ids_with_segments([4, 2]))).block_until_ready()  # within the bound
-    with pytest.raises(Exception, match=r"row 1 has 7 segments, more than max_segments_per_seq=4") as error:
-        run(q, jnp.asarray(ids_with_segments([3, 7]))).block_until_ready()
+    with caplog.at_level("ERROR", logger="sdpagraph"):
+        with pytest.raises(Exception, match=r"row 1 has 7 segments, more than max_segments_per_seq=4") as error:
+            run(q, jnp.asarray(ids_with_segments([3, 7]))).block_until_ready()
     assert isinstance(error.value, (ValueError, jax.errors.JaxRuntimeError))
+    # XLA wraps the callback's error in its own text; sdpagraph's message is logged as it happens.
+    assert any("row 1 has 7 segments" in record.getMessage() for record in caplog.records)
     # Under grad too, and for the query ids of a cross pair.
     grad = jax.jit(jax.grad(lambda q, ids: jnp.sum(sdpagraph.attention(q, k, v, segment_ids=(ids, ids),
                                                                         max_segments_per_seq=4))))
@@ -294,8 +325,9 @@ def test_traced_ids_past_the_bound_raise_when_the_call_runs(rng):
         grad(q, jnp.asarray(ids_with_segments([5, 1]))).block_until_ready()
 
 
-def test_the_check_can_be_switched_off(rng, monkeypatch):
-    monkeypatch.setenv("SDPAGRAPH_CHECK_SEGMENTS", "0")
+@pytest.mark.parametrize("off", ["off", "0"])
+def test_the_check_can_be_switched_off(rng, monkeypatch, off):
+    monkeypatch.setenv("SDPAGRAPH_CHECK_SEGMENTS", off)
     q, k, v = qkv(rng, 2, 12, 12)
     ids = ids_with_segments([3, 7])
     call = lambda q, ids: sdpagraph.attention(q, k, v, segment_ids=ids, max_segments_per_seq=4)  # noqa: E731
@@ -305,8 +337,16 @@ def test_the_check_can_be_switched_off(rng, monkeypatch):
     assert np.all(np.asarray(eager)[1, 4:7] == 0) and np.any(np.asarray(eager)[1, :4] != 0)
     traced = lambda call: str(jax.make_jaxpr(call)(q, jnp.asarray(ids)))  # noqa: E731
     assert "debug_callback" not in traced(call)
-    monkeypatch.setenv("SDPAGRAPH_CHECK_SEGMENTS", "1")  # read when a call is traced (jax caches traces
+    monkeypatch.setenv("SDPAGRAPH_CHECK_SEGMENTS", "raise")  # read when a call is traced (jax caches traces
     assert "debug_callback" in traced(lambda q, ids: call(q, ids))  # per function: a new one here)
+
+
+def test_a_bad_check_mode_names_the_variable(rng, monkeypatch):
+    monkeypatch.setenv("SDPAGRAPH_CHECK_SEGMENTS", "sometimes")
+    q, k, v = qkv(rng, 2, 12, 12)
+    with pytest.raises(ValueError, match="SDPAGRAPH_CHECK_SEGMENTS must be one of nan, raise, off"):
+        jax.jit(lambda q, ids: sdpagraph.attention(q, k, v, segment_ids=ids, max_segments_per_seq=4))(
+            q, jnp.asarray(ids_with_segments([1, 1])))
 
 
 # ----------------------------------------------------------------------------- traced scalars

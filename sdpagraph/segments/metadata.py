@@ -48,11 +48,13 @@ the true, unclipped count so callers can validate without ``checkify``::
     overflow = jnp.any(meta.num_segments > max_segments)
 
 ``sdpagraph.attention`` does not let that happen silently: concrete ids with
-too many segments raise a ``ValueError`` when the call is made, and traced
-ids (under ``jit``) get ``check_segment_bound``, a run-time check; segments
-longer than the ``max_seqlen_q`` / ``max_seqlen_kv`` hints likewise
-(``check_segment_lengths``).  Both are
-on unless ``SDPAGRAPH_CHECK_SEGMENTS=0``.
+too many segments raise a ``ValueError`` when the call is made; for traced
+ids (under ``jit``) ``rows_over_segment_bound`` flags the rows on the device
+and their output becomes NaN, or, with ``SDPAGRAPH_CHECK_SEGMENTS=raise``,
+``check_segment_bound`` raises when the call runs (a host callback).
+Segments longer than the ``max_seqlen_q`` / ``max_seqlen_kv`` hints likewise
+(``rows_over_segment_length``, ``check_segment_lengths``).  Nothing is
+checked with ``SDPAGRAPH_CHECK_SEGMENTS=off``.
 
 Memory
 ------
@@ -71,13 +73,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdpagraph.segments.rules import segment_checks_enabled, segment_length_message, segment_overflow_message
+from sdpagraph.logs import logger
+from sdpagraph.segments.rules import (segment_check_mode, segment_checks_enabled, segment_length_message,
+                                       segment_overflow_message)
 
 __all__ = [
     "at_runs",
     "SegmentMetadata",
     "check_segment_bound",
     "check_segment_lengths",
+    "rows_over_segment_bound",
+    "rows_over_segment_length",
+    "segment_check_mode",
     "segment_checks_enabled",
     "segment_metadata",
     "segment_positions",
@@ -236,47 +243,72 @@ def segment_metadata(segment_ids: jax.Array, max_segments: int) -> SegmentMetada
     return SegmentMetadata(seq_lens, offsets, num_segments)
 
 
-# ----------------------------------------------------------------------------- run-time bound check
+# ----------------------------------------------------------------------------- run-time checks
 
 def _raise_if_over(message: Callable[[int, int], str], row: jax.Array, value: jax.Array) -> None:
     row, value = np.asarray(row), np.asarray(value)  # (), or a leading batch axis under vmap
     over = np.flatnonzero(np.ravel(row) >= 0)
     if over.size:
         first = over[0]
-        raise ValueError(message(int(np.ravel(row)[first]), int(np.ravel(value)[first])))
+        text = message(int(np.ravel(row)[first]), int(np.ravel(value)[first]))
+        # Under jit XLA wraps a callback's exception in its own text: say it first, where it is read.
+        logger.error("sdpagraph: %s", text)
+        raise ValueError(text)
 
 
-def _check_rows(per_row: jax.Array, bound: int, message: Callable[[int, int], str]) -> None:
-    """At run time: `ValueError(message(row, value))` for the first row whose value is over `bound`."""
+def _raise_rows_over(per_row: jax.Array, bound: int, message: Callable[[int, int], str]) -> None:
+    """When the call runs: `ValueError(message(row, value))` for the first row whose value is over
+    `bound`, through one host callback with two int32."""
     first = jnp.argmax(per_row > bound).astype(jnp.int32)  # the first row over the bound, if any
     value = per_row[first]
     row = jnp.where(value > bound, first, -1)
     jax.debug.callback(functools.partial(_raise_if_over, message), row, value)
 
 
+def _segment_counts(segment_ids: jax.Array) -> jax.Array:
+    return jnp.sum(_run_edges(segment_ids)[0], axis=1, dtype=jnp.int32)
+
+
+def _longest_segments(segment_ids: jax.Array) -> jax.Array:
+    return jnp.max(jnp.where(segment_ids != 0, segment_positions(segment_ids) + 1, 0), axis=1)
+
+
+def rows_over_segment_bound(segment_ids: jax.Array, max_segments: int) -> jax.Array:
+    """(B,) bool, on the device: rows of (traced) `segment_ids` with more than `max_segments`
+    segments, which the THD layout would drop. O(B * T), no host round trip."""
+    _check_segment_ids(segment_ids)
+    return _segment_counts(segment_ids) > _static_count(max_segments)
+
+
+def rows_over_segment_length(segment_ids: jax.Array, bound: int) -> jax.Array:
+    """(B,) bool, on the device: rows of (traced) `segment_ids` with a segment longer than `bound`
+    (a `max_seqlen_q` / `max_seqlen_kv` hint)."""
+    _check_segment_ids(segment_ids)
+    return _longest_segments(segment_ids) > bound
+
+
 def check_segment_bound(segment_ids: jax.Array, max_segments: int, argname: str = "segment_ids") -> None:
-    """Raise `ValueError` at run time when a row of (traced) `segment_ids` has more than
-    `max_segments` segments, which the THD layout would drop.
+    """Raise `ValueError` when the call runs if a row of (traced) `segment_ids` has more than
+    `max_segments` segments (SDPAGRAPH_CHECK_SEGMENTS=raise).
 
     Costs O(B * T) on the device and one host callback (`jax.debug.callback`) with two int32 per
-    run. Under `jit` the error surfaces as a `jax.errors.JaxRuntimeError` holding this message,
-    when the result is computed. A host callback ends a CUDA-graph (command buffer) segment of
-    XLA's; `SDPAGRAPH_CHECK_SEGMENTS=0` turns the check off (`segment_checks_enabled`).
+    run, which syncs the stream and ends a CUDA-graph (command buffer) segment of XLA's. Under `jit`
+    the error surfaces as a `jax.errors.JaxRuntimeError` holding this message, when the result is
+    computed; the message is also logged at ERROR when the callback raises.
     """
     _check_segment_ids(segment_ids)
     bound = _static_count(max_segments)
     if 0 in segment_ids.shape:
         return
-    counts = jnp.sum(_run_edges(segment_ids)[0], axis=1, dtype=jnp.int32)
-    _check_rows(counts, bound, functools.partial(segment_overflow_message, argname, bound=bound))
+    _raise_rows_over(_segment_counts(segment_ids), bound,
+                     functools.partial(segment_overflow_message, argname, bound=bound))
 
 
 def check_segment_lengths(segment_ids: jax.Array, bound: int, argname: str, hint_name: str) -> None:
-    """Raise `ValueError` at run time when a segment of (traced) `segment_ids` is longer than `bound`
-    (the `max_seqlen_q` / `max_seqlen_kv` hint `hint_name`): as `check_segment_bound`, and switched
-    off with it."""
+    """Raise `ValueError` when the call runs if a segment of (traced) `segment_ids` is longer than
+    `bound` (the `max_seqlen_q` / `max_seqlen_kv` hint `hint_name`): as `check_segment_bound`."""
     _check_segment_ids(segment_ids)
     if 0 in segment_ids.shape:
         return
-    longest = jnp.max(jnp.where(segment_ids != 0, segment_positions(segment_ids) + 1, 0), axis=1)
-    _check_rows(longest, bound, functools.partial(segment_length_message, argname, hint_name, bound=bound))
+    _raise_rows_over(_longest_segments(segment_ids), bound,
+                     functools.partial(segment_length_message, argname, hint_name, bound=bound))

@@ -1,7 +1,7 @@
 """What packed `segment_ids` must satisfy, checked on concrete ids (NumPy) when a call is made: at
 most `max_segments_per_seq` segments per row, and no segment longer than the `max_seqlen_q` /
 `max_seqlen_kv` hints. The error texts are shared with the run-time checks of traced ids
-(`segments.metadata`); `SDPAGRAPH_CHECK_SEGMENTS=0` switches both off. Shared by all layers, as
+(`segments.metadata`); `SDPAGRAPH_CHECK_SEGMENTS=off` switches both off. Shared by all layers, as
 `spec` (which validates the arguments with these).
 
 A segment is a maximal run of one nonzero id (`segments.metadata`); 0 is padding.
@@ -26,14 +26,20 @@ def segment_counts(ids: np.ndarray) -> np.ndarray:
     return np.sum(_run_starts(np.asarray(ids)), axis=1)
 
 
+def segment_check_mode() -> str:
+    """How ids that break `max_segments_per_seq` or a `max_seqlen_q` / `max_seqlen_kv` hint are met
+    (SDPAGRAPH_CHECK_SEGMENTS, read when a call is made or traced): concrete ids raise when the call
+    is made unless "off"; traced ids give their batch rows NaN ("nan", on the device, no host round
+    trip), raise when the call runs ("raise", a host callback), or pass ("off": segments past the
+    bound are dropped, their query rows give 0, and the small-sequence backend drops a segment's keys
+    past `max_seqlen_kv`)."""
+    mode = CHECK_SEGMENTS.get()
+    return "off" if mode == "0" else mode
+
+
 def segment_checks_enabled() -> bool:
-    """Whether ids that break `max_segments_per_seq` or a `max_seqlen_q` / `max_seqlen_kv` hint raise
-    (concrete ids, when the call is made) or are checked when the call runs (traced ids,
-    `segments.metadata.check_segment_bound` / `check_segment_lengths`). On unless
-    SDPAGRAPH_CHECK_SEGMENTS is 0, false, off or no (read when a call is made or traced); switched
-    off, segments past the bound are dropped (their query rows give 0), and the small-sequence
-    backend drops a segment's keys past `max_seqlen_kv`."""
-    return CHECK_SEGMENTS.enabled()
+    """Whether packed ids are checked at all (`segment_check_mode` is not "off")."""
+    return segment_check_mode() != "off"
 
 
 def segment_overflow_message(argname: str, row: int, count: int, bound: int) -> str:
