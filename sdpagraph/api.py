@@ -24,6 +24,7 @@ from sdpagraph.dispatch import rule as dispatch
 from sdpagraph.call import PreparedCall, as_4d, notify_trace_listeners, prepare_call
 from sdpagraph.logs import log_once, logger
 from sdpagraph.numerics import gate as numerics_gate
+from sdpagraph.spec import AttentionSpec
 
 
 def _notify_listeners(call: PreparedCall, training: bool) -> None:
@@ -91,12 +92,21 @@ def _decide(call: PreparedCall, implementation: str | None, training: bool, *, r
     return Support(primary_answer is not None and primary_answer.supported, choice.backend, choice.reason)
 
 
+# A long call that leaves the first backend is worth a WARNING: the others are slower there by far.
+LONG_CALL_SCORES = 2**24  # T * S
+
+
+def _leaving_level(spec: AttentionSpec) -> int:
+    """The level the first backend's refusal is logged at: WARNING for T * S >= LONG_CALL_SCORES."""
+    return logging.WARNING if spec.q_len * spec.kv_len >= LONG_CALL_SCORES else logging.INFO
+
+
 def _choose_backend(call: PreparedCall, implementation: str | None, training: bool) -> str:
     decision = _decide(call, implementation, training, raise_on_miss=True)
     if implementation is not None and decision.backend != implementation:
         raise ValueError(f"implementation={implementation!r} cannot run {call.spec.summary()}: {decision.reason}")
     if decision.backend != registry.primary().name and implementation is None:
-        log_once(logger, logging.INFO,
+        log_once(logger, _leaving_level(call.spec),
                  f"sdpagraph: using the {decision.backend} backend for {call.spec.summary()}: {decision.reason}")
     return decision.backend
 
@@ -156,7 +166,7 @@ def attention(
       implementation: None (the fastest backend that can run the call, by measured speed:
         cuDNN for most calls; XLA or "small_seq" where cuDNN is measured slower, e.g. query
         length 1-4 with 32 keys or fewer over a huge batch; the reason is logged once at
-        INFO), "xla", "cudnn" (raises with the reason if unsupported), or "small_seq" (the
+        INFO, at WARNING when T * S >= 2**24), "xla", "cudnn" (raises with the reason if unsupported), or "small_seq" (the
         small-sequence backend: T <= 4, S <= 32, or packed with `max_seqlen_q` <= 4 and
         `max_seqlen_kv` <= 32; raises outside that regime).
       return_residual: also return the logsumexp, shape `(B, T, N)`, as jax does.
