@@ -157,6 +157,10 @@ REQUIRE_FFI = Variable(
     "SDPAGRAPH_REQUIRE_FFI", "",
     "read by the build: `1` (or `ON`, `TRUE`, `YES`) makes `pip install` fail instead of skipping the "
     "C++ executor when headers or a C++ compiler are missing")
+REBUILD_EXECUTOR = Variable(
+    "SDPAGRAPH_REBUILD_EXECUTOR", "",
+    "read by the build: `1` compiles the C++ executor even when `build/executor-cache/` holds one built "
+    "from the same sources, compiler and headers")
 COMMAND_BUFFER_COMPATIBLE = Variable(
     "SDPAGRAPH_COMMAND_BUFFER_COMPATIBLE", "ON",
     "a CMake option, not read from the environment (`pip install . -C "
@@ -165,5 +169,5 @@ COMMAND_BUFFER_COMPATIBLE = Variable(
 
 VARIABLES: tuple[Variable, ...] = (
     CACHE_DIR, CACHE_MODE, CACHE_MAX_BYTES, VERIFY, RECORD, DISPATCH_TABLE, CHECK_SEGMENTS, BINS,
-    SMALL_SEQ_KERNEL, PARTITION, EXECUTOR_LIBRARY, REQUIRE_FFI, COMMAND_BUFFER_COMPATIBLE,
+    SMALL_SEQ_KERNEL, PARTITION, EXECUTOR_LIBRARY, REQUIRE_FFI, REBUILD_EXECUTOR, COMMAND_BUFFER_COMPATIBLE,
 )

@@ -87,6 +87,47 @@ def test_cmake_fails_without_headers_when_the_extension_is_required(tmp_path):
     assert "FFI extension not built" in result.stderr
 
 
+def configure_with_stand_in_headers(tmp_path: Path, build: str, reuse: Path, **env: str) -> str:
+    """Configures the project against empty stand-ins of every header set (enough to configure, not
+    to compile) with `reuse` as the executor reuse folder; returns cmake's messages."""
+    headers = tmp_path / "headers"
+    for marker in ("xla/ffi/api/ffi.h", "cudnn.h", "cudnn_graph.h", "cudnn_version.h", "cudnn_frontend.h",
+                   "cuda.h", "cuda_runtime_api.h", "crt/host_defines.h", "nvrtc.h", "nv/target"):
+        if not (headers / marker).exists():
+            (headers / marker).parent.mkdir(parents=True, exist_ok=True)
+            (headers / marker).write_text(f"// stand-in {marker}\n")
+    sets = [f"-DSDPAGRAPH_{name}_INCLUDE={headers}" for name in ("XLA_FFI", "CUDNN", "CUDNN_FRONTEND", "CUDA")]
+    result = subprocess.run(
+        ["cmake", "-S", str(REPO), "-B", str(tmp_path / build), "-DPython_EXECUTABLE=/bin/false",
+         f"-DSDPAGRAPH_EXECUTOR_REUSE_DIR={reuse}", *sets],
+        env=_environment(env), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout + result.stderr
+
+
+@needs_cmake
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
+def test_a_build_reuses_the_executor_built_from_the_same_inputs(tmp_path):
+    reuse = tmp_path / "reuse"
+    first = configure_with_stand_in_headers(tmp_path, "first", reuse)
+    key = first.split("executor build key ")[1].split()[0]
+    assert "reusing" not in first and "sdpagraph_executor" in (tmp_path / "first" / "Makefile").read_text()
+    (reuse / key).mkdir(parents=True)
+    (reuse / key / "_sdpagraph_executor.so").write_bytes(b"built before")
+    second = configure_with_stand_in_headers(tmp_path, "second", reuse)
+    assert f"executor build key {key}" in second and "reusing the executor" in second
+    assert "sdpagraph_executor" not in (tmp_path / "second" / "Makefile").read_text()  # nothing to compile
+    subprocess.run(["cmake", "--install", str(tmp_path / "second"), "--prefix", str(tmp_path / "installed")],
+                   check=True, capture_output=True, timeout=60)
+    assert (tmp_path / "installed/sdpagraph/ffi/_sdpagraph_executor.so").read_bytes() == b"built before"
+    # A changed header is another key; SDPAGRAPH_REBUILD_EXECUTOR=1 compiles whatever is kept.
+    (tmp_path / "headers/cudnn_version.h").write_text("#define CUDNN_MAJOR 10\n")
+    assert key not in configure_with_stand_in_headers(tmp_path, "third", reuse)
+    (tmp_path / "headers/cudnn_version.h").write_text("// stand-in cudnn_version.h\n")
+    forced = configure_with_stand_in_headers(tmp_path, "fourth", reuse, SDPAGRAPH_REBUILD_EXECUTOR="1")
+    assert f"executor build key {key}" in forced and "reusing" not in forced
+
+
 @needs_library
 def test_library_exports_only_its_entry_points():
     nm = shutil.which("nm")
