@@ -69,6 +69,27 @@ def _static_size(value: Any, what: str) -> int:
         raise TypeError(f"{what} must be a Python int, got {type(value).__name__}") from None
 
 
+def _finite_floats(value: Any, what: str, fix: str) -> np.ndarray:
+    """A concrete parameter as float32 NumPy values, each a finite real number: an infinite or
+    NaN parameter turns every score it touches into NaN (`inf * 0`, `inf / inf`) with no error."""
+    given = np.asarray(value)
+    if given.dtype.kind not in "iuf":
+        if given.ndim == 0:
+            raise TypeError(f"{what} must be a real number (int or float), got {type(value).__name__}")
+        kind = {"U": "str", "S": "bytes", "b": "bool", "c": "complex"}.get(given.dtype.kind, str(given.dtype))
+        raise TypeError(f"{what} must be real numbers (int or float), got an array of {kind}")
+    with np.errstate(over="ignore"):
+        values = given.astype(np.float32)
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        index = tuple(int(i) for i in np.unravel_index(bad[0], given.shape))
+        where = "" if given.ndim == 0 else f" at index {index if len(index) > 1 else index[0]}"
+        beyond = " (beyond float32)" if np.isfinite(given.flat[bad[0]]) else ""
+        raise ValueError(f"{what} must be finite, got {given.flat[bad[0]]}{where}{beyond}: it would make the "
+                         f"scores NaN; {fix}")
+    return values
+
+
 def _typed(tensor: Any, dtype: str) -> Any:
     """Explicit types on every intermediate: cuDNN declines backward graphs without them."""
     return tensor.set_data_type({FLOAT: "FLOAT", INT: "INT32", BOOL: "BOOLEAN"}[dtype])
@@ -95,8 +116,13 @@ def softcap(cap: float) -> ScoreMod:
     if traced:
         if jnp.ndim(cap) != 0:
             raise ValueError(f"softcap cap must be a scalar, got shape {jnp.shape(cap)}")
-    elif not cap > 0:
-        raise ValueError(f"softcap cap must be > 0, got {cap}")
+    else:
+        value = _finite_floats(cap, "softcap cap", "pass a finite cap such as 30.0, or leave mods.softcap out "
+                                                   "for no capping")
+        if value.ndim != 0:
+            raise ValueError(f"softcap cap must be a scalar, got shape {value.shape}")
+        if not value > 0:
+            raise ValueError(f"softcap cap must be > 0, got {cap}")
 
     def fn(graph, score, tensors):
         pre = _typed(graph.div(a=score, b=tensors["cap"]), FLOAT)
@@ -109,7 +135,10 @@ def softcap(cap: float) -> ScoreMod:
 
 def alibi(slopes: Any) -> ScoreMod:
     """ALiBi: `score + slope[h] * (key_pos - query_pos)`; slopes of shape (N,) (may be traced)."""
-    slopes = (jnp if _is_traced(slopes) else np).asarray(slopes, dtype=np.float32)
+    if _is_traced(slopes):
+        slopes = jnp.asarray(slopes, dtype=np.float32)
+    else:
+        slopes = _finite_floats(slopes, "alibi slopes", "the usual slopes are 2 ** (-8 * (h + 1) / N) for head h")
     if slopes.ndim != 1:
         raise ValueError(f"alibi slopes must have shape (N,), got {slopes.shape}")
 
@@ -132,13 +161,21 @@ def relative_position_bias(table: Any, max_distance: int) -> ScoreMod:
     Distances beyond ±D keep the end columns. It costs 5 ops per column: keep D modest.
     """
     max_distance = _static_size(max_distance, "relative_position_bias max_distance")
-    table = (jnp if _is_traced(table) else np).asarray(table, dtype=np.float32)  # a table may be traced
+    traced = _is_traced(table)
+    if traced:
+        table = jnp.asarray(table, dtype=np.float32)
+    else:
+        table = _finite_floats(table, "relative_position_bias table", "pass a table of finite biases")
     if max_distance < 0 or table.ndim != 2 or table.shape[1] != 2 * max_distance + 1:
         raise ValueError(f"table must have shape (N, 2*max_distance+1)=(N, {2 * max_distance + 1}), got {table.shape}")
     per_head = lambda column: column.reshape(1, -1, 1, 1)  # noqa: E731
     tensors = {"first": per_head(table[:, 0])}
-    tensors.update({f"step{d}": per_head(table[:, d + max_distance] - table[:, d + max_distance - 1])
-                    for d in range(-max_distance + 1, max_distance + 1)})
+    with np.errstate(over="ignore"):
+        tensors.update({f"step{d}": per_head(table[:, d + max_distance] - table[:, d + max_distance - 1])
+                        for d in range(-max_distance + 1, max_distance + 1)})
+    if not traced and not all(np.isfinite(step).all() for step in tensors.values()):
+        raise ValueError("relative_position_bias table: neighbouring columns differ by more than float32 holds "
+                         "(the bias is built from those differences): keep the biases within about ±1e38")
 
     def fn(graph, score, tensors):
         q, k = positions(graph, score)
@@ -199,6 +236,8 @@ def prefix_lm(prefix_len: Any) -> ScoreMod:
     A traced length (or array of them) works too; its values are not checked.
     """
     traced = _is_traced(prefix_len)
+    if not traced and np.asarray(prefix_len).dtype.kind not in "iu":
+        raise TypeError(f"prefix_lm prefix_len must be an int or a (B,) array of ints, got {prefix_len!r}")
     lengths = (jnp if traced else np).asarray(prefix_len, dtype=np.int32)
     if lengths.ndim > 1 or (not traced and np.any(lengths < 0)):
         raise ValueError(f"prefix_lm prefix_len must be an int >= 0 or a (B,) array of them, got {prefix_len!r}")

@@ -157,6 +157,7 @@ def refuse_access(monkeypatch, denied, mode):
 
 @pytest.mark.parametrize("action", WRITING_ACTIONS)
 def test_removing_from_a_directory_this_user_cannot_write_is_an_error(cache_dir, capsys, monkeypatch, action):
+    damage(cache_dir, KEY)  # something for verify --remove to remove
     shards = sorted(str(path) for path in cache_dir.iterdir() if path.is_dir())
     files_before = sorted(cache_dir.rglob("*"))
     refuse_access(monkeypatch, {shards[-1]}, os.W_OK)
@@ -169,7 +170,35 @@ def test_removing_from_a_directory_this_user_cannot_write_is_an_error(cache_dir,
     assert code == data["exit_code"] == 2 and data["error"].startswith("permission denied")
     # Reading needs no write permission.
     assert run(capsys, "cache", "ls", "--cache-dir", str(cache_dir))[0] == 0
-    assert run(capsys, "cache", "verify", "--cache-dir", str(cache_dir))[0] == 0
+    assert run(capsys, "cache", "verify", "--cache-dir", str(cache_dir))[0] == 1  # the damaged entry
+
+
+def test_verify_remove_needs_write_access_only_for_something_to_remove(cache_dir, capsys, monkeypatch):
+    shards = sorted(str(path) for path in cache_dir.iterdir() if path.is_dir())
+    refuse_access(monkeypatch, set(shards), os.W_OK)
+    code, out = run(capsys, "cache", "verify", "--remove", "--cache-dir", str(cache_dir))
+    assert (code, out) == (0, f"checked 2 entries in {cache_dir}: all valid\n")
+    damage(cache_dir, KEY)
+    assert error_line(capsys, "cache", "verify", "--remove", "--cache-dir", str(cache_dir)).startswith(
+        "sdpagraph cache verify: permission denied: cannot write to")
+
+
+def test_verify_reports_stale_temp_files_and_removes_them(cache_dir, capsys):
+    shard = next(path for path in cache_dir.iterdir() if path.is_dir())
+    stale, fresh = shard / ("a" * 64 + ".x1.tmp"), shard / ("b" * 64 + ".x2.tmp")
+    stale.write_bytes(b"half an entry")
+    fresh.write_bytes(b"being written")
+    two_hours_ago = os.stat(stale).st_mtime - 7200
+    os.utime(stale, (two_hours_ago, two_hours_ago))
+    code, out = run(capsys, "cache", "verify", "--cache-dir", str(cache_dir))
+    assert code == 0 and out.splitlines() == [
+        f"checked 2 entries in {cache_dir}: all valid",
+        "1 stale temp file, left by killed writers (never read; `sdpagraph cache verify --remove` deletes them)"]
+    code, data = run_json(capsys, "cache", "verify", "--cache-dir", str(cache_dir))
+    assert code == 0 and data["stale_temp_files"] == [str(stale)] and stale.exists()
+    code, out = run(capsys, "cache", "verify", "--remove", "--cache-dir", str(cache_dir))
+    assert code == 0 and out.splitlines()[-1] == "1 stale temp file, left by killed writers: 1 removed"
+    assert not stale.exists() and fresh.exists()  # a fresh one may belong to a live writer
 
 
 @pytest.mark.parametrize("action", ACTIONS)

@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from sdpagraph.cache import GraphCache
+from sdpagraph.cache import CacheMissError, GraphCache
 
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT
 
@@ -101,3 +101,59 @@ def test_shared_writable_directory_is_flagged_once(tmp_path, caplog, mode, warne
     flagged = [w for w in cache_warnings(caplog) if "group/world-writable" in w]
     assert flagged == ([f"cache directory {directory} is group/world-writable (mode {oct(mode)}); other users "
                         f"could plant graphs that this process runs. Run: chmod 700 {directory}"] if warned else [])
+
+
+def lookups(cache, keys):
+    """get_or_build each key: built in memory, or (strict) a CacheMissError naming why."""
+    reasons = []
+    for key in keys:
+        if cache.mode == "strict":
+            with pytest.raises(CacheMissError) as raised:
+                cache.get_or_build(key, pytest.fail)
+            reasons.append(str(raised.value))
+        else:
+            assert cache.get_or_build(key, lambda: (b"built", {}))[0] == b"built"
+    return reasons
+
+
+@pytest.mark.parametrize("mode", ["readwrite", "readonly", "strict"])
+@pytest.mark.parametrize("below", [False, True], ids=["file", "below_a_file"])
+def test_a_file_as_the_directory_warns_once_not_per_key(tmp_path, caplog, mode, below):
+    path = tmp_path / "a_file"
+    path.write_bytes(b"not a directory")
+    directory = path / "cache" if below else path
+    cache = GraphCache(directory, mode=mode)
+    reasons = lookups(cache, ["k1", "k2", "k3", "k1"])
+    [warning] = cache_warnings(caplog)
+    assert str(directory) in warning and "not a directory" in warning.lower()
+    assert "ignoring cache entry" not in caplog.text and cache.stats()["invalid_entries"] == 0
+    assert all("Not a directory" in reason for reason in reasons)
+    assert path.read_bytes() == b"not a directory"
+
+
+def deny_search(monkeypatch, directory):
+    """Nothing below `directory` can be opened or stat'ed, as when this user may not search it
+    (root may search any directory, so the tests make the OS say no)."""
+    below = os.fspath(directory) + os.sep
+
+    def refusing(function):
+        def call(path, *args, **kwargs):
+            if isinstance(path, (str, os.PathLike)) and os.fspath(path).startswith(below):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+            return function(path, *args, **kwargs)
+        return call
+
+    for name in ("open", "stat", "mkdir"):
+        monkeypatch.setattr(os, name, refusing(getattr(os, name)))
+
+
+@pytest.mark.parametrize("mode", ["readwrite", "readonly", "strict"])
+def test_a_directory_that_cannot_be_searched_warns_once_not_per_key(tmp_path, monkeypatch, caplog, mode):
+    GraphCache(tmp_path).get_or_build("k1", lambda: (b"on disk", {}))
+    deny_search(monkeypatch, tmp_path)
+    cache = GraphCache(tmp_path, mode=mode)
+    reasons = lookups(cache, ["k1", "k2", "k3", "k2"])
+    assert cache_warnings(caplog) == [f"cannot read cache directory {tmp_path} (Permission denied); every lookup "
+                                      "there misses"]
+    assert cache.stats()["invalid_entries"] == 0
+    assert all(f"cannot read cache directory {tmp_path} (Permission denied)" in reason for reason in reasons)

@@ -66,8 +66,8 @@ def one_error_line(capsys, argv):
 
 def test_bad_input_exits_2_with_the_reason(tmp_path, capsys):
     assert "--query" in one_error_line(capsys, ["check"])
-    line = one_error_line(capsys, ["check", "--query", "2,512,8,128", "--dtype", "float64"])
-    assert line == "sdpagraph check: --dtype: must be one of float32, bfloat16, float16, got 'float64'"
+    line = one_error_line(capsys, ["check", "--query", "2,512,8,128", "--dtype", "int8"])
+    assert line == "sdpagraph check: --dtype: must be one of float32, bfloat16, float16, float64, got 'int8'"
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     assert one_error_line(capsys, ["check", str(bad)]).startswith(f"sdpagraph check: {bad}: not JSON: ")

@@ -521,7 +521,7 @@ def test_cli_verify_numerics_reads_the_spec_file_first_and_says_why_it_cannot_ch
     if environment_reason() is None:
         pytest.skip("this machine has a GPU: the check runs")
     assert main(["verify", "--numerics", "--specs", str(specs), "--cache-dir", str(tmp_path)]) == 2
-    assert "cannot check graphs numerically on this machine" in capsys.readouterr().out
+    assert "cannot check graphs numerically on this machine" in capsys.readouterr().err
     assert main(["verify", "--numerics", "--specs", str(specs), "--cache-dir", str(tmp_path), "--json"]) == 2
     assert json.loads(capsys.readouterr().out)["exit_code"] == 2
 

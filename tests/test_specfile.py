@@ -158,7 +158,7 @@ VALID = {"shapes": {"query": [2, 32, 4, 32], "key": [2, 32, 2, 32], "value": [2,
 
 
 @pytest.mark.parametrize("change, field, message", [
-    ({"dtype": "float64"}, "dtype", "must be one of"),
+    ({"dtype": "int8"}, "dtype", "must be one of"),
     ({"dtype": 3}, "dtype", "dtype name"),
     ({"shapes": {"query": [2, 32, 4, 32], "key": [2, 32, 3, 32], "value": [2, 32, 3, 32]}}, "shapes", "multiple"),
     ({"shapes": {"query": [2, 32, 4, 32], "key": [2, 32, 2, 32]}}, "shapes", "'value' is missing"),

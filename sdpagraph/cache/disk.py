@@ -12,8 +12,9 @@ mtime; eviction removes the least recently used entries and skips any entry whos
 another process holds (it is being published or rebuilt).
 
 Every OS failure (missing or read-only directory, full disk, permissions) degrades to
-"not on disk" with one warning. The one error raised is TimeoutError, when a lock's
-holder does not finish in time.
+"not on disk" with one warning: one per directory for a directory that cannot be read or
+written (a path that is a file, a folder without permission), one per file for a bad
+entry. The one error raised is TimeoutError, when a lock's holder does not finish in time.
 """
 from __future__ import annotations
 
@@ -59,10 +60,12 @@ class StoredFile:
 
 @dataclass(frozen=True)
 class Miss:
-    """Why a lookup found no usable entry; `invalid` when a file was there but rejected."""
+    """Why a lookup found no usable entry; `invalid` when a file was there but rejected;
+    `folder` when a folder on the way to the file cannot be read (every entry in it misses)."""
 
     reason: str
     invalid: bool = False
+    folder: str | None = None
 
 
 NOT_FOUND = Miss("not in the cache")
@@ -89,11 +92,16 @@ class DiskStore:
 
     def read(self, digest: str, key: str | None = None) -> Entry | Miss:
         """The entry named `digest` (holding `key`, when given), or why there is none."""
+        path = self.entry_path(digest)
         try:
-            data = _read_file(self.entry_path(digest))
+            data = _read_file(path)
         except FileNotFoundError:
             return NOT_FOUND
         except OSError as error:
+            blocked = _blocking_folder(self.directory, path)
+            if blocked is not None:
+                folder, why = blocked
+                return Miss(f"cannot read cache directory {folder} ({why})", folder=folder)
             return Miss(f"unreadable: {error.strerror or error}", invalid=True)
         try:
             return decode_entry(data, digest, key)
@@ -103,7 +111,9 @@ class DiskStore:
     def load(self, digest: str, key: str) -> Entry | Miss:
         """`read`, with one warning per rejected file (the caller then rebuilds or reports)."""
         found = self.read(digest, key)
-        if isinstance(found, Miss) and found.invalid:
+        if isinstance(found, Miss) and found.folder is not None:
+            self._warn_once("directory", "%s; every lookup there misses", found.reason, about=found.folder)
+        elif isinstance(found, Miss) and found.invalid:
             path = self.entry_path(digest)
             self._warn_once("invalid", "ignoring cache entry %s: %s", path, found.reason, about=path)
         return found
@@ -208,18 +218,26 @@ class DiskStore:
                 removed.append(stored)
         return removed
 
-    def remove_stale_temps(self) -> int:
-        """Delete temp files left by killed writers (old enough that no live writer owns them)."""
-        if not self.writable:
-            return 0
+    def stale_temps(self) -> list[str]:
+        """The temp files left by killed writers (old enough that no live writer owns them)."""
         cutoff = time.time() - STALE_TEMP_AGE_S
-        removed = 0
+        stale = []
         for item in self._shard_items():
             if item.name.endswith(TEMP_SUFFIX):
                 with suppress(OSError):
                     if item.stat().st_mtime < cutoff:
-                        os.unlink(item.path)
-                        removed += 1
+                        stale.append(item.path)
+        return stale
+
+    def remove_stale_temps(self) -> int:
+        """Delete the temp files left by killed writers; how many were deleted."""
+        if not self.writable:
+            return 0
+        removed = 0
+        for path in self.stale_temps():
+            with suppress(OSError):
+                os.unlink(path)
+                removed += 1
         return removed
 
     def remove_idle_locks(self) -> int:
@@ -275,15 +293,17 @@ class DiskStore:
         log_once(cache_logger, logging.WARNING, message, *args, topic=(problem, about or self.directory))
 
     def _warn_unwritable(self, action: str, error: OSError) -> None:
-        # One warning for every way of failing to write: the user needs to hear once that
-        # this directory does not work, not about each operation that found out.
-        self._warn_once("unwritable", "cannot write to cache directory %s (%s while %s); new graphs are kept in "
+        # One warning for every way of failing to write (or read, see `load`): the user needs to
+        # hear once that this directory does not work, not about each operation that found out.
+        self._warn_once("directory", "cannot write to cache directory %s (%s while %s); new graphs are kept in "
                         "memory only", self.directory, error.strerror or error, action)
 
     def _prepare_directory(self) -> None:
         if self.writable:
             try:
                 _make_private_dirs(self.directory)
+            except FileExistsError:
+                pass  # a file is in the way: reported below, as for a read-only store
             except OSError as error:
                 self._warn_unwritable("creating it", error)
                 return
@@ -293,7 +313,13 @@ class DiskStore:
             self._warn_once("missing", "cache directory %s does not exist; every lookup will miss", self.directory)
             return
         except OSError as error:
-            self._warn_once("stat", "cannot access cache directory %s (%s)", self.directory, error.strerror or error)
+            self._warn_once("directory", "cannot access cache directory %s (%s); every lookup there misses",
+                            self.directory, error.strerror or error)
+            return
+        if not stat.S_ISDIR(mode):
+            self.writable = False  # nothing can be stored below a file: the store is memory only
+            self._warn_once("directory", "cache directory %s is not a directory; every lookup there misses and "
+                            "new graphs are kept in memory only", self.directory)
             return
         if mode & (stat.S_IWGRP | stat.S_IWOTH):
             # Entries are executable plans: whoever can write here can choose what runs on the GPU.
@@ -350,6 +376,17 @@ def _make_private_dirs(*directories: str) -> None:
     # gives the mode only to the last component, which is the one that matters.
     for directory in directories:
         os.makedirs(directory, mode=PRIVATE_DIR_MODE, exist_ok=True)
+
+
+def _blocking_folder(directory: str, path: str) -> tuple[str, str] | None:
+    """The folder that keeps the file `path` in `directory` from being opened (not a directory,
+    or one this user may not search) and why; None when the file itself is the problem."""
+    for folder in (directory, os.path.dirname(path)):
+        try:
+            os.stat(os.path.join(folder, os.curdir))  # resolving `folder/.` needs a searchable directory
+        except OSError as error:
+            return folder, error.strerror or str(error)
+    return None
 
 
 def _directory_items(directory: str) -> list[os.DirEntry[str]]:

@@ -32,7 +32,8 @@ DEFAULT_DISK_MAX_BYTES = parse_size(CACHE_MAX_BYTES.default)
 # that exceeds it is hung, and waiting forever would hide that.
 DEFAULT_LOCK_TIMEOUT_S = 300.0
 
-# What stats() counts; the *_seconds ones are totals.
+# What stats() counts; the *_seconds ones are totals. `invalid_entries` counts bad entry files,
+# each once however often lookups find it (a file replaced by a new entry is a new file).
 _COUNTERS = ("memory_hits", "disk_hits", "builds", "misses", "invalid_entries", "write_errors",
              "disk_load_seconds", "build_seconds", "lock_wait_seconds")
 
@@ -69,6 +70,7 @@ class GraphCache:
         self._memory = MemoryLRU()
         self._building = KeyedLocks()
         self._counts: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
+        self._invalid_digests: set[str] = set()  # the bad files counted so far, by digest
         self._counts_lock = threading.Lock()
 
     @property
@@ -185,7 +187,7 @@ class GraphCache:
         found = self._disk.load(digest, text)
         if isinstance(found, Miss):
             if found.invalid:
-                self._count("invalid_entries")
+                self._count_invalid(digest)
             return found
         self._disk.touch(digest)
         self._memory.put(digest, found)
@@ -212,8 +214,12 @@ class GraphCache:
         # Keep the decoded form, so this process sees exactly what a later load sees
         # (msgpack turns tuples into lists, for one).
         entry = decode_entry(data, digest, text)
-        if self._disk is not None and self._disk.writable and not self._disk.publish(digest, data):
-            self._count("write_errors")
+        if self._disk is not None and self._disk.writable:
+            if self._disk.publish(digest, data):
+                with self._counts_lock:
+                    self._invalid_digests.discard(digest)  # replaced: a later bad file there is another file
+            else:
+                self._count("write_errors")
         self._memory.put(digest, entry)
         return entry
 
@@ -236,6 +242,12 @@ class GraphCache:
     def _count(self, name: str, amount: float = 1) -> None:
         with self._counts_lock:
             self._counts[name] += amount
+
+    def _count_invalid(self, digest: str) -> None:
+        with self._counts_lock:
+            if digest not in self._invalid_digests:
+                self._invalid_digests.add(digest)
+                self._counts["invalid_entries"] += 1
 
     def _miss_message(self, text: str, digest: str, miss: Miss) -> str:
         where = f"cache directory {self.directory}" if self._disk else "memory (no cache directory)"

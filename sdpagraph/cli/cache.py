@@ -17,9 +17,9 @@ def add_cache_command(subparsers: argparse._SubParsersAction) -> None:
         subparsers, "cache", help="inspect and maintain the graph cache directory",
         description="Inspect and maintain a graph cache directory (default: $SDPAGRAPH_CACHE_DIR or the user "
                     "cache). A directory that does not exist holds nothing (exit 0). A path that is not a "
-                    "directory, or that you may not read (or, for prune, clear and verify --remove, write), "
-                    "is an error: one line on stderr (with --json also {\"error\", \"exit_code\"} on stdout), "
-                    "exit 2, nothing changed.")
+                    "directory, or that you may not read (or, for prune, clear, and verify --remove with "
+                    "something to remove, write), is an error: one line on stderr (with --json also "
+                    "{\"error\", \"exit_code\"} on stdout), exit 2, nothing changed.")
     actions = cache.add_subparsers(metavar="ACTION", required=True)  # CommandParsers too
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--cache-dir", help="cache directory (default: $SDPAGRAPH_CACHE_DIR or the user cache)")
@@ -33,8 +33,9 @@ def add_cache_command(subparsers: argparse._SubParsersAction) -> None:
     info.set_defaults(handler=_cache_handler("info", lambda directory, args: admin.entry_info(directory,
                                                                                                args.key)))
 
-    verify = actions.add_parser("verify", parents=[common], help="check every entry; exit 1 if any is bad")
-    verify.add_argument("--remove", action="store_true", help="delete the bad entries")
+    verify = actions.add_parser("verify", parents=[common],
+                                help="check every entry and look for stale temp files; exit 1 if an entry is bad")
+    verify.add_argument("--remove", action="store_true", help="delete the bad entries and stale temp files")
     verify.set_defaults(handler=_cache_handler("verify", lambda directory, args: admin.verify_entries(directory,
                                                                                                    args.remove)))
 

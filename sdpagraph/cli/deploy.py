@@ -74,9 +74,16 @@ def _handle_verify(args: argparse.Namespace) -> int:
     from sdpagraph.deploy.verify import precompile_command, verify
 
     if args.numerics:
-        from sdpagraph.deploy.numerics import verify_numerics
+        from sdpagraph.deploy.numerics import NumericsReport, verify_numerics
+        from sdpagraph.deploy.precompile import BuilderUnavailable
 
-        return _run(args, "verify --numerics", lambda entries: verify_numerics(entries, args.cache_dir))
+        def check(entries: list[SpecEntry]) -> NumericsReport:
+            report = verify_numerics(entries, args.cache_dir)
+            if report.unavailable is not None:  # an error, reported like verify's own (exit 2)
+                raise BuilderUnavailable(report.text())
+            return report
+
+        return _run(args, "verify", check)
 
     def run(entries: list[SpecEntry]) -> VerifyReport:
         report = verify(entries, args.cache_dir)

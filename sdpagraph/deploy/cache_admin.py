@@ -5,7 +5,7 @@ Maintenance goes through DiskStore, so it follows the same locking rules as runn
 processes: an entry whose lock is held (being published or rebuilt) is never deleted.
 
 A directory that does not exist holds nothing (exit 0: nothing has been cached there).
-A path that is not a directory, or one this user may not read (or, to remove entries,
+A path that is not a directory, or one this user may not read (or, to remove what is there,
 write), is an error: a Report with `error` set and exit code 2, and nothing is changed.
 """
 from __future__ import annotations
@@ -83,22 +83,34 @@ def entry_info(directory: str, key_prefix: str) -> Report:
 
 
 def verify_entries(directory: str, remove: bool) -> Report:
-    """Check every entry (header, checksum, payload, key hash); optionally delete bad ones."""
-    store, problem = _open(directory, writable=remove, data={"directory": directory, "checked": 0, "bad": []})
+    """Check every entry (header, checksum, payload, key hash) and look for temp files left by
+    killed writers; with `remove`, delete both. Write access is needed only when there is
+    something to delete."""
+    data = {"directory": directory, "checked": 0, "bad": [], "stale_temp_files": []}
+    store, problem = _open(directory, writable=False, data=data)
     if store is None:
         return problem
     files = store.scan()
-    bad = []
-    for stored in files:
-        found = store.read(stored.digest)
-        if isinstance(found, Miss):
-            bad.append({"digest": stored.digest, "path": stored.path, "problem": found.reason,
-                        "removed": remove and store.remove(stored)})
+    read = {stored: store.read(stored.digest) for stored in files}
+    bad = [(stored, found.reason) for stored, found in read.items() if isinstance(found, Miss)]
+    stale = store.stale_temps()
+    if remove and (bad or stale):
+        store, problem = _open(directory, writable=True, data=data)
+        if store is None:
+            return problem
+    bad_items = [{"digest": stored.digest, "path": stored.path, "problem": reason,
+                  "removed": remove and store.remove(stored)} for stored, reason in bad]
+    temps_removed = store.remove_stale_temps() if remove else 0
     lines = [f"BAD {item['digest'][:12]}  {item['problem']}" + ("  (removed)" if item["removed"] else "")
-             for item in bad]
+             for item in bad_items]
     lines.append(f"checked {_count_entries(len(files))} in {store.directory}: "
                  + (f"{len(bad)} bad" if bad else "all valid"))
-    data = {"directory": store.directory, "checked": len(files), "bad": bad}
+    if stale:
+        temps = f"{len(stale)} stale temp file{'s' if len(stale) != 1 else ''}, left by killed writers"
+        lines.append(f"{temps}: {temps_removed} removed" if remove else
+                     f"{temps} (never read; `sdpagraph cache verify --remove` deletes them)")
+    data = {"directory": store.directory, "checked": len(files), "bad": bad_items, "stale_temp_files": stale,
+            "stale_temp_files_removed": temps_removed}
     return Report(data, "\n".join(lines), exit_code=1 if bad else 0)
 
 

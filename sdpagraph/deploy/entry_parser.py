@@ -28,6 +28,9 @@ ARGUMENT_FIELDS = ("scale", "is_causal", "causal_alignment", "local_window_size"
                    "max_seqlen_q", "max_seqlen_kv", "score_mod")
 HAND_WRITTEN_FIELDS = ("shapes", "dtype", "training", *ARGUMENT_FIELDS, "score_mod_tensors")
 ARRAY_ARGUMENTS = ("query", "key", "value", "bias", "mask")
+# Why sizes are >= 1 in spec files (and in `sdpagraph check --query`), though `attention` takes 0.
+EMPTY_CALLS = ("a call with an axis of size 0 computes nothing and builds no graph (attention returns jax's "
+               "empty result on XLA), so there is nothing to check or precompile")
 # The factories of sdpagraph.mods a spec file may name; `compose` is spelled as a list.
 MOD_FACTORIES = ("softcap", "alibi", "relative_position_bias", "causal", "sliding_window", "chunked",
                  "prefix_lm")
@@ -79,6 +82,8 @@ def _parse_recorded(item: Mapping[str, Any]) -> SpecEntry:
         if not isinstance(item["spec"], dict):
             raise TypeError(f"must be an AttentionSpec object, got {type(item['spec']).__name__}")
         spec = AttentionSpec.from_dict(item["spec"])
+        if spec.empty_axes:
+            raise ValueError(f"axis {', '.join(spec.empty_axes)} has size 0: {EMPTY_CALLS}")
         _check_runtime_makes(spec)
     with _field("score_mod"):
         raw = item.get("score_mod")
@@ -167,9 +172,10 @@ def _dtype(name: Any) -> Any:
 
 
 def _shape(value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                              for d in value):
-        raise TypeError(f"a shape is a list of sizes (non-negative ints), got {value!r}")
+    if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+        raise TypeError(f"a shape is a list of sizes (ints >= 1), got {value!r}")
+    if not all(d >= 1 for d in value):
+        raise ValueError(f"sizes must be >= 1, got {value!r}: {EMPTY_CALLS}")
     return tuple(value)
 
 
