@@ -353,6 +353,8 @@ def normalize_arguments(
     elif not isinstance(scale, (int, float, np.floating, np.integer)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
     scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale}: it would make every score NaN or infinite")
 
     full = (batch, num_heads, q_len, kv_len)
     bias_shape = mask_shape = None

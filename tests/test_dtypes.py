@@ -89,3 +89,10 @@ def test_mixed_dtypes_name_the_arrays(rng):
     q, k, v = _qkv(rng)
     with pytest.raises(TypeError, match="query, key and value must share one dtype"):
         sdpagraph.attention(q.astype(np.float16), k, v)
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), -float("inf")])
+def test_a_non_finite_scale_is_refused(rng, scale):
+    q, k, v = _qkv(rng)
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        sdpagraph.attention(q, k, v, scale=scale)
