@@ -258,8 +258,8 @@ def attention(
         raise ValueError("load_balanced, context_parallel_strategy and mesh apply to context parallelism: "
                          "pass context_parallel_axis= (the mesh axis the sequence is split over)")
     _check_implementation(implementation)
-    if context_parallel_axis is not None and load_balanced and segment_ids is not None:
-        segment_ids = context_parallel.natural_order(segment_ids, context_parallel_axis, mesh)
+    if context_parallel_axis is not None and segment_ids is not None:
+        segment_ids = context_parallel.natural_order(segment_ids, context_parallel_axis, mesh, load_balanced)
     call = prepare_call(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -314,8 +314,9 @@ def check_support(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
     parallel = {name: kwargs.pop(name) for name in ("context_parallel_axis", "load_balanced",
                                                     "context_parallel_strategy", "mesh") if name in kwargs}
     axis = parallel.get("context_parallel_axis")
-    if axis is not None and parallel.get("load_balanced") and kwargs.get("segment_ids") is not None:
-        kwargs["segment_ids"] = context_parallel.natural_order(kwargs["segment_ids"], axis, parallel.get("mesh"))
+    if axis is not None and kwargs.get("segment_ids") is not None:
+        kwargs["segment_ids"] = context_parallel.natural_order(kwargs["segment_ids"], axis, parallel.get("mesh"),
+                                                               parallel.get("load_balanced", False))
     call = prepare_call(query, key, value, bias, mask, **kwargs)
     if axis is not None:
         return context_parallel.support(call, axis, parallel.get("load_balanced", False),

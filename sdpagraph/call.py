@@ -30,6 +30,7 @@ from sdpagraph.scoremod.ir import FLOAT, INT, ScoreModError, ScoreModIR, array_a
 from sdpagraph.scoremod.native_masks import NativeMask, native_mask
 from sdpagraph.scoremod.trace import TensorInfo, trace_score_mod
 from sdpagraph.memo import BoundedMemo
+from sdpagraph.meshes import whole_along_sequence
 from sdpagraph.scoremod import forms as flex_mods
 from sdpagraph.scoremod.forms import PythonMods
 from sdpagraph.segments.metadata import (check_segment_bound, check_segment_lengths, rows_over_segment_bound,
@@ -272,12 +273,16 @@ def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_caus
     if native is not None:  # the flags cuDNN skips tiles for, in place of an equal mask mod
         spec = dataclasses.replace(call.spec, is_causal=native.is_causal, window=native.window)
         call, ir = dataclasses.replace(call, spec=spec), None
+    is_array = not isinstance(query, jax.ShapeDtypeStruct)
     q_ids = kv_ids = None
     if segment_ids is not None:
+        if isinstance(segment_ids, (tuple, list)):
+            segment_ids = type(segment_ids)(whole_along_sequence(ids) if is_array else ids for ids in segment_ids)
+        elif is_array:
+            segment_ids = whole_along_sequence(segment_ids)
         q_ids, kv_ids = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
     invalid_rows = _check_segments_at_run_time(segment_ids, q_ids, max_segments_per_seq, max_seqlen_q,
                                                max_seqlen_kv, call.spec)
-    is_array = not isinstance(query, jax.ShapeDtypeStruct)
     wrap = (lambda x, shape: None if x is None else jnp.reshape(jnp.asarray(x), shape)) if is_array else (lambda x, _: x)
     inputs = RuntimeInputs(
         bias=wrap(bias, call.spec.bias_shape), mask=wrap(mask, call.spec.mask_shape),

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import sdpagraph
 from sdpagraph import mods
@@ -25,7 +25,7 @@ from sdpagraph.deploy.specfile import load_specs
 from sdpagraph.scoremod.ir_eval import evaluate
 from sdpagraph.graphs.operands import ARRAY_PREFIX
 from sdpagraph.backends.cudnn import backend as cudnn_backend
-from tests.devices import has_cpu_devices, rerun_with_cpu_devices
+from tests.devices import AXIS_TYPES, has_cpu_devices, make_mesh, on_axis_types, rerun_with_cpu_devices
 from tests.test_sharding import cudnn_on_cpu, fake_executor, random_ids  # noqa: F401 (a fixture)
 
 DEVICES = 8
@@ -55,6 +55,25 @@ def test_load_balance_round_trip_and_order():
     np.testing.assert_array_equal(sdpagraph.unload_balance(sdpagraph.load_balance(lse, 4, seq_axis=-1), 4, -1), lse)
 
 
+@needs_devices
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_load_balance_of_sharded_arrays_keeps_their_sharding(axis_type):
+    m = mesh((2, CP), ("data", "cp"), axis_type)
+    y = np.random.default_rng(2).standard_normal((2, 32, 3, 5)).astype(np.float32)
+    lse = np.random.default_rng(3).standard_normal((2, 3, 32)).astype(np.float32)
+    ys, = place(m, y, spec=P("data", "cp"))
+    lses, = place(m, lse, spec=P("data", None, "cp"))
+    balance = jax.jit(lambda x: sdpagraph.load_balance(x, CP))
+    for balanced in (sdpagraph.load_balance(ys, CP), balance(ys)):  # eager and jitted
+        np.testing.assert_array_equal(balanced, sdpagraph.load_balance(y, CP))
+        back = sdpagraph.unload_balance(balanced, CP)
+        np.testing.assert_array_equal(back, y)
+        assert balanced.sharding.is_equivalent_to(ys.sharding, 4) and back.sharding.is_equivalent_to(ys.sharding, 4)
+    back = sdpagraph.unload_balance(sdpagraph.load_balance(lses, CP, seq_axis=-1), CP, seq_axis=-1)
+    np.testing.assert_array_equal(back, lse)
+    assert back.sharding.is_equivalent_to(lses.sharding, 3)
+
+
 def test_load_balance_errors_name_the_numbers():
     with pytest.raises(ValueError, match=r"load_balance: the sequence length 30 .* 2 \* cp_size = 8"):
         sdpagraph.load_balance(np.zeros((1, 30, 2, 2)), 4)
@@ -64,8 +83,8 @@ def test_load_balance_errors_name_the_numbers():
 
 # ----------------------------------------------------------------------------- cases
 
-def mesh(shape=(CP,), names=("cp",)):
-    return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+def mesh(shape=(CP,), names=("cp",), axis_type="auto"):
+    return make_mesh(shape, names, axis_type)
 
 
 def case(name, rng):
@@ -127,18 +146,23 @@ def place(m, *xs, spec=P(None, "cp")):
     return tuple(jax.device_put(jnp.asarray(x), NamedSharding(m, spec)) for x in xs)
 
 
-def run(name, strategy, load_balanced, impl, seed, ref=reference):
+def run(name, strategy, load_balanced, impl, seed, ref=reference, axis_type="auto"):
+    """(the context-parallel step's value and gradients in natural order, the one-device reference's,
+    the compiled HLO); the output and gradients keep the sharding of q, k and v."""
     rng = np.random.default_rng(seed)
     kwargs, K = case(name, rng)
     q, k, v, cot = inputs(rng, K)
-    m = mesh()
+    m = mesh(axis_type=axis_type)
     order = (lambda x: sdpagraph.load_balance(x, CP)) if load_balanced else (lambda x: x)  # noqa: E731
     back = (lambda x: sdpagraph.unload_balance(x, CP)) if load_balanced else (lambda x: x)  # noqa: E731
     with jax.set_mesh(m):
         step = jax.jit(cp_step(kwargs, strategy, load_balanced, impl))
         args = place(m, *(order(x) for x in (q, k, v, cot)))
         compiled = step.lower(*args).compile()
-        ours = jax.tree.map(lambda x: back(x) if x.ndim > 1 else x, compiled(*args))  # all but the loss: (B, T, ...)
+        (loss, out), grads = compiled(*args)
+        for x, like in zip((out, *grads), (args[0], *args[:3])):
+            assert x.sharding.is_equivalent_to(like.sharding, 4), (x.sharding, like.sharding)
+        ours = (loss, back(out)), tuple(back(g) for g in grads)  # (B, T, ...): natural order
     return ours, ref(kwargs)(q, k, v, cot), compiled.as_text()
 
 
@@ -147,21 +171,50 @@ XLA_CASES = ["causal", "plain", "gqa_causal", "mqa_causal", "softcap_causal", "a
 
 
 @needs_devices
-@pytest.mark.parametrize("load_balanced", [False, True])
-@pytest.mark.parametrize("name", XLA_CASES)
-def test_ring_on_xla_equals_one_device(name, load_balanced):
-    ours, ref, hlo = run(name, "ring", load_balanced, "xla", seed=XLA_CASES.index(name))
+@pytest.mark.parametrize("name, load_balanced, axis_type", on_axis_types(
+    [(name, lb) for name in XLA_CASES for lb in (False, True)],
+    explicit=[("causal", True), ("alibi_causal", True), ("packed_causal", True), ("near_mask_mod", False)]))
+def test_ring_on_xla_equals_one_device(name, load_balanced, axis_type):
+    ours, ref, hlo = run(name, "ring", load_balanced, "xla", seed=XLA_CASES.index(name), axis_type=axis_type)
     assert_same(ours, ref)
     assert "collective-permute" in hlo
 
 
 @needs_devices
-@pytest.mark.parametrize("load_balanced", [False, True])
-@pytest.mark.parametrize("name", ["causal", "gqa_causal", "alibi_causal", "window", "packed_causal"])
-def test_all_to_all_on_xla_equals_one_device(name, load_balanced):
-    ours, ref, hlo = run(name, "all_to_all", load_balanced, "xla", seed=100 + len(name))
+@pytest.mark.parametrize("name, load_balanced, axis_type", on_axis_types(
+    [(name, lb) for name in ("causal", "gqa_causal", "alibi_causal", "window", "packed_causal") for lb in (False, True)],
+    explicit=[("gqa_causal", True), ("packed_causal", True)]))
+def test_all_to_all_on_xla_equals_one_device(name, load_balanced, axis_type):
+    ours, ref, hlo = run(name, "all_to_all", load_balanced, "xla", seed=100 + len(name), axis_type=axis_type)
     assert_same(ours, ref)
     assert "all-to-all" in hlo
+
+
+@needs_devices
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+@pytest.mark.parametrize("load_balanced", [True, False])
+def test_segment_ids_split_along_the_sequence(axis_type, load_balanced):
+    """Segment ids as jit arguments, split along the sequence over "cp" as q is (`cp_step`
+    load-balances them under jit); and a call that is not context-parallel given such ids."""
+    rng = np.random.default_rng(16)
+    kwargs, K = case("packed_causal", rng)
+    q, k, v, cot = inputs(rng, K)
+    m = mesh(axis_type=axis_type)
+    ids = kwargs.pop("segment_ids")
+    order = (lambda x: sdpagraph.load_balance(x, CP)) if load_balanced else (lambda x: x)  # noqa: E731
+    restore = (lambda x: sdpagraph.unload_balance(x, CP)) if load_balanced else (lambda x: x)  # noqa: E731
+    expected = reference(dict(kwargs, segment_ids=ids))(q, k, v, cot)
+    with jax.set_mesh(m):
+        args = place(m, *(order(x) for x in (q, k, v, cot)), ids)
+        step = jax.jit(lambda q, k, v, cot, ids: cp_step(dict(kwargs, segment_ids=ids), "ring", load_balanced,
+                                                         None)(q, k, v, cot))
+        (loss, out), grads = step(*args)
+        ours = (loss, restore(out)), tuple(restore(g) for g in grads)
+        # Not context-parallel: q, k, v whole along the sequence, the ids still split along it.
+        plain = jax.jit(lambda q, k, v, cot, ids: reference(dict(kwargs, segment_ids=ids))(q, k, v, cot))
+        alone = plain(*place(m, q, k, v, cot, spec=P()), *place(m, ids))
+    assert_same(ours, expected)
+    assert_same(alone, expected)
 
 
 @needs_devices
@@ -219,16 +272,16 @@ def cudnn_ring(cudnn_on_cpu, monkeypatch):
 
 
 @needs_devices
-@pytest.mark.parametrize("load_balanced", [False, True])
-@pytest.mark.parametrize("name", ["causal", "plain", "gqa_causal", "mqa_causal", "softcap_causal", "alibi_causal",
-                                  "relative_jnp"])
-def test_ring_on_the_cudnn_path(name, load_balanced, cudnn_ring):
+@pytest.mark.parametrize("name, load_balanced, axis_type", on_axis_types(
+    [(name, lb) for name in ("causal", "plain", "gqa_causal", "mqa_causal", "softcap_causal", "alibi_causal",
+                             "relative_jnp") for lb in (False, True)],
+    explicit=[("causal", True), ("mqa_causal", False), ("alibi_causal", True)]))
+def test_ring_on_the_cudnn_path(name, load_balanced, axis_type, cudnn_ring):
     built = cudnn_ring
     seed = int(np.random.default_rng().integers(2**31))
-    ours, ref, hlo = run(name, "ring", load_balanced, "cudnn", seed)
+    ours, ref, hlo = run(name, "ring", load_balanced, "cudnn", seed, axis_type=axis_type)
     assert_same(ours, ref, tol=3e-5)
     assert "collective-permute" in hlo, f"seed {seed}"
-    K = case(name, np.random.default_rng(0))[1]
     assert not re.search(r"\ball-gather(?:-start)?\(", hlo), f"the ring gathers nothing (seed {seed})"
     # One graph per block kind, whatever the step: (T / chunks) blocks, unmasked and (causal) diagonal.
     chunk = T // (CP * (2 if load_balanced else 1))
@@ -241,9 +294,10 @@ def test_ring_on_the_cudnn_path(name, load_balanced, cudnn_ring):
 
 
 @needs_devices
-def test_all_to_all_on_the_cudnn_path(cudnn_ring):
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_all_to_all_on_the_cudnn_path(axis_type, cudnn_ring):
     built = cudnn_ring
-    ours, ref, hlo = run("gqa_causal", "all_to_all", True, "cudnn", 5)
+    ours, ref, hlo = run("gqa_causal", "all_to_all", True, "cudnn", 5, axis_type=axis_type)
     assert_same(ours, ref, tol=3e-5)
     assert "all-to-all" in hlo
     assert {(s.q_len, s.num_heads, s.num_kv_heads) for s, _, _ in built} == {(T, N // CP, 4 // CP)}
@@ -268,11 +322,12 @@ def test_position_selecting_mod_runs_xla_blocks_and_says_why(cudnn_ring, caplog)
 
 
 @needs_devices
-def test_mesh_argument_batch_axis_and_shard_map(cudnn_ring):
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_mesh_argument_batch_axis_and_shard_map(axis_type, cudnn_ring):
     rng = np.random.default_rng(12)
     q, k, v, cot = inputs(rng, N)
     ref = reference(dict(is_causal=True))(q, k, v, cot)
-    m = mesh((2, CP), ("data", "cp"))  # the batch over "data", the sequence over "cp"; mesh= without set_mesh
+    m = mesh((2, CP), ("data", "cp"), axis_type)  # the batch over "data", the sequence over "cp"; mesh= without set_mesh
     args = place(m, q, k, v, cot, spec=P("data", "cp"))
 
     def attn(q, k, v):
@@ -281,10 +336,21 @@ def test_mesh_argument_batch_axis_and_shard_map(cudnn_ring):
     assert_same(jax.jit(value_and_grads(attn))(*args), ref, tol=3e-5)
     assert {s.batch for s, _, _ in cudnn_ring} == {B // 2}
 
-    # Inside a user's shard_map over the axis, q, k, v are the local blocks.
-    inner = jax.shard_map(lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=True, context_parallel_axis="cp"),
-                          mesh=m, in_specs=P("data", "cp"), out_specs=P("data", "cp"))
-    assert_same(jax.jit(value_and_grads(inner))(*args), ref, tol=3e-5)
+    # q, k, v split along the sequence only: the batch still splits over "data" inside, and on
+    # Explicit axes the output and gradients keep q's sharding type.
+    seq_only = place(m, q, k, v, cot, spec=P(None, "cp"))
+    (_, out), grads = ours = jax.jit(value_and_grads(attn))(*seq_only)
+    assert_same(ours, ref, tol=3e-5)
+    if axis_type == "explicit":
+        assert all(x.sharding.is_equivalent_to(seq_only[0].sharding, 4) for x in (out, *grads))
+
+    # Inside a user's shard_map over the axis, q, k, v are the local blocks: over every mesh axis,
+    # or over "cp" alone.
+    for axes in ({"data", "cp"}, {"cp"}):
+        spec = P("data" if "data" in axes else None, "cp")
+        inner = jax.shard_map(lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=True, context_parallel_axis="cp"),
+                              mesh=m, in_specs=spec, out_specs=spec, axis_names=axes)
+        assert_same(jax.jit(value_and_grads(inner))(*args), ref, tol=3e-5)
 
 
 # ----------------------------------------------------------------------------- errors

@@ -11,6 +11,7 @@ what the graph computes from the graph's own operands, on the shapes it is given
 shard when partitioned): packed sequences from the ragged offsets, padding from the sequence
 lengths, masks and folded padding from the bias operand, segment bounds, score_mod arrays.
 """
+import contextlib
 import json
 import logging
 import re
@@ -19,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import sdpagraph
-from sdpagraph import mods
+from sdpagraph import logs, mods
 from sdpagraph.cache import GraphCache
 from sdpagraph.graph_store import CachedGraph, graph_key
 from sdpagraph.deploy.specfile import load_specs
@@ -30,11 +31,13 @@ from sdpagraph.graphs.builder import BuildEnvironment
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.operands import graph_io, graph_spec, uid_map
 from sdpagraph.graphs.support import Support
+from sdpagraph.memo import BoundedMemo
 from sdpagraph.backends.cudnn import backend as cudnn_backend
 from sdpagraph.numerics import gate as numerics_gate
 from sdpagraph.config import PARTITION
 from sdpagraph.backends.cudnn.graph_on_xla import run_on_xla
-from tests.devices import has_cpu_devices, rerun_with_cpu_devices
+from sdpagraph.meshes import explicit_axes
+from tests.devices import AXIS_TYPES, has_cpu_devices, make_mesh, rerun_with_cpu_devices
 
 DEVICES = 8
 HERE_WITH_DEVICES = has_cpu_devices(DEVICES)
@@ -54,6 +57,7 @@ def fake_executor(static, graph, operands, results):
     """The graph's computation on XLA (`backends.cudnn.graph_on_xla`, what a shard whose graphs failed
     their check runs), asked for on the operands' shapes."""
     q, k = operands["q"], operands["k"]
+    assert not explicit_axes(q), "the executor runs on Auto axes, as the FFI call needs"
     for role in ("o", "dq", "dk"):  # the results must be asked for on the operands' shapes
         if role in results:
             assert results[role].shape[:3] == (q if role != "dk" else k).shape[:3], (role, results[role], q.shape)
@@ -90,8 +94,8 @@ def cudnn_on_cpu(monkeypatch, tmp_path):
 B, T, N, H = 4, 16, 4, 8
 
 
-def mesh():
-    return Mesh(np.array(jax.devices()[:DEVICES]).reshape(4, 2), ("data", "model"))
+def mesh(axis_type="auto"):
+    return make_mesh((4, 2), ("data", "model"), axis_type)
 
 
 def random_ids(rng, batch, length, segments):
@@ -191,32 +195,42 @@ def assert_same(ours, reference, tol=2e-5):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
 
 
-def run_case(name, impl, rng, qkv_spec=P("data", None, "model")):
+def run_case(name, impl, rng, qkv_spec=P("data", None, "model"), axis_type="auto"):
+    """(the sharded step's value and gradients, the unsharded one's, its compiled HLO, sharded q).
+    Explicit axes run under `jax.set_mesh`, as sharding in types is used."""
     kwargs, K, S, bias = case(name, rng)
     q, k, v, bias = qkv_bias(rng, K, S, bias)
     cotangent = rng.standard_normal((B, T, N, H)).astype(np.float32)
     with_bias = bias is not None
     reference = step("xla", kwargs, with_bias)(q, k, v, bias, cotangent)  # one device, unsharded
-    m = mesh()
+    m = mesh(axis_type)
     (qs, ks, vs, bs), kw = sharded_args(m, q, k, v, bias, kwargs, qkv_spec)
     cot = place(cotangent, m, qkv_spec)
-    compiled = jax.jit(step(impl, kw, with_bias)).lower(qs, ks, vs, bs, cot).compile()
-    return compiled(qs, ks, vs, bs, cot), reference, compiled.as_text(), qs
+    with jax.set_mesh(m) if axis_type == "explicit" else contextlib.nullcontext():
+        compiled = jax.jit(step(impl, kw, with_bias)).lower(qs, ks, vs, bs, cot).compile()
+        result = compiled(qs, ks, vs, bs, cot)
+    if axis_type == "explicit":  # the gradients have their operands' sharding types
+        for grad, x in zip(result[1], (qs, ks, vs, bs)):
+            assert grad.sharding.is_equivalent_to(x.sharding, x.ndim), (grad.sharding, x.sharding)
+    return result, reference, compiled.as_text(), qs
 
 
 @needs_devices
 @pytest.mark.parametrize("name", ["gqa_window", "bias_per_head_softcap", "packed"])
-def test_xla_backend_sharded_equals_one_device(name):
-    (value, grads), reference, _, qs = run_case(name, "xla", np.random.default_rng(0))
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_xla_backend_sharded_equals_one_device(name, axis_type):
+    (value, grads), reference, _, qs = run_case(name, "xla", np.random.default_rng(0), axis_type=axis_type)
     assert_same((value, grads), reference)
+    assert value[1][0].sharding.is_equivalent_to(qs.sharding, 4)
 
 
 @needs_devices
 @pytest.mark.parametrize("name", CASES)
-def test_cudnn_path_runs_per_device_on_local_shapes(name, cudnn_on_cpu):
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_cudnn_path_runs_per_device_on_local_shapes(name, axis_type, cudnn_on_cpu):
     built, _ = cudnn_on_cpu
     seed = int(np.random.default_rng().integers(2**31))
-    (value, grads), reference, hlo, qs = run_case(name, "cudnn", np.random.default_rng(seed))
+    (value, grads), reference, hlo, qs = run_case(name, "cudnn", np.random.default_rng(seed), axis_type=axis_type)
     assert_same((value, grads), reference)
     assert gathers(hlo) == [], f"seed {seed}"  # no all-gather / all-to-all anywhere in the step
     out = value[1][0]
@@ -240,11 +254,12 @@ def test_bias_and_array_shapes_of_the_local_graph(cudnn_on_cpu):
 
 
 @needs_devices
-def test_inference_graph_and_shard_map(cudnn_on_cpu):
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_inference_graph_and_shard_map(axis_type, cudnn_on_cpu):
     built, _ = cudnn_on_cpu
     rng = np.random.default_rng(2)
     q, k, v, _ = qkv_bias(rng, 2, T, None)
-    m = mesh()
+    m = mesh(axis_type)
     reference = sdpagraph.attention(q, k, v, is_causal=True, implementation="xla")
     serve = jax.jit(lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=True, training=False))
     qs, ks, vs = (place(x, m, P("data", None, "model")) for x in (q, k, v))
@@ -266,10 +281,11 @@ def test_inference_graph_and_shard_map(cudnn_on_cpu):
 
 
 @needs_devices
-def test_eager_call_on_sharded_arrays_stays_sharded(cudnn_on_cpu):
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_eager_call_on_sharded_arrays_stays_sharded(axis_type, cudnn_on_cpu):
     rng = np.random.default_rng(3)
     q, k, v, _ = qkv_bias(rng, 4, T, None)
-    m = mesh()
+    m = mesh(axis_type)  # no jax.set_mesh: the arrays' shardings say everything
     qs, ks, vs = (place(x, m, P("data", None, "model")) for x in (q, k, v))
     out = sdpagraph.attention(qs, ks, vs, is_causal=True)
     assert_same(out, sdpagraph.attention(q, k, v, is_causal=True, implementation="xla"))
@@ -287,31 +303,38 @@ def test_vmap_over_the_cudnn_path(cudnn_on_cpu):
 
 
 @needs_devices
-def test_sequence_sharding_is_gathered_with_one_warning(cudnn_on_cpu, caplog):
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_sequence_sharding_is_gathered_with_one_warning(axis_type, cudnn_on_cpu, caplog, monkeypatch):
+    monkeypatch.setattr(logs, "_logged", BoundedMemo(64))  # logged once per process: once per axis type here
     caplog.set_level(logging.WARNING, logger="sdpagraph")
     (value, grads), reference, hlo, qs = run_case("causal", "cudnn", np.random.default_rng(5),
-                                                  qkv_spec=P(None, "data", "model"))
+                                                  qkv_spec=P(None, "data", "model"), axis_type=axis_type)
     assert_same((value, grads), reference)
+    assert value[1][0].sharding.is_equivalent_to(qs.sharding, 4) or axis_type == "auto"  # typed: q's sharding
     assert gathers(hlo)  # the sequence axis is gathered: that is what the warning is about
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
     assert "q dim 1 (query sequence) over ('data',)" in warnings[0] and "context_parallel_axis" in warnings[0]
     caplog.clear()
-    run_case("causal", "cudnn", np.random.default_rng(6), qkv_spec=P(None, "data", "model"))
+    run_case("causal", "cudnn", np.random.default_rng(6), qkv_spec=P(None, "data", "model"), axis_type=axis_type)
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]  # once per process
 
 
 @needs_devices
-def test_heads_that_do_not_split_over_kv_heads_are_gathered_with_a_warning(cudnn_on_cpu, caplog):
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_heads_that_do_not_split_over_kv_heads_are_gathered_with_a_warning(axis_type, cudnn_on_cpu, caplog,
+                                                                          monkeypatch):
+    monkeypatch.setattr(logs, "_logged", BoundedMemo(64))  # logged once per process: once per axis type here
     caplog.set_level(logging.WARNING, logger="sdpagraph")
     rng = np.random.default_rng(7)
     q = rng.standard_normal((B, T, 8, H)).astype(np.float32)
     k, v = (rng.standard_normal((B, T, 2, H)).astype(np.float32) for _ in range(2))
-    m = Mesh(np.array(jax.devices()[:DEVICES]).reshape(2, 4), ("data", "model"))  # 4 head shards, K = 2
+    m = make_mesh((2, 4), ("data", "model"), axis_type)  # 4 head shards, K = 2
     qs = place(q, m, P("data", None, "model"))
     ks, vs = (place(x, m, P("data")) for x in (k, v))
     out = jax.jit(lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=True))(qs, ks, vs)
     assert_same(out, sdpagraph.attention(q, k, v, is_causal=True, implementation="xla"))
+    assert out.sharding.is_equivalent_to(qs.sharding, 4)
     assert any("do not split" in r.getMessage() for r in caplog.records)
 
 
@@ -331,11 +354,13 @@ def test_recorded_specs_cover_the_graphs_a_sharded_run_builds(cudnn_on_cpu, tmp_
 
 
 @needs_devices
-def test_gspmd_partitioner_without_shardy(cudnn_on_cpu):
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_gspmd_partitioner_without_shardy(axis_type, cudnn_on_cpu):
     previous = jax.config.jax_use_shardy_partitioner
     jax.config.update("jax_use_shardy_partitioner", False)
     try:
-        (value, grads), reference, hlo, qs = run_case("bias_per_row", "cudnn", np.random.default_rng(9))
+        (value, grads), reference, hlo, qs = run_case("bias_per_row", "cudnn", np.random.default_rng(9),
+                                                      axis_type=axis_type)
     finally:
         jax.config.update("jax_use_shardy_partitioner", previous)
     assert_same((value, grads), reference)

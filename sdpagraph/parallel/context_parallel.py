@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sdpagraph.cache import CacheMissError
 from sdpagraph.logs import log_once, logger
@@ -35,6 +35,7 @@ from sdpagraph.call import PreparedCall, notify_trace_listeners
 from sdpagraph.parallel.load_balance import load_balance, unload_balance
 from sdpagraph.segments.metadata import segment_positions, segment_run_ids
 from sdpagraph.backends.cudnn.sharding import Split, local_ir, local_spec
+from sdpagraph.meshes import whole_along_sequence
 from sdpagraph.spec import AttentionSpec
 
 STRATEGIES = ("ring", "all_to_all", "auto")
@@ -193,13 +194,16 @@ def support(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, me
 
 # ----------------------------------------------------------------------------- the strategies
 
-def natural_order(segment_ids: Any, axis: Any, mesh: Any) -> Any:
-    """Load-balanced segment ids in their natural order (`attention` prepares the call from these):
-    a segment is a contiguous run of the natural sequence, and `max_segments_per_seq` counts those."""
+def natural_order(segment_ids: Any, axis: Any, mesh: Any, load_balanced: bool = True) -> Any:
+    """The segment ids `attention` prepares a context-parallel call from: in their natural order (a
+    segment is a contiguous run of the natural sequence, and `max_segments_per_seq` counts those),
+    and, on Explicit mesh axes, whole along the sequence (every device reads the whole sequence's
+    segments; the segment metadata shifts along it, which a sharded type does not allow)."""
     if isinstance(segment_ids, (tuple, list)):
-        return type(segment_ids)(natural_order(ids, axis, mesh) for ids in segment_ids)
+        return type(segment_ids)(natural_order(ids, axis, mesh, load_balanced) for ids in segment_ids)
     shape, _ = _mesh_shape(axis, mesh)
-    return unload_balance(segment_ids, shape[axis])
+    segment_ids = whole_along_sequence(segment_ids)
+    return unload_balance(segment_ids, shape[axis]) if load_balanced else segment_ids
 
 
 def _token_facts(ids: Any, cp: int, load_balanced: bool, max_segments: int) -> Any:
@@ -272,6 +276,17 @@ def attention(call: PreparedCall, q: Any, k: Any, v: Any, *, axis: str, load_bal
     qkv = P(batch, axis)
     array_spec = {n: P(batch if x.shape[0] > 1 else None) for n, x in arrays.items()}
     ids_spec = None if ids is None else (P(batch, axis) if strategy == "all_to_all" else (P(batch, axis),) * 3)
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(qkv, qkv, qkv, array_spec, ids_spec),
-                       out_specs=(qkv, P(batch, None, axis)))
-    return fn(q, k, v, arrays, ids)
+    in_specs = (qkv, qkv, qkv, array_spec, ids_spec)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(qkv, P(batch, None, axis)))
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if not getattr(mesh, "explicit_axes", ()):
+        return fn(q, k, v, arrays, ids)
+    # Explicit mesh axes: shard_map takes arguments only of the sharding types its in_specs say
+    # (Auto axes move them implicitly), and the results get q's type (replicated for an unsharded
+    # q), as on one device.
+    typed = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    args = [x if x is None else jax.sharding.reshard(x, jax.tree.map(typed, spec))
+            for x, spec in zip((q, k, v, arrays, ids), in_specs)]
+    out, lse = fn(*args)
+    b, t, n = (tuple(jax.typeof(q).sharding.spec) + (None,) * 3)[:3]
+    return jax.sharding.reshard(out, typed(P(b, t, n))), jax.sharding.reshard(lse, typed(P(b, n, t)))

@@ -6,15 +6,19 @@ chunks instead and give device i chunks i and 2cp - 1 - i: every device then hol
 one late chunk, and the same amount of causal work.
 
 `load_balance` reorders a (global) array so that the plain contiguous split over `cp` devices is
-that assignment; `unload_balance` undoes it. Both are one static permutation of chunks (a gather
-under jit: XLA moves only the chunks that change device).
+that assignment; `unload_balance` undoes it. Both are one static permutation of chunks, slices
+and one concatenation, which XLA partitions into collective permutes and all-to-alls of the
+chunks that change device. A sharded array keeps its sharding (with Explicit mesh axes, its type).
 """
 from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+from sdpagraph.meshes import explicit_axes
 
 
 def device_chunks(cp_size: int, load_balanced: bool) -> tuple[tuple[int, ...], ...]:
@@ -46,9 +50,17 @@ def _check(x: Any, cp_size: Any, seq_axis: int, who: str) -> int:
 
 def _permute_chunks(x: Any, cp_size: int, seq_axis: int, order: np.ndarray) -> Any:
     x = jnp.asarray(x)
+    explicit = explicit_axes(x)
+    if explicit:  # slices of an Explicit-sharded axis have no type: permute on Auto axes, typed as x
+        permute = lambda x: _permute_chunks(x, cp_size, seq_axis, order)  # noqa: E731
+        return jax.sharding.auto_axes(permute, axes=explicit, out_sharding=jax.typeof(x).sharding)(x)
     shape = x.shape
     chunks = x.reshape(shape[:seq_axis] + (2 * cp_size, shape[seq_axis] // (2 * cp_size)) + shape[seq_axis + 1:])
-    return jnp.take(chunks, order, axis=seq_axis).reshape(shape)
+    out = jnp.concatenate([jax.lax.slice_in_dim(chunks, c, c + 1, axis=seq_axis) for c in order], axis=seq_axis)
+    out = out.reshape(shape)
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):  # eager: the sharding it came with
+        out = jax.device_put(out, x.sharding)
+    return out
 
 
 def load_balance(x: Any, cp_size: int, seq_axis: int = 1) -> Any:

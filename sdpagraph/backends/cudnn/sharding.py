@@ -29,7 +29,8 @@ sharded run records covers that run (the partition callback reports the local sp
 listeners, so `sdpagraph.record` sees it next to the global one the trace-time support check uses).
 
 Inside a `jax.shard_map` over every mesh axis the arrays are already local: custom_partitioning
-then just runs the call on them. `SDPAGRAPH_PARTITION=0` (read at trace time) turns all of this off:
+then just runs the call on them. On Explicit mesh axes the call runs with them Auto, its results
+typed as `_result_types` says. `SDPAGRAPH_PARTITION=0` (read at trace time) turns all of this off:
 one call over the global shapes, which XLA gathers onto every device (the behaviour before
 partitioning existed; kept for benchmarks and debugging).
 """
@@ -50,6 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from sdpagraph.cache import CacheMissError
 from sdpagraph.config import PARTITION
+from sdpagraph.meshes import explicit_axes
 from sdpagraph.logs import log_once, logger
 from sdpagraph.scoremod.ir import Node, ScoreModIR
 from sdpagraph.call import notify_trace_listeners
@@ -371,5 +373,27 @@ def call_per_shard(execute: Callable[..., Mapping[str, Any]], static: Any, direc
                       tuple((role, tuple(s.shape), np.dtype(s.dtype).name) for role, s in results.items()))
     arrays = tuple(operands[role] for role in roles)
     tracing = any(isinstance(x, jax.core.Tracer) for x in arrays)
-    outputs = (_per_call(call) if tracing else _eager(call))(*arrays)
+    run = _per_call(call) if tracing else _eager(call)
+    explicit = explicit_axes(arrays[0])
+    if explicit:
+        run = jax.sharding.auto_axes(run, axes=explicit, out_sharding=_result_types(call, arrays))
+    outputs = run(*arrays)
     return dict(zip((role for role, _, _ in call.results), outputs))
+
+
+# ----------------------------------------------------------------------------- Explicit mesh axes
+
+_GRADIENT_OF = {"dq": "q", "dk": "k", "dv": "v", "dbias": "bias"}
+
+
+def _result_types(call: _GraphCall, arrays: tuple[Any, ...]) -> tuple[NamedSharding, ...]:
+    """The results' sharding types on Explicit axes: a gradient has its operand's (jax.custom_vjp
+    requires it), the output q's, the logsumexp q's batch, heads and sequence. Inside `auto_axes`
+    the FFI call's results have no type, and custom_partitioning splits the call as on Auto axes."""
+    types = {role: jax.typeof(x).sharding for role, x in zip(call.roles, arrays)}
+    q = types["q"]
+    b, t, n, _ = _padded(q, 4)
+    stats = (b, t, n) if call.static.graph_spec.segments else (b, n, t)
+    own = {"o": q.spec, "stats": PartitionSpec(*stats)}
+    return tuple(types[_GRADIENT_OF[role]] if role in _GRADIENT_OF else NamedSharding(q.mesh, own[role])
+                 for role, _, _ in call.results)

@@ -1,0 +1,29 @@
+"""Mesh axis types: what the sharded paths do differently on `Explicit` axes (`jax.make_mesh`'s
+default), where an array's type carries its sharding and ops that move data along a sharded axis
+must say where the result lives. Shared by all layers; imports nothing from sdpagraph."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def explicit_axes(x: Any) -> tuple[str, ...]:
+    """The Explicit axes of the mesh in `x`'s type (none on Auto axes, or in a JAX without them)."""
+    typeof = getattr(jax, "typeof", None)
+    mesh = getattr(getattr(typeof(x), "sharding", None), "mesh", None) if typeof is not None else None
+    return tuple(getattr(mesh, "explicit_axes", ()))
+
+
+def whole_along_sequence(ids: Any) -> Any:
+    """(B, T) `ids` split over Explicit axes along T, resharded to keep only their batch split: the
+    segment helpers shift ids along the sequence, which a sequence-sharded type does not allow.
+    Anything else comes back as it is."""
+    if ids is None or not explicit_axes(ids):
+        return ids
+    sharding = jax.typeof(ids).sharding
+    spec = tuple(sharding.spec)
+    if len(spec) < 2 or spec[1] is None:
+        return ids
+    return jax.sharding.reshard(ids, NamedSharding(sharding.mesh, P(*spec[:1])))
