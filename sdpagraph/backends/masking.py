@@ -2,7 +2,9 @@
 
     token_layout(spec, inputs) -> TokenLayout        positions, validity and segments of the tokens
     position_allowed(spec, diag, kv)                 causal, window and chunk masks around a diagonal
-    positions_and_mask(spec, inputs, layout)         what gen_index reads, and the allowed (B, N, T, S)
+    positions_and_mask(spec, inputs, layout, keys)   what gen_index reads, and the allowed (B, N, T, S),
+                                                     or (B, N, T, size) for the keys [start, start + size)
+    key_slice(x, start, size, kv_len)                an array's slice for a block of keys
     attended_rows(spec, inputs)                      the query rows with at least one key to attend
 
 Positions used by masks and by `gen_index` count from the start of each packed segment. With
@@ -13,9 +15,11 @@ backend and the numerical check's reference read it from here.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from sdpagraph.call import RuntimeInputs
@@ -101,12 +105,32 @@ def allowed_mask(spec: AttentionSpec, inputs: RuntimeInputs, layout: TokenLayout
     return allowed
 
 
-def positions_and_mask(spec: AttentionSpec, inputs: RuntimeInputs,
-                       layout: TokenLayout | None = None) -> tuple[Any, Any, Any]:
+def key_slice(x: Any, start: Any, size: int, kv_len: int) -> Any:
+    """`x`'s keys [start, start + size) (`start` may be traced) when its last axis runs over the
+    kv_len keys; `x` itself when it broadcasts over them (None, a scalar, a last axis of 1) or
+    when the slice is all of them."""
+    if x is None or jnp.ndim(x) == 0 or jnp.shape(x)[-1] != kv_len or size == kv_len:
+        return x
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=-1)
+
+
+def _key_block(layout: TokenLayout, start: Any, size: int) -> TokenLayout:
+    cut = lambda x: key_slice(x, start, size, layout.kv_pos.shape[-1])  # noqa: E731
+    return dataclasses.replace(layout, kv_pos=cut(layout.kv_pos), kv_valid=cut(layout.kv_valid),
+                               kv_group=cut(layout.kv_group), diag_offset=cut(layout.diag_offset))
+
+
+def positions_and_mask(spec: AttentionSpec, inputs: RuntimeInputs, layout: TokenLayout | None = None,
+                       keys: tuple[Any, int] | None = None) -> tuple[Any, Any, Any]:
     """(query positions (B, T), key positions (B, S), allowed (B|1, N|1, T, S)): what `gen_index`
     reads on the sequence axes, and where a query may attend to a key. `layout` (default: from the
-    spec and `inputs`) says where each query and key token sits."""
+    spec and `inputs`) says where each query and key token sits. `keys` = (start, size): the same
+    for the keys [start, start + size) only, S read as size (the blockwise XLA path)."""
     layout = token_layout(spec, inputs) if layout is None else layout
+    if keys is not None:
+        start, size = keys
+        inputs = dataclasses.replace(inputs, mask=key_slice(inputs.mask, start, size, layout.kv_pos.shape[-1]))
+        layout = _key_block(layout, start, size)
     return layout.q_pos, layout.kv_pos, allowed_mask(spec, inputs, layout)
 
 
