@@ -73,7 +73,8 @@ def _decide(call: PreparedCall, implementation: str | None, training: bool, *, r
             return Support(False, registry.reference().name, answer.reason)
         if implementation == primary:
             return answer
-        return Support(False, implementation, f"implementation={implementation!r} was requested")
+        return Support(False, implementation, _joined(f"implementation={implementation!r} was requested",
+                                                      answer.reason))
     answers: dict[str, Support] = {}
 
     def lazily(backend: Backend):
@@ -89,7 +90,14 @@ def _decide(call: PreparedCall, implementation: str | None, training: bool, *, r
         return primary_answer
     if choice.backend == registry.reference().name and primary_answer is not None and not primary_answer.supported:
         return Support(False, choice.backend, primary_answer.reason)  # the first cannot: its reason is the answer
-    return Support(primary_answer is not None and primary_answer.supported, choice.backend, choice.reason)
+    chosen = answers.get(choice.backend)
+    return Support(primary_answer is not None and primary_answer.supported, choice.backend,
+                   _joined(choice.reason, chosen.reason if chosen is not None else ""))
+
+
+def _joined(*reasons: str) -> str:
+    """Reasons in one sentence (how the backend runs the call follows why it was chosen)."""
+    return "; ".join(r for r in reasons if r)
 
 
 # A long call that leaves the first backend is worth a WARNING: the others are slower there by far.

@@ -145,6 +145,10 @@ BINS = Switch(
 SMALL_SEQ_KERNEL = Switch(
     "SDPAGRAPH_SMALL_SEQ_KERNEL", "1",
     "`0`: the small-sequence backend never runs its Pallas kernel (its XLA formulation runs)")
+PALLAS_TRITON = Switch(
+    "SDPAGRAPH_PALLAS_TRITON", "1",
+    "`0`: the Pallas kernels (small-sequence attention, the bin packer) never use Pallas' Triton "
+    "backend, as when jax no longer has it: their XLA formulations run")
 PARTITION = Switch(
     "SDPAGRAPH_PARTITION", "1",
     "`0`, `false`, `off` or `no`: cuDNN calls are not partitioned under SPMD: one call over the "
@@ -169,5 +173,6 @@ COMMAND_BUFFER_COMPATIBLE = Variable(
 
 VARIABLES: tuple[Variable, ...] = (
     CACHE_DIR, CACHE_MODE, CACHE_MAX_BYTES, VERIFY, RECORD, DISPATCH_TABLE, CHECK_SEGMENTS, BINS,
-    SMALL_SEQ_KERNEL, PARTITION, EXECUTOR_LIBRARY, REQUIRE_FFI, REBUILD_EXECUTOR, COMMAND_BUFFER_COMPATIBLE,
+    SMALL_SEQ_KERNEL, PALLAS_TRITON, PARTITION, EXECUTOR_LIBRARY, REQUIRE_FFI, REBUILD_EXECUTOR,
+    COMMAND_BUFFER_COMPATIBLE,
 )

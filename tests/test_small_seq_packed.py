@@ -214,11 +214,16 @@ def test_traced_ids_are_checked_when_the_call_runs(monkeypatch):
     q, k, v = (jnp.zeros((2, 8, 2, 4)) for _ in range(3))
     ids = jnp.asarray([[1, 1, 2, 2, 2, 0, 3, 3], [1, 2, 2, 2, 2, 2, 0, 0]], jnp.int32)
     run = jax.jit(lambda ids: sdpagraph.attention(q, k, v, segment_ids=ids, max_seqlen_q=4, implementation="xla"))
+    out = np.asarray(run(ids))  # by default the row past the hint gives NaN, checked on the device
+    assert np.all(np.isnan(out[1])) and not np.any(np.isnan(out[0]))
+    assert not np.any(np.isnan(np.asarray(run(jnp.asarray([[1, 1, 2, 2, 2, 0, 3, 3]] * 2, jnp.int32)))))
+    monkeypatch.setenv("SDPAGRAPH_CHECK_SEGMENTS", "raise")
+    run = jax.jit(lambda ids: sdpagraph.attention(q, k, v, segment_ids=ids, max_seqlen_q=4, implementation="xla"))
     with pytest.raises(Exception, match="row 1 has a segment of 5 tokens, longer than max_seqlen_q=4") as caught:
         jax.block_until_ready(run(ids))
     assert isinstance(caught.value, (ValueError, jax.errors.JaxRuntimeError))
     jax.block_until_ready(run(jnp.asarray([[1, 1, 2, 2, 2, 0, 3, 3]] * 2, jnp.int32)))  # within the hint
-    monkeypatch.setenv("SDPAGRAPH_CHECK_SEGMENTS", "0")
+    monkeypatch.setenv("SDPAGRAPH_CHECK_SEGMENTS", "off")
     run = jax.jit(lambda ids: sdpagraph.attention(q, k, v, segment_ids=ids, max_seqlen_q=4, implementation="xla"))
     jax.block_until_ready(run(ids))  # switched off: no check
 

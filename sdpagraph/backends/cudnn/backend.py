@@ -27,7 +27,7 @@ from sdpagraph.scoremod.masks import SEGMENT_ARRAYS
 from sdpagraph.graphs.compiled import scalar_bits
 from sdpagraph.graphs.operands import ARRAY_PREFIX, MASKED_BIAS, LayoutPlan, graph_io, plan_layout, stats_shape
 from sdpagraph.graphs.support import Support, environment_reason, graph_answer
-from sdpagraph.backends.cudnn.bins import packed as packed_bins
+from sdpagraph.backends.cudnn.bins import packed as packed_bins, packer as bin_packer
 from sdpagraph.backends.cudnn import sharding
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.backends.cudnn.graph_on_xla import run_on_xla
@@ -43,7 +43,10 @@ def support(spec: AttentionSpec, score_mod: ScoreModIR | None, *, training: bool
     reason = environment_reason() or ffi.unavailable_reason()
     if reason is not None:
         return graph_answer(False, reason)
-    return check_graphs(spec, score_mod, training, verify=verify)
+    answer = check_graphs(spec, score_mod, training, verify=verify)
+    if answer.supported and bin_plan(spec, score_mod) is not None:  # how the documents are placed, too
+        return Support(True, answer.backend, f"{answer.reason}; {bin_packer.formulation()}")
+    return answer
 
 
 @dataclass(frozen=True)

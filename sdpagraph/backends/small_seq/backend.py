@@ -42,6 +42,7 @@ from sdpagraph.backends.base import Backend, Verify
 from sdpagraph.graphs.support import Support
 from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.call import RuntimeInputs
+from sdpagraph.backends.small_seq import kernel as small_seq_kernel
 from sdpagraph.backends.small_seq.core import Aux, Static, attend, probabilities, to_score_layout
 from sdpagraph.backends.small_seq.packed import packed_attention
 from sdpagraph.backends.masking import position_allowed
@@ -71,6 +72,8 @@ def small_seq_reason(spec: AttentionSpec) -> str | None:
         return f"axis {', '.join(spec.empty_axes)} has size 0: nothing to compute"
     if spec.segment_mask:  # only cuDNN's dense twin of a packed call (graphs.operands) has it
         return "segment_mask specs are cuDNN graph specs, not calls"
+    if spec.dtype == "float64":
+        return "the small-sequence backend computes in float32; float64 runs on the XLA backend"
     lengths = _lengths_in_regime(spec)
     if isinstance(lengths, str):
         return lengths
@@ -172,6 +175,22 @@ def residual_probabilities(spec: AttentionSpec, query: Any, key: Any, value: Any
     return probabilities(_static(spec, score_mod, inputs), query, key, value, bias, aux)
 
 
+def formulation(spec: AttentionSpec, score_mod: ScoreModIR | None) -> str:
+    """Which computation runs a call in the regime, and why: the Pallas kernel's conditions
+    (`small_seq_kernel.reason_not_used`, and nothing to mask or modify, as `core` decides at run time)
+    read from the spec."""
+    if (score_mod is not None or spec.bias_shape is not None or spec.mask_shape is not None or spec.segments
+            or spec.has_q_lengths or spec.has_kv_lengths or spec.has_position_mask):
+        return "small_seq runs its XLA formulation: the Pallas kernel takes calls with nothing to mask or modify"
+    why = small_seq_kernel.reason_not_used((spec.batch, spec.q_len, spec.num_heads, spec.head_dim),
+                                           (spec.batch, spec.kv_len, spec.num_kv_heads, spec.head_dim),
+                                           (spec.batch, spec.kv_len, spec.num_kv_heads, spec.head_dim_v))
+    if why is not None:
+        return f"{why}; small_seq runs its XLA formulation"
+    return ("small_seq runs the forward as one Pallas Triton kernel where no gradient is taken (under a "
+            "gradient, its XLA formulation)")
+
+
 class SmallSeqBackend(Backend):
     """Attention as memory streams over a handful of keys per query (T <= 4, S <= 32, or packed with
     such hints), for very large batches."""
@@ -182,7 +201,9 @@ class SmallSeqBackend(Backend):
     def support(self, spec: AttentionSpec, score_mod: ScoreModIR | None, *, training: bool,
                 verify: Verify | None = None) -> Support:
         reason = small_seq_reason(spec)
-        return Support(reason is None, self.name, reason or "")
+        if reason is not None:
+            return Support(False, self.name, reason)
+        return Support(True, self.name, formulation(spec, score_mod))
 
     def attention(self, spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: RuntimeInputs,
                   score_mod: ScoreModIR | None, *, training: bool = True,

@@ -2,6 +2,7 @@
 or modify.
 
     usable(q, k, v) -> bool
+    reason_not_used(q_shape, k_shape, v_shape) -> str | None
     forward(q, k, v, scale) -> (o, lse)
 
 One program per batch row and block of heads reads q (NB, H) at the one query position, K and V
@@ -25,8 +26,9 @@ that its backward reads the probabilities of), at T = 1 and S <= 16.
 Where: a GPU backend with one device (XLA cannot partition a Pallas call: under a sharded `jit` it
 would gather the inputs, so with several devices the XLA formulation, which XLA partitions, runs);
 no score_mod, bias, mask, padding or causal/window mask (those keep the XLA formulation); as many
-key/value heads as query heads; S and H powers of two (Triton's block shapes).
-`SDPAGRAPH_SMALL_SEQ_KERNEL=0` switches it off.
+key/value heads as query heads; S and H powers of two (Triton's block shapes); a jax whose Pallas
+Triton backend lowers kernels (`backends.pallas_triton`: jax 0.11 deprecates it, and once it is gone
+the XLA formulation runs). `SDPAGRAPH_SMALL_SEQ_KERNEL=0` switches it off.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sdpagraph.backends import pallas_triton
 from sdpagraph.config import SMALL_SEQ_KERNEL
 
 MAX_KV_LEN = 16  # above it (S32 at T1) the XLA formulation was as fast
@@ -56,14 +59,35 @@ def heads_per_block(num_heads: int, kv_len: int, head_dim: int) -> int:
     return heads
 
 
+def reason_not_used(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...]) -> str | None:
+    """None when `forward` runs q, k, v of these shapes here, else why the XLA formulation runs
+    instead (the call's other inputs are the caller's to check). Triton's availability is asked last:
+    only where the kernel would otherwise run."""
+    if not SMALL_SEQ_KERNEL.enabled():
+        return f"{SMALL_SEQ_KERNEL.name}=0 switches the Pallas kernel off"
+    if jax.default_backend() != "gpu":
+        return "the Pallas kernel runs on a GPU only"
+    if jax.device_count() != 1:
+        return f"{jax.device_count()} devices: XLA partitions the XLA formulation, not a Pallas call"
+    _, t, n, h = q_shape
+    _, s, kv_heads, h_k = k_shape
+    if t != 1:
+        return f"T={t}: the Pallas kernel takes one query position"
+    if s > MAX_KV_LEN or not _power_of_two(s):
+        return f"S={s}: the Pallas kernel takes a power of two up to {MAX_KV_LEN}"
+    if kv_heads != n:
+        return "grouped key/value heads: the Pallas kernel takes as many as query heads"
+    if h_k != h or tuple(v_shape) != tuple(k_shape):
+        return "q, k and v differ in head dim: the Pallas kernel takes one"
+    if not _power_of_two(h) or heads_per_block(n, s, h) == 0:
+        return f"head dim {h}: the Pallas kernel takes a power of two whose K and V blocks fit its registers"
+    triton = pallas_triton.status()
+    return None if triton.available else triton.reason
+
+
 def usable(q: Any, k: Any, v: Any) -> bool:
-    """Whether `forward` runs these shapes here (the call's other inputs are the caller's to check)."""
-    if not SMALL_SEQ_KERNEL.enabled() or jax.default_backend() != "gpu" or jax.device_count() != 1:
-        return False
-    _, t, n, h = q.shape
-    _, s, kv_heads, h_k = k.shape
-    return (t == 1 and s <= MAX_KV_LEN and kv_heads == n and h_k == h and v.shape == k.shape
-            and _power_of_two(s) and _power_of_two(h) and heads_per_block(n, s, h) > 0)
+    """Whether `forward` runs these shapes here (`reason_not_used`)."""
+    return reason_not_used(q.shape, k.shape, v.shape) is None
 
 
 def forward(q: Any, k: Any, v: Any, scale: float, interpret: bool = False) -> tuple[Any, Any]:
@@ -88,9 +112,9 @@ def forward(q: Any, k: Any, v: Any, scale: float, interpret: bool = False) -> tu
 
 
 def _compiler_params() -> Any:
-    from jax.experimental.pallas import triton as pallas_triton
+    from jax.experimental.pallas import triton as plt
 
-    return pallas_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+    return plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
 
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float) -> None:

@@ -1,6 +1,7 @@
 """First-fit decreasing packing of documents into bins, on the device, for `backends.cudnn.bins.packed`.
 
     pack(lengths, rows, bins, interpret=False) -> (bin, offset)
+    formulation() -> str
 
 `lengths` (D,) int32 are the documents' lengths in decreasing order (0 past the last document).
 Each document goes whole into a bin of `rows` tokens: `bin[d]` (>= `bins` when it fits in none,
@@ -16,6 +17,9 @@ the caller's sign to run unbinned) at token `offset[d]`.
 Why a kernel: the loop is sequential, and XLA runs a `lax.fori_loop` outside a kernel as a few
 kernel launches per step. Why the short documents apart: a step per document however short would
 make many short documents cost as much as many long ones.
+
+Where jax no longer lowers Pallas with Triton (`backends.pallas_triton`: jax 0.11 deprecates it),
+the same loop runs as XLA's `lax.fori_loop` instead: the same integers, slower.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from sdpagraph.backends import pallas_triton
 
 SMALL_SHARE = 16
 
@@ -72,27 +78,45 @@ def _short_documents(short: Any, fill: Any, used: Any, rows: int) -> tuple[Any, 
             jnp.where(in_gaps, fill[gap] + start - room_start[gap], beyond % stride))
 
 
+def formulation() -> str:
+    """How the long documents are placed in this process (`pack`), as a clause for support answers."""
+    triton = pallas_triton.status()
+    if triton.available:
+        return "the bin packer runs as one Pallas Triton kernel"
+    return f"{triton.reason}; the bin packer runs its XLA formulation (a loop of kernels)"
+
+
 def _first_fit(lengths: Any, rows: int, bins: int, slots: int, interpret: bool) -> tuple[Any, Any, Any]:
+    """`_place` as one Pallas (Triton) program, in Pallas' interpreter with `interpret` (tests on a
+    CPU), or as XLA's loop where this jax lowers no Triton kernels."""
+    placement = functools.partial(_place, rows=rows, bins=bins, slots=slots)
+    if not interpret and not pallas_triton.status().available:
+        return placement(lengths)
     from jax.experimental import pallas as pl
 
+    def kernel(length_ref, bin_ref, offset_ref, fill_ref):
+        bin_of, offset_of, fill = placement(length_ref[...])
+        bin_ref[...] = bin_of
+        offset_ref[...] = offset_of
+        fill_ref[...] = fill
+
     size = lengths.shape[0]
-    kernel = functools.partial(_first_fit_kernel, rows=rows, bins=bins, slots=slots)
     out_shape = [jax.ShapeDtypeStruct((size,), jnp.int32)] * 2 + [jax.ShapeDtypeStruct((slots,), jnp.int32)]
     params = None if interpret else _compiler_params()
     return pl.pallas_call(kernel, out_shape=out_shape, compiler_params=params, interpret=interpret)(lengths)
 
 
 def _compiler_params() -> Any:
-    from jax.experimental.pallas import triton as pallas_triton
+    from jax.experimental.pallas import triton as plt
 
-    return pallas_triton.CompilerParams(num_warps=1, num_stages=1)
+    return plt.CompilerParams(num_warps=1, num_stages=1)
 
 
-def _first_fit_kernel(length_ref, bin_ref, offset_ref, fill_ref, *, rows: int, bins: int, slots: int) -> None:
-    """One program, everything in registers: the documents with a nonzero length (a prefix of
-    `length_ref`), each into the first of `bins` bins with room for it (`slots` >= bins, a power of
-    two; a document with no room gets `slots`); `fill_ref`: the tokens each bin then holds."""
-    lengths = length_ref[...]
+def _place(lengths: Any, *, rows: int, bins: int, slots: int) -> tuple[Any, Any, Any]:
+    """(bin, offset, fill): the documents with a nonzero length (a prefix of `lengths`), each into
+    the first of `bins` bins with room for it (`slots` >= bins, a power of two; a document with no
+    room gets `slots`); `fill`: the tokens each bin then holds. In a kernel, everything stays in
+    registers."""
     size = lengths.shape[0]
     doc = jnp.arange(size, dtype=jnp.int32)
     slot = jnp.arange(slots, dtype=jnp.int32)
@@ -111,6 +135,4 @@ def _first_fit_kernel(length_ref, bin_ref, offset_ref, fill_ref, *, rows: int, b
     empty = jnp.zeros((slots,), jnp.int32)
     fill, bin_of, offset_of = jax.lax.fori_loop(0, count, place, (empty, jnp.full((size,), slots, jnp.int32),
                                                                   jnp.zeros((size,), jnp.int32)))
-    bin_ref[...] = bin_of
-    offset_ref[...] = offset_of
-    fill_ref[...] = fill
+    return bin_of, offset_of, fill
