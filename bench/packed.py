@@ -1,6 +1,6 @@
 """Packed sequences (segment_ids) against the dense rate, side by side in one run. Needs a GPU.
 
-    python bench/packed.py [--out DIR] [--no-flex]
+    python bench/packed.py [--out DIR] [--no-flex] [--only "B4 T4096, 4 docs;softcap"]
 
 Per case (bf16, N16 H128, causal): sdpagraph's packed call (cuDNN; the ids are a jit argument, as
 in a training step, so the segment check runs: on the device by default, "check raise" with its
@@ -115,9 +115,11 @@ def packing_ms(q, seg, max_segments, hint, score_mod):
     return time_ms(layout, seg)
 
 
-def run(with_flex):
+def run(with_flex, only=None):
     rows = []
     for name, make_ids, mod, hint in CASES:
+        if only and not any(part in name for part in only):
+            continue
         ids = make_ids()
         B, T = ids.shape
         lengths = doc_lengths(ids)
@@ -190,10 +192,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=".")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (no torch)")
+    parser.add_argument("--only", default="", help="cases whose name holds one of these ';'-separated parts")
     args = parser.parse_args()
     if report.gpu_missing("bench/packed.py"):
         return 2
-    rows = run(not args.no_flex)
+    rows = run(not args.no_flex, [part for part in args.only.split(";") if part])
     report.write(args.out, "packed", f"bf16 N{N} H{H} causal; dense = causal over whole rows at the same shape",
                  table(rows), rows)
     return 0

@@ -81,7 +81,9 @@ def test_the_probe_sees_a_lowering_that_raises(monkeypatch):
 
     monkeypatch.setattr(plt, "CompilerParams", CompilerParams)
     answer = pallas_triton.status()
-    assert not answer.available and "ValueError: Cannot lower pallas_call" in answer.reason, answer
+    # On a CPU jax raises "ValueError: Cannot lower pallas_call"; with a GPU its lowering asserts instead.
+    assert not answer.available and answer.reason.startswith("Pallas Triton unavailable in jax"), answer
+    assert "ValueError: Cannot lower pallas_call" in answer.reason or jax.default_backend() != "cpu", answer
 
 
 # ----------------------------------------------------------------------------- small_seq
@@ -129,8 +131,9 @@ def test_small_seq_without_triton_runs_its_xla_formulation(one_gpu, monkeypatch,
 
 def test_small_seq_support_names_the_formulation_and_why(monkeypatch):
     call, _, (q, k, v) = _small_seq_call()
-    assert SMALL_SEQ.support(call.spec, None, training=True).reason == (
-        "the Pallas kernel runs on a GPU only; small_seq runs its XLA formulation")
+    if jax.default_backend() == "cpu":
+        assert SMALL_SEQ.support(call.spec, None, training=True).reason == (
+            "the Pallas kernel runs on a GPU only; small_seq runs its XLA formulation")
     causal = prepare_call(q, k, v, is_causal=True).spec
     assert "nothing to mask or modify" in SMALL_SEQ.support(causal, None, training=True).reason
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
