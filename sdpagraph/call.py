@@ -66,12 +66,14 @@ class PreparedCall:
     invalid_rows: Any = None
 
     def poison(self, out: Any, lse: Any) -> tuple[Any, Any]:
-        """`out` (B, T, N, H_v) and `lse` (B, N, T) with the invalid rows' values NaN."""
+        """`out` (B, T, N, H_v) and `lse` (B, N, T) or None with the invalid rows' values NaN."""
         if self.invalid_rows is None:
             return out, lse
         rows = self.invalid_rows
-        return (jnp.where(rows[:, None, None, None], jnp.nan, out).astype(out.dtype),
-                jnp.where(rows[:, None, None], jnp.nan, lse).astype(lse.dtype))
+        out = jnp.where(rows[:, None, None, None], jnp.nan, out).astype(out.dtype)
+        if lse is not None:  # an inference graph keeps no softmax stats
+            lse = jnp.where(rows[:, None, None], jnp.nan, lse).astype(lse.dtype)
+        return out, lse
 
 
 class MissingTensorError(SdpagraphError, KeyError, ValueError):

@@ -9,6 +9,7 @@
   SDPAGRAPH_CHECK_SEGMENTS=off;
 - traced scalars (mods.softcap(cap) under jit, traced score_mod_tensors) are device operands.
 """
+import dataclasses
 import itertools
 
 import jax
@@ -293,6 +294,11 @@ def test_traced_ids_past_the_bound_give_their_rows_nan_without_a_host_callback(r
     _, lse = jax.jit(lambda q, ids: sdpagraph.attention(q, k, v, segment_ids=ids, max_segments_per_seq=4,
                                                         return_residual=True))(q, jnp.asarray(ids_with_segments([1, 6, 1])))
     assert np.all(np.isnan(np.asarray(lse)[1])) and not np.any(np.isnan(np.asarray(lse)[[0, 2]]))
+    # An inference call (no softmax stats kept) too.
+    inference = jax.jit(lambda q, ids: sdpagraph.attention(q, k, v, segment_ids=ids, max_segments_per_seq=4,
+                                                           training=False))
+    out = np.asarray(inference(q, jnp.asarray(ids_with_segments([1, 1, 6]))))
+    assert np.all(np.isnan(out[2])) and np.all(np.isfinite(out[:2]))
     loss = jax.jit(jax.value_and_grad(lambda q, ids: jnp.sum(call(q, ids))))
     value, _ = loss(q, jnp.asarray(ids_with_segments([5, 1, 1])))
     assert np.isnan(value)
@@ -304,6 +310,16 @@ def test_traced_ids_past_the_bound_give_their_rows_nan_without_a_host_callback(r
     long_row[2] = np.repeat([1, 2, 3, 4], 3)
     out = np.asarray(hinted(q, jnp.asarray(long_row)))
     assert np.all(np.isnan(out[1])) and np.all(np.isfinite(out[[0, 2]]))
+
+
+def test_poisoning_takes_an_inference_result_without_softmax_stats(rng):
+    q, k, v = qkv(rng, 3, 12, 12)
+    seen = {}
+    jax.jit(lambda q, ids: seen.setdefault("call", prepare_call(q, k, v, segment_ids=ids, max_segments_per_seq=4))
+            and q)(q, jnp.asarray(ids_with_segments([1, 1, 1])))
+    call = dataclasses.replace(seen["call"], invalid_rows=jnp.asarray([False, True, False]))
+    out, lse = call.poison(jnp.ones((3, 12, 4, 8)), None)  # cuDNN's inference graph returns no logsumexp
+    assert lse is None and np.all(np.isnan(np.asarray(out)[1])) and np.all(np.asarray(out)[[0, 2]] == 1)
 
 
 def test_traced_ids_past_the_bound_raise_when_the_call_runs_on_request(rng, monkeypatch, caplog):
