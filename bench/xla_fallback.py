@@ -82,13 +82,21 @@ def main() -> None:
                 too_big = name == "direct" and b * n * t * t * 4 > limit
                 entry[f"{name}_temp"] = None if too_big else temp_bytes(fn, qkv)
                 fits = entry[f"{name}_temp"] is not None and entry[f"{name}_temp"] <= limit
-                entry[f"{name}_ms"] = timed_ms(fn, qkv) if fits else None
+                entry[f"{name}_ms"] = None
+                try:
+                    entry[f"{name}_ms"] = timed_ms(fn, qkv) if fits else None
+                except jax.errors.JaxRuntimeError as error:  # temporaries fit, the allocator did not
+                    entry[f"{name}_error"] = str(error).splitlines()[0][:200]
             data.append(entry)
             direct, blocks = entry["direct_ms"], entry["blockwise_ms"]
             ratio = f"{blocks / direct:.2f}" if direct and blocks else "-"
             ms = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+            if entry.get("direct_error"):
+                direct_text = "out of memory" if "RESOURCE_EXHAUSTED" in entry["direct_error"] else "failed"
+            else:
+                direct_text = ms(direct)
             gib = lambda x: "-" if x is None else f"{x / GIB:.3f}"  # noqa: E731
-            rows.append(f"| {t} | {entry['pass']} | {ms(direct)} | {ms(blocks)} | {ratio} | "
+            rows.append(f"| {t} | {entry['pass']} | {direct_text} | {ms(blocks)} | {ratio} | "
                         f"{gib(entry['direct_temp'])} | {gib(entry['blockwise_temp'])} |")
             print(rows[-1], file=sys.stderr, flush=True)  # progress; the table follows at the end
     header = ("| T = S | pass | direct ms | blockwise ms | ratio | direct temp GiB | blockwise temp GiB |\n"
