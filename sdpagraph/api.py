@@ -253,7 +253,9 @@ def attention(
         sequence on N/cp heads; N and K must be divisible by cp), or "auto" (all_to_all
         when the heads divide cp and T <= 65536 or the ring would run XLA blocks, else
         ring; measured on two H200s, where all_to_all was 1.33x / 1.04x faster at T16384 /
-        T65536).
+        T65536), or "halo" (sliding windows: each device receives from its neighbours only the
+        keys its windows reach, then runs one call; natural order, self-attention; only when
+        asked for).
       mesh: the mesh of `context_parallel_axis`, when no `jax.set_mesh` is active.
 
     Returns:

@@ -22,13 +22,6 @@ def draw(rng, shape, dtype):
     return jnp.asarray(rng.standard_normal(shape), dtype)
 
 
-@pytest.fixture
-def rng(request):
-    seed = np.random.SeedSequence().entropy % 2**32
-    print(f"seed={seed}")  # shown when a test fails, to reproduce it
-    return np.random.default_rng(seed)
-
-
 def qkv(rng, B=2, T=24, S=24, N=4, K=2, H=16, Hv=None, dtype="float32"):
     return (draw(rng, (B, T, N, H), dtype), draw(rng, (B, S, K, H), dtype), draw(rng, (B, S, K, Hv or H), dtype))
 

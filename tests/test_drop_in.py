@@ -27,13 +27,6 @@ from sdpagraph.backends.cudnn.graph_on_xla import graph_forward
 B, T, S, N, K, H = 2, 5, 7, 4, 2, 8
 
 
-@pytest.fixture
-def rng():
-    seed = int(np.random.default_rng().integers(2**31))
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def qkv(rng, batch=B, t=T, s=S, unbatched=False):
     shapes = ((batch, t, N, H), (batch, s, K, H), (batch, s, K, H))
     if unbatched:

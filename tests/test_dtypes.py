@@ -17,13 +17,6 @@ from tests.reference import allowed, attention_fwd_bwd, rel_err, softcap_mod
 
 
 @pytest.fixture
-def rng():
-    seed = int(np.random.default_rng().integers(2**31))
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
-@pytest.fixture
 def x64():
     previous = jax.config.jax_enable_x64
     jax.config.update("jax_enable_x64", True)

@@ -26,11 +26,6 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-@pytest.fixture
-def rng():
-    return np.random.default_rng()
-
-
 def test_jnp_softcap_and_causal_mask_mod_match_the_graph_forms(rng):
     q, k, v = qkv(rng)
     softcap = lambda s, b, h, i, j: 20.0 * jnp.tanh(s / 20.0)  # noqa: E731

@@ -8,7 +8,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import sdpagraph
 from sdpagraph.graph_store import CachedGraph, graph_key
@@ -80,11 +79,6 @@ def check_each_cap(rng, implementation, T, S, tol=1e-5):
         outs[cap] = ours[0]
     assert rel(outs[CAPS[0]], outs[CAPS[1]]) > 1e-2  # the two values really compute different things
     return outs
-
-
-@pytest.fixture
-def rng():
-    return np.random.default_rng()
 
 
 def test_softcap_values_share_one_ir_and_one_graph_key(rng):

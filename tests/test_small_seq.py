@@ -21,13 +21,6 @@ def rel_err(a, b):
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy % 2**32
-    print(f"seed={seed}")  # shown when a test fails, to reproduce it
-    return np.random.default_rng(seed)
-
-
 def draw(rng, shape, dtype):
     return jnp.asarray(rng.standard_normal(shape), dtype)
 

@@ -17,7 +17,7 @@ from sdpagraph.backends.small_seq.backend import small_seq_reason
 from sdpagraph.spec import AttentionSpec
 from tests import reference as ref
 
-from tests.test_small_seq import TOL, rel_err, rng  # noqa: F401 - rng is a fixture
+from tests.test_small_seq import TOL, rel_err
 
 
 def packed_ids(rng, B, T, longest, count=None):

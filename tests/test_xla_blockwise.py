@@ -8,20 +8,9 @@ import pytest
 from sdpagraph import mods
 from sdpagraph.backends.xla import KEY_BLOCK, xla_attention
 from sdpagraph.call import prepare_call
+from tests.reference import rel_err
 
 DIRECT = 1 << 30  # a block holding every key: the direct path
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-
-
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy % 2**32
-    print(f"seed={seed}")  # shown when a test fails, to reproduce it
-    return np.random.default_rng(seed)
 
 
 def draw(rng, shape, dtype="float32"):

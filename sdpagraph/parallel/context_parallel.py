@@ -5,13 +5,15 @@ sequence over a mesh axis, without gathering k or v.
         ├─ check (ValueError naming context_parallel_axis and the numbers), the mesh, the strategy
         └─ jax.shard_map over every mesh axis: the sequence over `cp`, the batch over the other axes
              ├─ "ring"        ring.ring_attention: K/V blocks pass around the ring (ppermute)
-             └─ "all_to_all"  heads <-> sequence (jax.lax.all_to_all), one whole-sequence call per
-                              device on N/cp heads, and back
+             ├─ "all_to_all"  heads <-> sequence (jax.lax.all_to_all), one whole-sequence call per
+             │                device on N/cp heads, and back
+             └─ "halo"        halo.halo_attention (sliding windows): each device receives the keys its
+                              windows reach from its neighbours (ppermute), then one local call
 
 Inside a `jax.shard_map` that already maps the axis, q, k, v are the local blocks: the strategy
 runs on them directly. Built on JAX's own machinery (shard_map, ppermute, all_to_all); no runtime of
-our own. Which backend the blocks run: cuDNN when it can (`ring.cudnn_reason`, and a support check of
-the block graphs), else the XLA backend, with the reason logged once at INFO.
+our own. Which backend the blocks run: cuDNN when it can (`ring.cudnn_reason` for the ring, and a
+support check of the block graphs), else the XLA backend, with the reason logged once at INFO.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from sdpagraph.logs import log_once, logger
 from sdpagraph.graphs.support import Support
 from sdpagraph.backends import registry
 from sdpagraph.numerics import gate as numerics_gate
-from sdpagraph.parallel import ring
+from sdpagraph.parallel import halo, ring
 from sdpagraph.call import PreparedCall, notify_trace_listeners
 from sdpagraph.parallel.load_balance import load_balance, unload_balance
 from sdpagraph.segments.metadata import segment_positions, segment_run_ids
@@ -38,7 +40,7 @@ from sdpagraph.backends.cudnn.sharding import Split, local_ir, local_spec
 from sdpagraph.meshes import whole_along_sequence
 from sdpagraph.spec import AttentionSpec
 
-STRATEGIES = ("ring", "all_to_all", "auto")
+STRATEGIES = ("ring", "all_to_all", "halo", "auto")
 # "auto" takes all_to_all up to this sequence length when the heads divide the axis: on two H200s
 # all_to_all beat the load-balanced ring at both lengths measured, 1.33x at T16384 and 1.04x at
 # T65536 (bench/multi_gpu.py, docs/results/h200x2-2026-11-24-multi-gpu.md). Beyond the longest
@@ -98,6 +100,8 @@ def check(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh
     if strategy == "all_to_all" and (spec.num_heads % cp or spec.num_kv_heads % cp):
         raise _fail(axis, f"context_parallel_strategy='all_to_all' needs the query heads N={spec.num_heads} and "
                           f"key/value heads K={spec.num_kv_heads} divisible by cp={cp}; use 'ring'")
+    if strategy == "halo" and (why := halo.unsupported(spec, load_balanced)) is not None:
+        raise _fail(axis, f"context_parallel_strategy='halo' {why}")
     return shape, manual
 
 
@@ -106,7 +110,8 @@ def choose_strategy(spec: AttentionSpec, cp: int, strategy: str, ring_on_xla: bo
     ring would run XLA blocks (`ring_on_xla`: windows, packed segments, mask_mods; all_to_all runs
     those on cuDNN); else ring. Measured on two GPUs up to T65536 (AUTO_ALL_TO_ALL_MAX_LEN): the
     ring's transfers hide behind its blocks' compute only when blocks are long, while all_to_all
-    runs one whole-sequence call per device but moves q, k, v and o unhidden."""
+    runs one whole-sequence call per device but moves q, k, v and o unhidden. "halo" is taken only
+    when asked for until it is measured on GPUs beside the others."""
     if strategy != "auto":
         return strategy
     heads_divide = spec.num_heads % cp == 0 and spec.num_kv_heads % cp == 0
@@ -146,7 +151,7 @@ class Plan:
 
     axis: str
     cp: int
-    strategy: str  # "ring" or "all_to_all"
+    strategy: str  # "ring", "all_to_all" or "halo"
     manual: bool  # inside a shard_map over the axis: q, k, v are the local blocks
     batch_axes: tuple[str, ...]  # the other mesh axes, splitting the batch
     local: AttentionSpec  # one device's batch, the global sequence lengths
@@ -174,6 +179,10 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
         blocks = ring.RingPlan(local, axis, cp, load_balanced, registry.primary().name, call.score_mod, ())
         graphs = [(blocks.block_spec(causal), blocks.block_ir) for causal in sorted({False, spec.is_causal})]
         reason = ring_reason
+    elif strategy == "halo":
+        blocks = halo.HaloPlan(local, axis, cp, registry.primary().name, call.score_mod, ())
+        graphs = [(blocks.block_spec(case), blocks.block_ir) for case in blocks.cases]
+        reason = call.inputs.python_mods.reason if call.inputs.python_mods is not None else None
     else:
         split = Split(head_axes=(axis,), heads=cp, kv_heads=cp)
         graphs = [(local_spec(local, split), local_ir(call.score_mod, local, split))]
@@ -221,6 +230,12 @@ def _ring(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v,
     return ring.ring_attention(plan, q, k, v, {"arrays": arrays, "q_tok": tok, "kv_tok": tok})
 
 
+def _halo(call, local: AttentionSpec, axis, cp, backend, q, k, v, arrays):
+    plan = halo.HaloPlan(local, axis, cp, backend, call.score_mod,
+                         tuple(sorted((call.inputs.mod_scalars or {}).items())), call.inputs.python_mods)
+    return halo.halo_attention(plan, q, k, v, arrays)
+
+
 def _all_to_all(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, ids):
     """Heads <-> sequence: each device gets the whole sequence of N/cp heads, runs one call, and
     sends the output (and logsumexp) back to the sequence split."""
@@ -265,6 +280,8 @@ def attention(call: PreparedCall, q: Any, k: Any, v: Any, *, axis: str, load_bal
     def body(q, k, v, arrays, ids):
         if strategy == "all_to_all":
             return _all_to_all(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, ids)
+        if strategy == "halo":  # takes no segment ids (`halo.unsupported`)
+            return _halo(call, local, axis, cp, backend, q, k, v, arrays)
         tok = None if ids is None else tuple(jnp.asarray(x) for x in ids)
         return _ring(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, tok)
 
