@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from sdpagraph.cache import CacheMissError
 from sdpagraph.graphs.support import Support
 from sdpagraph.parallel import context_parallel
-from sdpagraph.backends import registry
+from sdpagraph.backends import registry, sinks as sinks_mod
 from sdpagraph.backends.base import Backend
 from sdpagraph.dispatch import rule as dispatch
 from sdpagraph.call import PreparedCall, as_4d, notify_trace_listeners, prepare_call
@@ -43,12 +43,16 @@ def _check_implementation(implementation: Any) -> None:
         registry.get(implementation)
 
 
-def _answer(backend: Backend, call: PreparedCall, training: bool, *, raise_on_miss: bool) -> Support:
+def _answer(backend: Backend, call: PreparedCall, training: bool, *, raise_on_miss: bool,
+            sinks: bool = False) -> Support:
     """Whether `backend` runs the call. Its compiled kernels must compute the right values once (the
     numerical check, with the call's scalar values) before they are used; a strict cache that lacks
-    them raises (the runtime) or answers no (`check_support`), with how to precompile them."""
+    them raises (the runtime) or answers no (`check_support`), with how to precompile them. A call
+    with sinks that trains needs a backend that differentiates the logsumexp."""
     if call.inputs.python_mods is not None and not backend.runs_python_mods:
         return Support(False, registry.reference().name, call.inputs.python_mods.reason)
+    if sinks and training and (why := sinks_mod.backend_reason(backend)) is not None:
+        return Support(False, registry.reference().name, why)
     try:
         verify = functools.partial(numerics_gate.checked, scalars=call.inputs.mod_scalars)
         return backend.support(call.spec, call.score_mod, training=training, verify=verify)
@@ -58,7 +62,8 @@ def _answer(backend: Backend, call: PreparedCall, training: bool, *, raise_on_mi
         return Support(False, registry.reference().name, _strict_miss_message(call, miss))
 
 
-def _decide(call: PreparedCall, implementation: str | None, training: bool, *, raise_on_miss: bool) -> Support:
+def _decide(call: PreparedCall, implementation: str | None, training: bool, *, raise_on_miss: bool,
+            sinks: bool = False) -> Support:
     """Which backend runs the call, and why: `Support(the first backend runs it, backend, reason)`.
 
     `Support.supported` speaks of the first backend in preference order (cuDNN): whether it can run
@@ -68,7 +73,7 @@ def _decide(call: PreparedCall, implementation: str | None, training: bool, *, r
     """
     primary = registry.primary().name
     if implementation is not None:
-        answer = _answer(registry.get(implementation), call, training, raise_on_miss=raise_on_miss)
+        answer = _answer(registry.get(implementation), call, training, raise_on_miss=raise_on_miss, sinks=sinks)
         if not answer.supported:
             return Support(False, registry.reference().name, answer.reason)
         if implementation == primary:
@@ -79,7 +84,7 @@ def _decide(call: PreparedCall, implementation: str | None, training: bool, *, r
 
     def lazily(backend: Backend):
         def ask() -> Support:
-            answers[backend.name] = _answer(backend, call, training, raise_on_miss=raise_on_miss)
+            answers[backend.name] = _answer(backend, call, training, raise_on_miss=raise_on_miss, sinks=sinks)
             return answers[backend.name]
         return ask
 
@@ -109,8 +114,8 @@ def _leaving_level(spec: AttentionSpec) -> int:
     return logging.WARNING if spec.q_len * spec.kv_len >= LONG_CALL_SCORES else logging.INFO
 
 
-def _choose_backend(call: PreparedCall, implementation: str | None, training: bool) -> str:
-    decision = _decide(call, implementation, training, raise_on_miss=True)
+def _choose_backend(call: PreparedCall, implementation: str | None, training: bool, sinks: bool) -> str:
+    decision = _decide(call, implementation, training, raise_on_miss=True, sinks=sinks)
     if implementation is not None and decision.backend != implementation:
         raise ValueError(f"implementation={implementation!r} cannot run {call.spec.summary()}: {decision.reason}")
     if decision.backend != registry.primary().name and implementation is None:
@@ -142,6 +147,7 @@ def attention(
     score_mod_bprop: Callable | None = None,
     mask_mod: Callable | None = None,
     training: bool = True,
+    sinks: Any = None,
     max_seqlen_q: int | None = None,
     max_seqlen_kv: int | None = None,
     context_parallel_axis: str | None = None,
@@ -156,6 +162,7 @@ def attention(
 
         logits = score_mod(scale * q . k^T) + bias
         out    = softmax(logits masked by every mask below) . v
+                 (with `sinks`, exp(sinks[n]) joins each row's softmax denominator)
 
     Args:
       query: `(B, T, N, H)` (or `(T, N, H)`), float32 / bfloat16 / float16.
@@ -174,9 +181,9 @@ def attention(
       implementation: None (the fastest backend that can run the call, by measured speed:
         cuDNN for most calls; XLA or "small_seq" where cuDNN is measured slower, e.g. query
         length 1-4 with 32 keys or fewer over a huge batch; the reason is logged once at
-        INFO, at WARNING when T * S >= 2**24), "xla", "cudnn" (raises with the reason if unsupported), or "small_seq" (the
-        small-sequence backend: T <= 4, S <= 32, or packed with `max_seqlen_q` <= 4 and
-        `max_seqlen_kv` <= 32; raises outside that regime).
+        INFO, at WARNING when T * S >= 2**24), "xla", "cudnn" (raises with the reason if
+        unsupported), or "small_seq" (the small-sequence backend: T <= 4, S <= 32, or packed
+        with `max_seqlen_q` <= 4 and `max_seqlen_kv` <= 32; raises outside that regime).
       return_residual: also return the logsumexp, shape `(B, T, N)`, as jax does.
       causal_alignment: "top_left" (jax's default) or "bottom_right": the diagonal ends
         at the last query/key pair, for T != S.
@@ -225,6 +232,10 @@ def attention(
         are not yet checked on a GPU).
       training: False selects cuDNN's inference graph (no softmax stats) when no
         gradient is needed.
+      sinks: attention sinks (gpt-oss): `(N,)` logits, one per query head (float32
+        recommended), differentiable; exp(sinks[n]) joins each row's softmax denominator and
+        adds no value (not passed through score_mod or bias). Composed from the logsumexp,
+        exactly (docs/sinks.md); the residual then includes the sink.
       max_seqlen_q / max_seqlen_kv: static bounds on the length of each packed query /
         key segment (positive ints; with `segment_ids` only). Runtime lengths are unknown
         at trace time, so these hints say when a packed call is in the small-sequence
@@ -279,24 +290,33 @@ def attention(
         score_mod_tensors=score_mod_tensors, score_mod_bprop=score_mod_bprop, mask_mod=mask_mod,
         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
     )
+    if sinks is not None:
+        sinks = sinks_mod.check(sinks, call.spec.num_heads)
     if call.spec.empty_axes:  # nothing to compute (no graph to build): jax's empty or zero result
         implementation = registry.reference().name
     # Only calls a graph can serve; a context-parallel call reports its block graphs itself.
     if (implementation != registry.reference().name and call.inputs.python_mods is None
             and context_parallel_axis is None):
-        _notify_listeners(call, training)
+        _notify_listeners(call, training or sinks is not None)
     q, k, v = (as_4d(x, call.unbatched) for x in (query, key, value))
     # A context-parallel call's blocks run the backend context_parallel.plan chooses.
-    backend = "context_parallel" if context_parallel_axis is not None else _choose_backend(call, implementation,
-                                                                                            training)
+    backend = "context_parallel" if context_parallel_axis is not None else _choose_backend(
+        call, implementation, training, sinks is not None)
     if backend == "context_parallel":
         out, lse = context_parallel.attention(
             call, q, k, v, axis=context_parallel_axis, load_balanced=load_balanced,
             strategy=context_parallel_strategy, mesh=mesh, implementation=implementation)
-    else:  # an inference graph keeps no softmax stats: a residual needs the training one
+        if sinks is not None:  # whether its backward takes the logsumexp's cotangent
+            how = context_parallel.plan(call, context_parallel_axis, load_balanced, context_parallel_strategy,
+                                        mesh, implementation, running=False)
+            no_gradient = sinks_mod.context_parallel_reason(how.strategy, registry.get(how.backend))
+    else:  # an inference graph keeps no softmax stats: a residual or sinks need the training one
         out, lse = registry.get(backend).attention(call.spec, q, k, v, call.inputs, call.score_mod,
-                                                   training=training or return_residual,
+                                                   training=training or return_residual or sinks is not None,
                                                    verify=numerics_gate.checked)
+        no_gradient = sinks_mod.inference_only(registry.get(backend))
+    if sinks is not None:
+        out, lse = sinks_mod.compose(out, lse, sinks, no_gradient)
     out, lse = call.poison(out, lse)
     if call.unbatched:
         out, lse = out[0], lse[0]
@@ -312,13 +332,14 @@ def check_support(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
 
     `supported` says whether cuDNN runs the call; `backend` is the backend `attention` will use
     (the fastest that can run it, see `implementation`), and `reason` says why, with the predicted
-    times when the choice was made by speed. Takes the same arguments as `attention` (arrays or `jax.ShapeDtypeStruct`s) and
-    normalizes them with the same code. Invalid arguments raise the same errors
+    times when the choice was made by speed. Takes the same arguments as `attention` (arrays or
+    `jax.ShapeDtypeStruct`s) and normalizes them with the same code. Invalid arguments raise the same errors
     `attention` raises. `training=True` checks the backward graph too. A supported
     answer leaves the graphs in the cache, so the later call builds nothing. With
     `context_parallel_axis`, the answer is about the graphs of one device's blocks.
     """
     kwargs.pop("return_residual", None)
+    sinks = kwargs.pop("sinks", None)
     implementation = kwargs.pop("implementation", None)
     _check_implementation(implementation)
     parallel = {name: kwargs.pop(name) for name in ("context_parallel_axis", "load_balanced",
@@ -328,12 +349,17 @@ def check_support(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
         kwargs["segment_ids"] = context_parallel.natural_order(kwargs["segment_ids"], axis, parallel.get("mesh"),
                                                                parallel.get("load_balanced", False))
     call = prepare_call(query, key, value, bias, mask, **kwargs)
+    if sinks is not None:
+        sinks_mod.check(sinks, call.spec.num_heads)
     if axis is not None:
-        return context_parallel.support(call, axis, parallel.get("load_balanced", False),
-                                        parallel.get("context_parallel_strategy", "ring"), parallel.get("mesh"),
-                                        implementation)
-    if call.spec.empty_axes:
-        return Support(False, registry.reference().name,
-                       f"axis {', '.join(call.spec.empty_axes)} has size 0: nothing to compute; "
-                       "attention returns jax's empty (or zero) result from the XLA backend")
-    return _decide(call, implementation, training, raise_on_miss=False)
+        answer = context_parallel.support(call, axis, parallel.get("load_balanced", False),
+                                          parallel.get("context_parallel_strategy", "ring"), parallel.get("mesh"),
+                                          implementation)
+    elif call.spec.empty_axes:
+        answer = Support(False, registry.reference().name,
+                         f"axis {', '.join(call.spec.empty_axes)} has size 0: nothing to compute; "
+                         "attention returns jax's empty (or zero) result from the XLA backend")
+    else:
+        answer = _decide(call, implementation, training, raise_on_miss=False, sinks=sinks is not None)
+    return answer if sinks is None else Support(answer.supported, answer.backend,
+                                                _joined(answer.reason, sinks_mod.COMPOSED))

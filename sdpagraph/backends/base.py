@@ -33,6 +33,9 @@ class Backend(abc.ABC):
     # Whether a packed call with `max_seqlen_q` / `max_seqlen_kv` hints costs what the sequences its
     # hints bound cost (dispatch's prediction); otherwise it costs the dense (B, T, S).
     packs_by_hints: ClassVar[bool] = False
+    # Why the backward ignores a cotangent on the logsumexp `attention` returns (None: it honours one).
+    # What is composed from the logsumexp (sinks) is differentiated only where it is honoured.
+    lse_without_gradient: ClassVar[str | None] = None
 
     @abc.abstractmethod
     def support(self, spec: AttentionSpec, score_mod: ScoreModIR | None, *, training: bool,

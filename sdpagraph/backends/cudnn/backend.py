@@ -379,6 +379,8 @@ class CudnnBackend(Backend):
 
     name = "cudnn"
     packs_by_hints = True
+    lse_without_gradient = ("the cuDNN backward graph takes dO alone (its softmax stats are returned without "
+                            "a gradient)")
     block_static = staticmethod(block_static)
     block_operands = staticmethod(block_operands)
     block_forward = staticmethod(block_forward)
