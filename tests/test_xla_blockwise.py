@@ -162,3 +162,27 @@ def test_fwd_bwd_temporaries_stay_o_of_a_block():
     blockwise, direct = temp_bytes(KEY_BLOCK, 16384), temp_bytes(DIRECT, 16384)
     assert blockwise < 1.5 * 2**30 and blockwise * 10 < direct, (blockwise, direct)
     assert temp_bytes(KEY_BLOCK, 16384, grad=False) < 0.75 * 2**30
+
+
+def test_an_accelerator_runs_direct_while_the_scores_fit_its_memory(monkeypatch):
+    """Off CPU the one-block path (faster there) runs while its temporaries take at most a quarter of
+    the device's memory; past that, and always on CPU past one block of keys, blocks run."""
+    from sdpagraph.backends import xla
+
+    class Device:
+        def __init__(self, limit):
+            self.limit = limit
+
+        def memory_stats(self):
+            return None if self.limit is None else {"bytes_limit": self.limit}
+
+    q = lambda b, t, n: jax.ShapeDtypeStruct((b, t, n, 128), jnp.bfloat16)  # noqa: E731
+    k = lambda s: jax.ShapeDtypeStruct((1, s, 16, 128), jnp.bfloat16)  # noqa: E731
+    assert not xla._runs_direct(q(4, 4096, 16), k(4096), None)  # CPU: blocks past KEY_BLOCK keys
+    assert xla._runs_direct(q(4, 1024, 16), k(1024), None)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda: [Device(60 * 2**30)])  # an H100's default allocator limit
+    assert xla._runs_direct(q(4, 4096, 16), k(4096), None)  # 8 GiB of temporaries: fits, as before
+    assert not xla._runs_direct(q(1, 16384, 16), k(16384), None)  # 32 GiB: blocks
+    monkeypatch.setattr(jax, "devices", lambda: [Device(None)])  # no limit reported: 2**28 scores
+    assert xla._runs_direct(q(1, 4096, 16), k(4096), None) and not xla._runs_direct(q(2, 4096, 16), k(4096), None)

@@ -80,11 +80,24 @@ _mod_with_bprop.defvjp(_mod_with_bprop_fwd, _mod_with_bprop_bwd)
 # 1.1-1.6x (fewer, larger steps); on CPU both ran 0.25-1.0x of it (bench/xla_fallback.py).
 KEY_BLOCK = 1024
 
-# On accelerators the direct path still runs up to this many fp32 scores (B·N·T·S; 1 GiB a copy):
-# there its saved probabilities beat the blockwise backward's recomputation, and a call that fit
-# before keeps its speed. On CPU the blockwise path is faster at every size measured (its blocks stay
-# in cache), so there only S <= KEY_BLOCK runs direct.
+# On accelerators the direct path runs while its temporaries take at most this share of the
+# device's memory: there its saved probabilities beat the blockwise backward's recomputation, so a
+# call that fits keeps the speed it had (on an H100 at B1 N16 H128 bf16 causal, fwd+bwd held 2 GiB
+# of temporaries at T=S=4096, about 8 bytes a score, and ran 1.37x faster than in blocks); past it,
+# the blocks' O(B·N·T·block) memory wins. On CPU the blockwise path is faster at every size
+# measured (its blocks stay in cache), so there only S <= KEY_BLOCK runs direct.
+DIRECT_MEMORY_SHARE = 0.25
+DIRECT_BYTES_PER_SCORE = 8  # forward and backward temporaries, measured (bench/xla_fallback.py)
+# A device that reports no memory limit: as 2**28 scores (2 GiB of temporaries) were on an H100.
 DIRECT_MAX_SCORES = 2**28
+
+
+def _direct_max_scores() -> int:
+    """How many scores (B·N·T·S) the direct path may form at once on this accelerator."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return DIRECT_MAX_SCORES
+    return max(DIRECT_MAX_SCORES, int(DIRECT_MEMORY_SHARE * stats["bytes_limit"] / DIRECT_BYTES_PER_SCORE))
 
 
 def _runs_direct(query: Any, key: Any, block: int | None) -> bool:
@@ -92,7 +105,7 @@ def _runs_direct(query: Any, key: Any, block: int | None) -> bool:
     (b, t, n, _), s = query.shape, key.shape[1]
     if block is not None:
         return s <= block
-    return s <= KEY_BLOCK or (jax.default_backend() != "cpu" and b * n * t * s <= DIRECT_MAX_SCORES)
+    return s <= KEY_BLOCK or (jax.default_backend() != "cpu" and b * n * t * s <= _direct_max_scores())
 
 
 _INDEX = (np.zeros((), np.int32),) * 4  # an element's (b, h, q_idx, kv_idx), as the Python mods see it
