@@ -271,6 +271,8 @@ def attention(
 
     Returns:
       `(B, T, N, H_v)` in the input dtype (and the logsumexp if `return_residual`).
+      Differentiable in reverse mode (`jax.grad`, `jax.vjp`); forward mode (`jax.jvp`) works
+      only where the XLA backend forms all scores at once (keys up to 1024 on CPU).
       With an empty axis (B, T, S or N of 0) it returns what jax does: an empty
       array, or zeros (logsumexp -inf) when S is 0, from the XLA backend whatever
       `implementation` says.
@@ -297,7 +299,8 @@ def attention(
     # Only calls a graph can serve; a context-parallel call reports its block graphs itself.
     if (implementation != registry.reference().name and call.inputs.python_mods is None
             and context_parallel_axis is None):
-        _notify_listeners(call, training or sinks is not None)
+        if sinks is None or not training:  # training calls with sinks leave cuDNN (backends.sinks)
+            _notify_listeners(call, training or sinks is not None)
     q, k, v = (as_4d(x, call.unbatched) for x in (query, key, value))
     # A context-parallel call's blocks run the backend context_parallel.plan chooses.
     backend = "context_parallel" if context_parallel_axis is not None else _choose_backend(
@@ -319,7 +322,7 @@ def attention(
         out, lse = sinks_mod.compose(out, lse, sinks, no_gradient)
     out, lse = call.poison(out, lse)
     if call.unbatched:
-        out, lse = out[0], lse[0]
+        out, lse = out[0], (None if lse is None else lse[0])
     if return_residual:
         # As jax: the logsumexp is an output of the forward only, never differentiated through.
         return out, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(out.dtype))

@@ -224,8 +224,10 @@ def _check_segments_at_run_time(segment_ids: Any, q_ids: Any, max_segments_per_s
     ones): the segment count bound and the segment length hints are checked when the call runs, as
     `segments.segment_check_mode` says. Returns the (B,) bool rows whose output must be NaN, or None
     (nothing traced to check, or the check raises itself, or is off)."""
+    if segment_ids is None:
+        return None
     mode = segment_check_mode()
-    if segment_ids is None or mode == "off":
+    if mode == "off":
         return None
     checks = []  # (ids, rows over -> (B,) bool, raise when the call runs)
     if max_segments_per_seq is not None and isinstance(q_ids, jax.core.Tracer):

@@ -137,8 +137,9 @@ CHECK_SEGMENTS = Choice(
     "packed `segment_ids` that break `max_segments_per_seq` or a `max_seqlen_q` / `max_seqlen_kv` "
     "hint raise `ValueError` when concrete; when traced (under `jit`): `nan` gives their batch rows NaN "
     "output, computed on the device; `raise` raises when the call runs (a host callback per call, "
-    "which ends XLA's command buffer and syncs); `off` (or `0`) checks nothing and drops the excess",
-    choices=("nan", "raise", "off", "0"), fold_case=True)
+    "which ends XLA's command buffer and syncs); `off` (or `0`, `false`, `no`) checks nothing and drops "
+    "the excess; `1` (`true`, `on`, `yes`) means `nan`",
+    choices=("nan", "raise", "off"), fold_case=True)
 BINS = Switch(
     "SDPAGRAPH_BINS", "1",
     "`0`: no packed call runs on bins, and no bins' graphs are built")

@@ -350,9 +350,18 @@ def test_the_check_can_be_switched_off(rng, monkeypatch, off):
     assert "debug_callback" in traced(lambda q, ids: call(q, ids))  # per function: a new one here)
 
 
+@pytest.mark.parametrize("value, mode", [("1", "nan"), ("true", "nan"), ("false", "off"), ("no", "off"),
+                                         ("0", "off"), ("RAISE", "raise"), ("", "nan")])
+def test_the_switch_words_still_mean_what_they_meant(monkeypatch, value, mode):
+    from sdpagraph.segments.rules import segment_check_mode
+    monkeypatch.setenv("SDPAGRAPH_CHECK_SEGMENTS", value)
+    assert segment_check_mode() == mode
+
+
 def test_a_bad_check_mode_names_the_variable(rng, monkeypatch):
     monkeypatch.setenv("SDPAGRAPH_CHECK_SEGMENTS", "sometimes")
     q, k, v = qkv(rng, 2, 12, 12)
+    sdpagraph.attention(q, k, v)  # a call without packed ids never reads it
     with pytest.raises(ValueError, match="SDPAGRAPH_CHECK_SEGMENTS must be one of nan, raise, off"):
         jax.jit(lambda q, ids: sdpagraph.attention(q, k, v, segment_ids=ids, max_segments_per_seq=4))(
             q, jnp.asarray(ids_with_segments([1, 1])))

@@ -330,3 +330,16 @@ def test_the_composition_is_the_formula_on_known_numbers():
     np.testing.assert_allclose(np.asarray(out)[0, :, 0, 0], [0.5, 0.0])
     np.testing.assert_allclose(np.asarray(lse)[0, 0], [np.log(2.0), 0.0])
 
+
+
+def test_a_minus_inf_sink_on_a_row_with_nothing_to_attend_gives_zero_and_finite_gradients(rng):
+    q = jnp.asarray(rng.standard_normal((1, 8, 2, 8)), jnp.float32)
+    sinks = jnp.asarray([-jnp.inf, 0.0])
+    lengths = jnp.asarray([5], jnp.int32)
+    out = sdpagraph.attention(q, q, q, query_seq_lengths=lengths, key_value_seq_lengths=lengths, sinks=sinks,
+                              implementation="xla")
+    assert np.all(np.isfinite(np.asarray(out))) and np.all(np.asarray(out)[0, 5:] == 0)
+    grads = jax.grad(lambda q, s: jnp.sum(sdpagraph.attention(q, q, q, query_seq_lengths=lengths,
+                                                               key_value_seq_lengths=lengths, sinks=s,
+                                                               implementation="xla") ** 2), argnums=(0, 1))(q, sinks)
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)

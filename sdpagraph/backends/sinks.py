@@ -78,8 +78,13 @@ def compose(out: Any, lse: Any, sinks: Any, no_gradient: str | None = None) -> t
         lse = _without_gradient(no_gradient, lse)
     acc = jnp.promote_types(lse.dtype, jnp.float32)
     lse = lse.astype(acc)
-    with_sink = jnp.logaddexp(lse, sinks.astype(acc)[None, :, None])
-    kept = jnp.exp(lse - with_sink)  # each row's share left to the keys: 0 where nothing is attended
+    sink = jnp.broadcast_to(sinks.astype(acc)[None, :, None], lse.shape)
+    # A row with nothing to attend under a -inf sink has L' = -inf: guarded so that neither the value
+    # (exp(-inf - -inf)) nor logaddexp's gradient at (-inf, -inf) is NaN.
+    both = jnp.isneginf(lse) & jnp.isneginf(sink)
+    with_sink = jnp.where(both, -jnp.inf, jnp.logaddexp(jnp.where(both, 0.0, lse), sink))
+    # each row's share left to the keys: 0 where nothing is attended
+    kept = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - jnp.where(both, 0.0, with_sink)))
     out = (out.astype(acc) * jnp.swapaxes(kept, 1, 2)[..., None]).astype(out.dtype)
     return out, with_sink
 

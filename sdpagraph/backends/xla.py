@@ -97,7 +97,7 @@ def _direct_max_scores() -> int:
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return DIRECT_MAX_SCORES
-    return max(DIRECT_MAX_SCORES, int(DIRECT_MEMORY_SHARE * stats["bytes_limit"] / DIRECT_BYTES_PER_SCORE))
+    return int(DIRECT_MEMORY_SHARE * stats["bytes_limit"] / DIRECT_BYTES_PER_SCORE)
 
 
 def _runs_direct(query: Any, key: Any, block: int | None) -> bool:

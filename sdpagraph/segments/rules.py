@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sdpagraph.config import CHECK_SEGMENTS
+from sdpagraph.config import CHECK_SEGMENTS, OFF_WORDS
 
 
 def _run_starts(ids: np.ndarray) -> np.ndarray:
@@ -33,8 +33,12 @@ def segment_check_mode() -> str:
     trip), raise when the call runs ("raise", a host callback), or pass ("off": segments past the
     bound are dropped, their query rows give 0, and the small-sequence backend drops a segment's keys
     past `max_seqlen_kv`)."""
-    mode = CHECK_SEGMENTS.get()
-    return "off" if mode == "0" else mode
+    raw = (CHECK_SEGMENTS.raw() or "").strip().lower()
+    if raw in OFF_WORDS:  # the switch's old words: off
+        return "off"
+    if raw in ("1", "true", "on", "yes"):  # and on: the default check
+        return CHECK_SEGMENTS.default
+    return CHECK_SEGMENTS.get()
 
 
 def segment_checks_enabled() -> bool:
