@@ -31,10 +31,9 @@ import jax.numpy as jnp
 from sdpagraph.backends import registry
 from sdpagraph.backends.masking import TokenLayout
 from sdpagraph.call import RuntimeInputs
-from sdpagraph.parallel.ring import OFFSETS
+from sdpagraph.parallel.ring import OFFSETS, with_offsets
 from sdpagraph.scoremod.forms import PythonMods
 from sdpagraph.scoremod.ir import ScoreModIR, with_position_offsets
-from sdpagraph.scoremod.masks import KEY_AXIS, QUERY_AXIS
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
 
 
@@ -154,9 +153,8 @@ def _case_xla(plan: HaloPlan, case, me, q, k, v, arrays: Mapping[str, Any]) -> t
 
 def _case_cudnn(plan: HaloPlan, case, me, q, k, v, arrays: Mapping[str, Any]) -> tuple[Any, Any]:
     if plan.reads_positions:
-        offset = lambda start: jnp.reshape(start, (1, 1, 1, 1)).astype(jnp.int32)  # noqa: E731
         start = me * plan.block
-        arrays = {**arrays, OFFSETS[QUERY_AXIS]: offset(start), OFFSETS[KEY_AXIS]: offset(start - case[0])}
+        arrays = with_offsets(arrays, start, start - case[0])
     inputs = RuntimeInputs(mod_scalars=dict(plan.scalars), mod_arrays=arrays)
     return registry.primary().attention(plan.block_spec(case), q, k, v, inputs, plan.block_ir, training=True)
 

@@ -159,11 +159,17 @@ def _cudnn_static(plan: RingPlan, causal: bool) -> Any:
     return registry.primary().block_static(plan.block_spec(causal), plan.block_ir, dict(plan.scalars))
 
 
+def with_offsets(arrays: Mapping[str, Any], q_start: Any, kv_start: Any) -> dict[str, Any]:
+    """`arrays` and a block's global query and key offsets (`OFFSETS`), the operands a block graph whose
+    score_mod reads positions takes (`scoremod.ir.with_position_offsets`)."""
+    offset = lambda start: jnp.reshape(start, (1, 1, 1, 1)).astype(jnp.int32)  # noqa: E731
+    return {**arrays, OFFSETS[QUERY_AXIS]: offset(q_start), OFFSETS[KEY_AXIS]: offset(kv_start)}
+
+
 def _cudnn_operands(plan: RingPlan, arrays: Mapping[str, Any], q_start: Any, kv_start: Any) -> dict[str, Any]:
     """The block graph's array operands: the score_mod's, and the pair's global offsets when it reads positions."""
     if plan.reads_positions:
-        offset = lambda start: jnp.reshape(start, (1, 1, 1, 1)).astype(jnp.int32)  # noqa: E731
-        arrays = {**arrays, OFFSETS[QUERY_AXIS]: offset(q_start), OFFSETS[KEY_AXIS]: offset(kv_start)}
+        arrays = with_offsets(arrays, q_start, kv_start)
     return registry.primary().block_operands(RuntimeInputs(mod_arrays=arrays))
 
 
