@@ -3,14 +3,19 @@ sharded over 2 GPUs, against the per-device shape on one GPU, for sdpagraph (wit
 partitioning, and without it: the 'before' row) and jax's cuDNN attention, side by side in one run;
 and context parallelism (`--part cp`): B1 T65536 N16 H128 causal fwd+bwd (and with a softcap
 score_mod), ring with load balancing over 2 GPUs against 1 GPU, and ring against all-to-all at T 16k
-and 64k, the table behind `context_parallel_strategy="auto"`.
+and 64k, the table behind `context_parallel_strategy="auto"`; and long context (`--part cp-long`,
+LONG_CALLS): packed documents, sliding windows, softcap with documents, chunked attention and dense
+causal at T 32k-128k, B1 N16 H128, on one GPU and on 2 GPUs with each strategy (ring, all_to_all,
+halo, auto), with peak device memory per GPU for the packed T131072 rows (a child process per row).
 
-    python3 bench/multi_gpu.py --out DIR [--quick] [--part dp|cp|all]
+    python3 bench/multi_gpu.py --out DIR [--quick] [--part dp|cp|all|cp-long] [--only TEXT ...]
     python3 bench/multi_gpu.py --cpu --part cp     # the rows' code on 2 CPU devices, tiny shapes
+    python3 bench/multi_gpu.py --cpu --part cp-long --out DIR
 
 Prints a markdown table (step time, ratio to the per-device shape on one GPU, all-gathers in the
-compiled HLO, output sharding) and writes multi_gpu.md and multi_gpu.json to DIR. Times: median
-over rounds of the mean of back-to-back steps, synchronised with block_until_ready.
+compiled HLO, output sharding) and writes multi_gpu.md and multi_gpu.json to DIR, after every row
+(a run cut short keeps its rows). Times: median over rounds of the mean of back-to-back steps,
+synchronised with block_until_ready.
 """
 from __future__ import annotations
 
@@ -98,7 +103,7 @@ def environment():
             "python": platform.python_version()}
 
 
-def run_dp(quick):
+def run_dp(quick, record):
     repeats, rounds = (10, 3) if quick else (30, 7)
     devices = jax.devices()
     one = devices[0]
@@ -112,8 +117,7 @@ def run_dp(quick):
         result.update(name=name, impl=impl, shape=f"B{batch} T{T} N{heads} H{H}")
         if reference is not None:
             result["ratio"] = result["ms"] / reference["ms"]
-        rows.append(result)
-        print(f"  {name}: {result['ms']:.3f} ms, {result['all_gathers']} all-gathers", file=sys.stderr, flush=True)
+        rows.append(record(result))
         return result
 
     for impl, label in (("sdpagraph", "sdpagraph"), ("jax-cudnn", "jax cuDNN")):
@@ -134,40 +138,78 @@ def run_dp(quick):
         "head ratio sdpagraph": by_name["sdpagraph, head-sharded over 2 GPUs"]["ratio"],
         "head ratio jax cuDNN": by_name["jax cuDNN, head-sharded over 2 GPUs"]["ratio"],
     }
-    return rows, summary
+    return summary
 
 
-def cp_step(score_mod, strategy, load_balanced, impl):
-    """jit(grad) of sum(attention) under context parallelism over the mesh axis "cp" (strategy
-    None: one device, no context parallelism)."""
-    def attn(q, k, v):
+def cp_step(attn_kwargs, strategy, load_balanced, impl):
+    """jit(grad) of sum(attention) over (q, k, v, segment ids or None), every array an argument,
+    under context parallelism over the mesh axis "cp" (strategy None: one device, no context
+    parallelism)."""
+    def attn(q, k, v, ids):
         kw = {} if strategy is None else dict(context_parallel_axis="cp", load_balanced=load_balanced,
                                               context_parallel_strategy=strategy)
-        return sdpagraph.attention(q, k, v, is_causal=True, score_mod=score_mod, implementation=impl, **kw)
+        if ids is not None:
+            kw["segment_ids"] = ids
+        return sdpagraph.attention(q, k, v, is_causal=True, implementation=impl, **attn_kwargs, **kw)
 
-    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
+    loss = lambda q, k, v, ids: jnp.sum(attn(q, k, v, ids).astype(jnp.float32))  # noqa: E731
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-def measure_cp(length, heads, head_dim, score_mod, strategy, load_balanced, impl, repeats, rounds):
-    """(ms per step, collective-permutes, all-gathers, all-to-alls) of one context-parallel row; the
-    inputs are random, so their (load-balanced or not) order does not matter for timing."""
+def cp_inputs(length, heads, head_dim, docs, strategy, load_balanced):
+    """(q, k, v, segment ids or None) placed for one row, and the mesh (None on one device). The
+    values are random, so their (load-balanced or not) order does not matter for timing; the ids
+    are in the order the row's call reads them."""
     devices = jax.devices()
-    if strategy is None:
-        placement = jax.sharding.SingleDeviceSharding(devices[0])
-    else:
-        placement = NamedSharding(Mesh(np.array(devices[:2]), ("cp",)), P(None, "cp"))
+    mesh = None if strategy is None else Mesh(np.array(devices[:2]), ("cp",))
+    placement = jax.sharding.SingleDeviceSharding(devices[0]) if mesh is None else NamedSharding(mesh, P(None, "cp"))
     rng = np.random.default_rng(0)
-    args = [jax.device_put(jnp.asarray(rng.standard_normal((1, length, heads, head_dim)), jnp.bfloat16), placement)
-            for _ in range(3)]
-    with jax.set_mesh(placement.mesh) if strategy is not None else contextlib.nullcontext():
-        compiled = cp_step(score_mod, strategy, load_balanced, impl).lower(*args).compile()
+    qkv = [jax.device_put(jnp.asarray(rng.standard_normal((1, length, heads, head_dim)), jnp.bfloat16), placement)
+           for _ in range(3)]
+    ids = None
+    if docs is not None:
+        from packed import random_docs  # here, not at the top: importing it sets XLA_PYTHON_CLIENT_PREALLOCATE
+
+        ids = random_docs(1, length, *docs)
+        if strategy is not None and load_balanced:
+            ids = sdpagraph.load_balance(ids, 2)
+        ids = jax.device_put(jnp.asarray(ids), placement)
+    return qkv + [ids], mesh
+
+
+def cp_plan(args, mesh, attn_kwargs, strategy, load_balanced, impl):
+    """check_support's reason for a context-parallel row: the strategy it runs and its blocks' backend."""
+    q, k, v, ids = args
+    extra = {} if ids is None else {"segment_ids": ids}
+    with jax.set_mesh(mesh):
+        return sdpagraph.check_support(q, k, v, is_causal=True, implementation=impl, context_parallel_axis="cp",
+                                       context_parallel_strategy=strategy, load_balanced=load_balanced,
+                                       **attn_kwargs, **extra).reason
+
+
+def peak_bytes(devices):
+    """The largest peak of allocated device memory over `devices` (None where not reported: CPU)."""
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    return None if None in peaks else max(peaks)
+
+
+def measure_cp(length, heads, head_dim, attn_kwargs, strategy, load_balanced, impl, repeats, rounds, docs=None):
+    """(ms per step, collective-permutes, all-gathers, all-to-alls, the plan's reason, the peak device
+    memory since the process started) of one context-parallel row."""
+    args, mesh = cp_inputs(length, heads, head_dim, docs, strategy, load_balanced)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        compiled = cp_step(attn_kwargs, strategy, load_balanced, impl).lower(*args).compile()
         text = compiled.as_text()
         ms = time_ms(compiled, args, repeats, rounds)
-    return {"ms": ms, "permutes": len(PERMUTE.findall(text)), "all_gathers": len(GATHER.findall(text)),
-            "all_to_alls": len(ALL_TO_ALL.findall(text))}
+    result = {"ms": ms, "permutes": len(PERMUTE.findall(text)), "all_gathers": len(GATHER.findall(text)),
+              "all_to_alls": len(ALL_TO_ALL.findall(text)),
+              "peak_bytes": peak_bytes(jax.devices()[:1 if mesh is None else 2])}
+    if mesh is not None:
+        result["plan"] = cp_plan(args, mesh, attn_kwargs, strategy, load_balanced, impl)
+    return result
 
 
-def run_cp(quick, cpu):
+def run_cp(quick, cpu, record):
     """Context parallelism rows: 2 GPUs against 1, and ring against all-to-all."""
     from sdpagraph import mods
 
@@ -177,13 +219,12 @@ def run_cp(quick, cpu):
     rows = []
 
     def row(name, length, score_mod, strategy, load_balanced, reference=None):
-        result = measure_cp(length, heads, head_dim, score_mod, strategy, load_balanced, impl, repeats, rounds)
+        result = measure_cp(length, heads, head_dim, {"score_mod": score_mod}, strategy, load_balanced, impl,
+                            repeats, rounds)
         result.update(name=name, shape=f"B1 T{length} N{heads} H{head_dim}", strategy=strategy or "1 GPU")
         if reference is not None:
             result["speedup"] = reference["ms"] / result["ms"]
-        rows.append(result)
-        print(f"  {name}: {result['ms']:.3f} ms, {result['permutes']} collective-permutes", file=sys.stderr,
-              flush=True)
+        rows.append(record(result))
         return result
 
     for label, mod in (("causal", None), ("softcap+causal", mods.softcap(30.0))):
@@ -200,20 +241,152 @@ def run_cp(quick, cpu):
     for length in (short_t, long_t):  # > 1: all-to-all is faster at this length
         summary[f"ring / all-to-all time, T{length}"] = by_name[f"causal T{length}, all-to-all, load-balanced, 2 GPUs"][
             "speedup"]
-    return rows, summary
+    return summary
 
 
-def run(quick, part, cpu):
-    rows, summary = [], {}
+# The calls of `--part cp-long`: (label, T, attention kwargs, documents (shortest, longest) or None,
+# whether to measure peak memory, strategies (name, load_balanced), target speedup on 2 GPUs).
+ALL_STRATEGIES = (("ring", True), ("all_to_all", True), ("halo", False), ("auto", True))
+LONG_CALLS = (
+    ("packed documents 512-8192", 32768, {}, (512, 8192), False, ALL_STRATEGIES, 1.5),
+    ("packed documents 512-8192", 131072, {}, (512, 8192), True, ALL_STRATEGIES, 1.8),
+    ("window (1024, 0)", 32768, {"local_window_size": (1024, 0)}, None, False, ALL_STRATEGIES, 1.8),
+    ("window (1024, 0)", 131072, {"local_window_size": (1024, 0)}, None, False, ALL_STRATEGIES, 1.9),
+    ("softcap 30 + packed documents 512-8192", 65536, {"softcap": 30.0}, (512, 8192), False, ALL_STRATEGIES, 1.6),
+    ("chunked attention (chunk 8192)", 65536, {"chunk_size": 8192}, None, False, ALL_STRATEGIES, 1.9),
+    ("dense causal", 32768, {}, None, False, (("ring", True), ("auto", True)), 1.7),
+)
+CPU_SCALE = 128  # --cpu: lengths, documents, windows and chunks divided by this
+RING_ON_XLA_MAX_LEN = 32768  # longer rings on XLA blocks are skipped on GPUs: seconds per step
+
+
+def long_call(index, cpu):
+    """(label, T, attention kwargs, documents) of LONG_CALLS[index], scaled down for --cpu."""
+    label, length, kwargs, docs = LONG_CALLS[index][:4]
+    kwargs = dict(kwargs)
+    if cpu:
+        length, docs = length // CPU_SCALE, docs and tuple(d // CPU_SCALE for d in docs)
+        if "local_window_size" in kwargs:
+            kwargs["local_window_size"] = tuple(w // CPU_SCALE for w in kwargs["local_window_size"])
+        if "chunk_size" in kwargs:
+            kwargs["chunk_size"] //= CPU_SCALE
+    if docs is not None:  # as a user bounds them: documents of at least docs[0] tokens, the last one cut
+        kwargs["max_segments_per_seq"] = length // docs[0] + 1
+    if "softcap" in kwargs:
+        from sdpagraph import mods
+
+        kwargs["score_mod"] = mods.softcap(kwargs.pop("softcap"))
+    return label, length, kwargs, docs
+
+
+def measure_long(index, strategy, load_balanced, quick, cpu):
+    """One row of LONG_CALLS[index]: one GPU (strategy None) or 2 GPUs with `strategy`; a row that
+    does not apply ({"skipped": why}): the halo where it does not take the call, the ring on XLA
+    blocks beyond RING_ON_XLA_MAX_LEN on GPUs."""
+    label, length, kwargs, docs = long_call(index, cpu)
+    heads, head_dim = (4, 16) if cpu else (N, H)
+    impl = "xla" if cpu else None
+    if strategy is not None:
+        args, mesh = cp_inputs(length, heads, head_dim, docs, strategy, load_balanced)
+        try:
+            plan = cp_plan(args, mesh, kwargs, strategy, load_balanced, impl)
+        except ValueError as err:
+            return {"skipped": str(err)}
+        if not cpu and "blocks run on the XLA backend" in plan and length > RING_ON_XLA_MAX_LEN:
+            return {"skipped": plan}
+    repeats, rounds = (2, 2) if quick or cpu else (5, 3)
+    return measure_cp(length, heads, head_dim, kwargs, strategy, load_balanced, impl, repeats, rounds, docs)
+
+
+CHILD = "import sys; sys.path.insert(0, sys.argv[1]); import multi_gpu; multi_gpu.child_row(sys.argv[-1])"
+
+
+def child_row(request):
+    """A child process's row (`measure_long`'s arguments as JSON): printed as `RESULT {json}`, its
+    peak memory its own."""
+    result = measure_long(**json.loads(request))
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_cp_long(quick, cpu, record, only):
+    """LONG_CALLS: each on one GPU, and on 2 GPUs with each strategy, speedup over one GPU. Rows that
+    measure peak memory run in a child process each (bench/child.py): a peak covers one row only."""
+    from child import run_child
+
+    summary = {}
+    for index, (label, length, _, _, memory, strategies, target) in enumerate(LONG_CALLS):
+        length = length // CPU_SCALE if cpu else length
+        if only and not any(part in f"{label} T{length}" for part in only):
+            continue
+        one = None
+        for strategy, load_balanced in ((None, False), *strategies):
+            request = dict(index=index, strategy=strategy, load_balanced=load_balanced, quick=quick, cpu=cpu)
+            if memory:
+                bench_dir = os.path.dirname(os.path.abspath(__file__))
+                result = run_child(CHILD, [bench_dir] + (["--cpu"] if cpu else []) + [json.dumps(request)],
+                                   timeout=600, label=f"{label} T{length} {strategy}")
+            else:
+                result = measure_long(**request)
+            name = f"{label} T{length}, " + ("1 GPU" if strategy is None else
+                                             f"{strategy}{', load-balanced' if load_balanced else ''}, 2 GPUs")
+            heads, head_dim = (4, 16) if cpu else (N, H)
+            result.update(name=name, shape=f"B1 T{length} N{heads} H{head_dim}", strategy=strategy or "1 GPU",
+                          part="cp-long")
+            if strategy is None:
+                one = result
+            elif "ms" in result:
+                result["speedup"] = one["ms"] / result["ms"]
+                if one.get("peak_bytes") and result.get("peak_bytes"):
+                    result["memory_ratio"] = result["peak_bytes"] / one["peak_bytes"]
+            record(result)
+            key = f"{label} T{length}"
+            if strategy == "auto" and "speedup" in result:
+                summary[f"{key}: auto speedup (target >= {target})"] = result["speedup"]
+            if "memory_ratio" in result:
+                summary[f"{key}: peak memory per GPU / 1 GPU, {strategy} (target <= 0.6)"] = result["memory_ratio"]
+        best = [r for r in record.rows if r["name"].startswith(f"{label} T{length},") and "speedup" in r]
+        if best:
+            top = max(best, key=lambda r: r["speedup"])
+            summary[f"{label} T{length}: best speedup ({top['strategy']}, target >= {target})"] = top["speedup"]
+    return summary
+
+
+class Recorder:
+    """The rows measured so far; after every row the tables are written to `out` (a run cut short
+    keeps what it measured)."""
+
+    def __init__(self, out, quick, cpu):
+        self.out, self.rows, self.summary = out, [], {}
+        self.results = {"environment": environment(), "rows": self.rows, "summary": self.summary, "quick": quick,
+                        "cpu": cpu}
+
+    def __call__(self, result):
+        self.rows.append(result)
+        ms = f"{result['ms']:.3f} ms" if "ms" in result else f"skipped: {result.get('skipped')}"
+        print(f"  {result['name']}: {ms}", file=sys.stderr, flush=True)
+        self.save()
+        return result
+
+    def save(self):
+        if not self.out:
+            return
+        os.makedirs(self.out, exist_ok=True)
+        with open(os.path.join(self.out, "multi_gpu.md"), "w") as f:
+            f.write(markdown(self.results))
+        with open(os.path.join(self.out, "multi_gpu.json"), "w") as f:
+            json.dump(self.results, f, indent=1)
+
+
+def run(quick, part, cpu, out=None, only=None):
+    record = Recorder(out, quick, cpu)
     if part in ("dp", "all"):
-        dp_rows, dp_summary = run_dp(quick)
-        rows += dp_rows
-        summary.update(dp_summary)
+        record.summary.update(run_dp(quick, record))
     if part in ("cp", "all"):
-        cp_rows, cp_summary = run_cp(quick, cpu)
-        rows += cp_rows
-        summary.update(cp_summary)
-    return {"environment": environment(), "rows": rows, "summary": summary, "quick": quick, "cpu": cpu}
+        record.summary.update(run_cp(quick, cpu, record))
+    if part == "cp-long":
+        record.summary.update(run_cp_long(quick, cpu, record, only))
+    record.save()
+    return record.results
 
 
 def _table(rows, caption, columns):
@@ -235,7 +408,8 @@ def markdown(results):
                                                            if results["cpu"] else "") + ". Collectives: "
              "instructions in the compiled HLO (async starts counted once)."]
     number = lambda key: lambda r: f"{r[key]:.3f}" if key in r else ""  # noqa: E731
-    count = lambda key: lambda r: str(r[key])  # noqa: E731
+    count = lambda key: lambda r: str(r.get(key, ""))  # noqa: E731
+    gib = lambda r: f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") else ""  # noqa: E731
     lines += _table(
         [r for r in results["rows"] if "impl" in r],
         "Data and head parallelism, B8 T4096 N16 H128. Ratio: step time over the per-device shape on one GPU "
@@ -243,11 +417,20 @@ def markdown(results):
         [("ms", number("ms")), ("ratio", number("ratio")), ("all-gathers", count("all_gathers")),
          ("all-to-alls", count("all_to_alls")), ("dq sharding", count("dq_sharding"))])
     lines += _table(
-        [r for r in results["rows"] if "permutes" in r],
+        [r for r in results["rows"] if "permutes" in r and r.get("part") != "cp-long"],
         "Context parallelism. Speedup: the reference row's time over this row's (1 GPU for the ring rows, the "
         "ring at the same T for the all-to-all rows).",
         [("ms", number("ms")), ("speedup", number("speedup")), ("collective-permutes", count("permutes")),
          ("all-gathers", count("all_gathers")), ("all-to-alls", count("all_to_alls"))])
+    lines += _table(
+        [r for r in results["rows"] if r.get("part") == "cp-long"],
+        "Long context (`--part cp-long`), jitted fwd+bwd with q, k, v and segment ids as arguments. Speedup: "
+        "the 1 GPU row's time over this row's. Peak: device memory per GPU (each row in its own process), "
+        "and its ratio to one GPU's. Plan: `check_support`'s strategy and block backend.",
+        [("ms", number("ms")), ("speedup", number("speedup")), ("peak GiB", gib),
+         ("memory ratio", number("memory_ratio")), ("collective-permutes", count("permutes")),
+         ("all-gathers", count("all_gathers")), ("all-to-alls", count("all_to_alls")),
+         ("plan / skipped", lambda r: r.get("plan") or r.get("skipped", ""))])
     lines += [""] + [f"- {name}: {value:.3f}" for name, value in results["summary"].items()]
     return "\n".join(lines) + "\n"
 
@@ -256,25 +439,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="directory for multi_gpu.md and multi_gpu.json")
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
-    parser.add_argument("--part", choices=("dp", "cp", "all"), default="all",
-                        help="data/head parallelism rows, context parallelism rows, or both")
+    parser.add_argument("--part", choices=("dp", "cp", "all", "cp-long"), default="all",
+                        help="data/head parallelism rows, context parallelism rows, both (all), or the long-context "
+                        "rows (packed documents, windows, chunks: LONG_CALLS)")
+    parser.add_argument("--only", action="append", help="cp-long: only the calls whose 'label T<length>' holds "
+                        "this (repeatable: any of them)")
     parser.add_argument("--cpu", action="store_true", help="the context-parallel rows on 2 CPU devices, tiny "
-                        "shapes, XLA backend: checks the bench's code (needs --part cp)")
+                        "shapes, XLA backend: checks the bench's code (needs --part cp or cp-long)")
     args = parser.parse_args()
-    if args.cpu and args.part != "cp":
-        sys.exit("--cpu runs the context-parallel rows only: pass --part cp")
+    if args.cpu and args.part not in ("cp", "cp-long"):
+        sys.exit("--cpu runs the context-parallel rows only: pass --part cp or --part cp-long")
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if len(gpus) < 2 and not args.cpu:
         sys.exit(f"bench/multi_gpu.py needs 2 GPUs; JAX sees {len(gpus)} ({jax.devices()})")
-    results = run(args.quick, args.part, args.cpu)
-    table = markdown(results)
-    print(table)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "multi_gpu.md"), "w") as f:
-            f.write(table)
-        with open(os.path.join(args.out, "multi_gpu.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    print(markdown(run(args.quick, args.part, args.cpu, args.out, args.only)))
 
 
 if __name__ == "__main__":

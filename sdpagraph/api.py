@@ -8,6 +8,7 @@ Layers above (deployment's spec recording) watch the calls the runtime traces th
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any, Callable, Mapping
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from sdpagraph.cache import CacheMissError
+from sdpagraph.config import NATIVE_SINKS
 from sdpagraph.graphs.support import Support
 from sdpagraph.parallel import context_parallel
 from sdpagraph.backends import registry, sinks as sinks_mod
@@ -24,11 +26,16 @@ from sdpagraph.dispatch import rule as dispatch
 from sdpagraph.call import PreparedCall, as_4d, notify_trace_listeners, prepare_call
 from sdpagraph.logs import log_once, logger
 from sdpagraph.numerics import gate as numerics_gate
+from sdpagraph import paged
 from sdpagraph.spec import AttentionSpec
 
 
-def _notify_listeners(call: PreparedCall, training: bool) -> None:
-    notify_trace_listeners(call.spec, call.score_mod, training)
+def _notify_listeners(call: PreparedCall, training: bool, sinks: bool = False) -> None:
+    """Report the call's graphs (spec recording); with sinks asked to run on cuDNN's own
+    (`SDPAGRAPH_NATIVE_SINKS`), also those, which the call runs where they build."""
+    notify_trace_listeners(call.spec, call.score_mod, training or sinks)  # composed sinks read the stats
+    if sinks and NATIVE_SINKS.enabled():
+        notify_trace_listeners(dataclasses.replace(call.spec, sinks=True), call.score_mod, training)
 
 
 def _strict_miss_message(call: PreparedCall, miss: CacheMissError) -> str:
@@ -37,22 +44,26 @@ def _strict_miss_message(call: PreparedCall, miss: CacheMissError) -> str:
             "--cache-dir $SDPAGRAPH_CACHE_DIR`; `sdpagraph verify --specs specs.json --cache-dir DIR` checks a cache.")
 
 
+def _prepare(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *, page_table: Any = None,
+             **kwargs: Any) -> PreparedCall:
+    """The validated call: with `page_table`, a paged one (`paged.prepare_paged_call`)."""
+    if page_table is not None:
+        return paged.prepare_paged_call(query, key, value, page_table, bias, mask, **kwargs)
+    return prepare_call(query, key, value, bias, mask, **kwargs)
+
+
 def _check_implementation(implementation: Any) -> None:
     """ValueError unless `implementation` is None or a registered backend's name."""
     if implementation is not None:
         registry.get(implementation)
 
 
-def _answer(backend: Backend, call: PreparedCall, training: bool, *, raise_on_miss: bool,
-            sinks: bool = False) -> Support:
+def _answer(backend: Backend, call: PreparedCall, training: bool, *, raise_on_miss: bool) -> Support:
     """Whether `backend` runs the call. Its compiled kernels must compute the right values once (the
     numerical check, with the call's scalar values) before they are used; a strict cache that lacks
-    them raises (the runtime) or answers no (`check_support`), with how to precompile them. A call
-    with sinks that trains needs a backend that differentiates the logsumexp."""
+    them raises (the runtime) or answers no (`check_support`), with how to precompile them."""
     if call.inputs.python_mods is not None and not backend.runs_python_mods:
         return Support(False, registry.reference().name, call.inputs.python_mods.reason)
-    if sinks and training and (why := sinks_mod.backend_reason(backend)) is not None:
-        return Support(False, registry.reference().name, why)
     try:
         verify = functools.partial(numerics_gate.checked, scalars=call.inputs.mod_scalars)
         return backend.support(call.spec, call.score_mod, training=training, verify=verify)
@@ -62,8 +73,7 @@ def _answer(backend: Backend, call: PreparedCall, training: bool, *, raise_on_mi
         return Support(False, registry.reference().name, _strict_miss_message(call, miss))
 
 
-def _decide(call: PreparedCall, implementation: str | None, training: bool, *, raise_on_miss: bool,
-            sinks: bool = False) -> Support:
+def _decide(call: PreparedCall, implementation: str | None, training: bool, *, raise_on_miss: bool) -> Support:
     """Which backend runs the call, and why: `Support(the first backend runs it, backend, reason)`.
 
     `Support.supported` speaks of the first backend in preference order (cuDNN): whether it can run
@@ -73,7 +83,7 @@ def _decide(call: PreparedCall, implementation: str | None, training: bool, *, r
     """
     primary = registry.primary().name
     if implementation is not None:
-        answer = _answer(registry.get(implementation), call, training, raise_on_miss=raise_on_miss, sinks=sinks)
+        answer = _answer(registry.get(implementation), call, training, raise_on_miss=raise_on_miss)
         if not answer.supported:
             return Support(False, registry.reference().name, answer.reason)
         if implementation == primary:
@@ -84,7 +94,7 @@ def _decide(call: PreparedCall, implementation: str | None, training: bool, *, r
 
     def lazily(backend: Backend):
         def ask() -> Support:
-            answers[backend.name] = _answer(backend, call, training, raise_on_miss=raise_on_miss, sinks=sinks)
+            answers[backend.name] = _answer(backend, call, training, raise_on_miss=raise_on_miss)
             return answers[backend.name]
         return ask
 
@@ -114,8 +124,8 @@ def _leaving_level(spec: AttentionSpec) -> int:
     return logging.WARNING if spec.q_len * spec.kv_len >= LONG_CALL_SCORES else logging.INFO
 
 
-def _choose_backend(call: PreparedCall, implementation: str | None, training: bool, sinks: bool) -> str:
-    decision = _decide(call, implementation, training, raise_on_miss=True, sinks=sinks)
+def _choose_backend(call: PreparedCall, implementation: str | None, training: bool) -> str:
+    decision = _decide(call, implementation, training, raise_on_miss=True)
     if implementation is not None and decision.backend != implementation:
         raise ValueError(f"implementation={implementation!r} cannot run {call.spec.summary()}: {decision.reason}")
     if decision.backend != registry.primary().name and implementation is None:
@@ -150,6 +160,7 @@ def attention(
     sinks: Any = None,
     max_seqlen_q: int | None = None,
     max_seqlen_kv: int | None = None,
+    page_table: Any = None,
     context_parallel_axis: str | None = None,
     load_balanced: bool = False,
     context_parallel_strategy: str = "ring",
@@ -234,8 +245,14 @@ def attention(
         gradient is needed.
       sinks: attention sinks (gpt-oss): `(N,)` logits, one per query head (float32
         recommended), differentiable; exp(sinks[n]) joins each row's softmax denominator and
-        adds no value (not passed through score_mod or bias). Composed from the logsumexp,
-        exactly (docs/sinks.md); the residual then includes the sink.
+        adds no value (not passed through score_mod or bias). On cuDNN too, with gradients
+        (docs/sinks.md); the residual then includes the sink.
+      page_table: paged K/V for serving (docs/paged.md): `key` and `value` are then page pools
+        `(num_pages, page_size, K, H)`, `page_table` `(B, max_pages)` int32 lists each
+        sequence's pages in order, and `key_value_seq_lengths` its key count; T = 1 is
+        decode, small T multi-token decode, larger T with `query_seq_lengths` chunked
+        prefill (use `is_causal=True, causal_alignment="bottom_right"`). Traced tables and
+        lengths reuse the graph. Inference only: a gradient raises `paged.PagedGradientError`.
       max_seqlen_q / max_seqlen_kv: static bounds on the length of each packed query /
         key segment (positive ints; with `segment_ids` only). Runtime lengths are unknown
         at trace time, so these hints say when a packed call is in the small-sequence
@@ -283,8 +300,10 @@ def attention(
     _check_implementation(implementation)
     if context_parallel_axis is not None and segment_ids is not None:
         segment_ids = context_parallel.natural_order(segment_ids, context_parallel_axis, mesh, load_balanced)
-    call = prepare_call(
-        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+    if page_table is not None and context_parallel_axis is not None:
+        raise ValueError("page_table (paged K/V) cannot be combined with context_parallel_axis")
+    call = _prepare(
+        query, key, value, bias, mask, page_table=page_table, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size,
         causal_alignment=causal_alignment, segment_ids=segment_ids,
@@ -292,6 +311,9 @@ def attention(
         score_mod_tensors=score_mod_tensors, score_mod_bprop=score_mod_bprop, mask_mod=mask_mod,
         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
     )
+    if page_table is not None:  # inference only: the inference graph, and no gradient
+        training = False
+        query, key, value = paged.inference_only(query, key, value)
     if sinks is not None:
         sinks = sinks_mod.check(sinks, call.spec.num_heads)
     if call.spec.empty_axes:  # nothing to compute (no graph to build): jax's empty or zero result
@@ -299,27 +321,21 @@ def attention(
     # Only calls a graph can serve; a context-parallel call reports its block graphs itself.
     if (implementation != registry.reference().name and call.inputs.python_mods is None
             and context_parallel_axis is None):
-        if sinks is None or not training:  # training calls with sinks leave cuDNN (backends.sinks)
-            _notify_listeners(call, training or sinks is not None)
+        _notify_listeners(call, training, sinks is not None)
     q, k, v = (as_4d(x, call.unbatched) for x in (query, key, value))
     # A context-parallel call's blocks run the backend context_parallel.plan chooses.
-    backend = "context_parallel" if context_parallel_axis is not None else _choose_backend(
-        call, implementation, training, sinks is not None)
-    if backend == "context_parallel":
+    if context_parallel_axis is not None:
         out, lse = context_parallel.attention(
             call, q, k, v, axis=context_parallel_axis, load_balanced=load_balanced,
-            strategy=context_parallel_strategy, mesh=mesh, implementation=implementation)
-        if sinks is not None:  # whether its backward takes the logsumexp's cotangent
-            how = context_parallel.plan(call, context_parallel_axis, load_balanced, context_parallel_strategy,
-                                        mesh, implementation, running=False)
-            no_gradient = sinks_mod.context_parallel_reason(how.strategy, registry.get(how.backend))
-    else:  # an inference graph keeps no softmax stats: a residual or sinks need the training one
-        out, lse = registry.get(backend).attention(call.spec, q, k, v, call.inputs, call.score_mod,
-                                                   training=training or return_residual or sinks is not None,
-                                                   verify=numerics_gate.checked)
-        no_gradient = sinks_mod.inference_only(registry.get(backend))
-    if sinks is not None:
-        out, lse = sinks_mod.compose(out, lse, sinks, no_gradient)
+            strategy=context_parallel_strategy, mesh=mesh, implementation=implementation, sinks=sinks)
+    elif sinks is not None:  # the sinks join the softmax inside the backend (`Backend.attention_with_sinks`)
+        backend = registry.get(_choose_backend(call, implementation, training))
+        out, lse = backend.attention_with_sinks(call.spec, q, k, v, call.inputs, call.score_mod, sinks,
+                                                training=training or return_residual, verify=numerics_gate.checked)
+    else:  # an inference graph keeps no softmax stats: a residual needs the training one
+        backend = registry.get(_choose_backend(call, implementation, training))
+        out, lse = backend.attention(call.spec, q, k, v, call.inputs, call.score_mod,
+                                     training=training or return_residual, verify=numerics_gate.checked)
     out, lse = call.poison(out, lse)
     if call.unbatched:
         out, lse = out[0], (None if lse is None else lse[0])
@@ -351,7 +367,9 @@ def check_support(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
     if axis is not None and kwargs.get("segment_ids") is not None:
         kwargs["segment_ids"] = context_parallel.natural_order(kwargs["segment_ids"], axis, parallel.get("mesh"),
                                                                parallel.get("load_balanced", False))
-    call = prepare_call(query, key, value, bias, mask, **kwargs)
+    call = _prepare(query, key, value, bias, mask, **kwargs)
+    if call.spec.paged is not None:  # inference only
+        training = False
     if sinks is not None:
         sinks_mod.check(sinks, call.spec.num_heads)
     if axis is not None:
@@ -363,6 +381,11 @@ def check_support(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
                          f"axis {', '.join(call.spec.empty_axes)} has size 0: nothing to compute; "
                          "attention returns jax's empty (or zero) result from the XLA backend")
     else:
-        answer = _decide(call, implementation, training, raise_on_miss=False, sinks=sinks is not None)
-    return answer if sinks is None else Support(answer.supported, answer.backend,
-                                                _joined(answer.reason, sinks_mod.COMPOSED))
+        answer = _decide(call, implementation, training, raise_on_miss=False)
+    if sinks is None:
+        return answer
+    how = sinks_mod.COMPOSED
+    if axis is None and not call.spec.empty_axes:
+        how = registry.get(answer.backend).sinks_path(call.spec, call.score_mod, call.inputs, training=training,
+                                                      verify=numerics_gate.checked)
+    return Support(answer.supported, answer.backend, _joined(answer.reason, how))

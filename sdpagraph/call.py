@@ -52,6 +52,7 @@ class RuntimeInputs:
     mod_scalars: Mapping[str, Any] | None = None
     mod_arrays: Mapping[str, Any] | None = None
     python_mods: PythonMods | None = None  # jax.numpy mods the IR cannot express (XLA runs them)
+    page_table: Any = None  # (B, max_pages) int32 with paged K/V (`sdpagraph.paged`)
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,10 @@ PALLAS_TRITON = Switch(
     "SDPAGRAPH_PALLAS_TRITON", "1",
     "`0`: the Pallas kernels (small-sequence attention, the bin packer) never use Pallas' Triton "
     "backend, as when jax no longer has it: their XLA formulations run")
+NATIVE_SINKS = Switch(
+    "SDPAGRAPH_NATIVE_SINKS", "0",
+    "`1`: attention sinks on cuDNN use cuDNN's own `sink_token` graphs where they build; by default "
+    "they are composed from the logsumexp, which ran faster on an H100 (docs/sinks.md)")
 PARTITION = Switch(
     "SDPAGRAPH_PARTITION", "1",
     "`0`, `false`, `off` or `no`: cuDNN calls are not partitioned under SPMD: one call over the "
@@ -174,6 +178,6 @@ COMMAND_BUFFER_COMPATIBLE = Variable(
 
 VARIABLES: tuple[Variable, ...] = (
     CACHE_DIR, CACHE_MODE, CACHE_MAX_BYTES, VERIFY, RECORD, DISPATCH_TABLE, CHECK_SEGMENTS, BINS,
-    SMALL_SEQ_KERNEL, PALLAS_TRITON, PARTITION, EXECUTOR_LIBRARY, REQUIRE_FFI, REBUILD_EXECUTOR,
+    SMALL_SEQ_KERNEL, PALLAS_TRITON, NATIVE_SINKS, PARTITION, EXECUTOR_LIBRARY, REQUIRE_FFI, REBUILD_EXECUTOR,
     COMMAND_BUFFER_COMPATIBLE,
 )

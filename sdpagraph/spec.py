@@ -33,15 +33,21 @@ UNBOUNDED = -1  # a window side that does not limit attention
 DIRECTIONS = ("forward", "backward", "inference")
 TRAINING_DIRECTIONS = ("forward", "backward")  # what a differentiated call runs
 INFERENCE_DIRECTIONS = ("inference",)
+STATS_DIRECTIONS = ("forward",)  # paged K/V (inference only) with its softmax stats: no backward exists
 
 
-def directions_for(training: bool) -> tuple[str, ...]:
-    """The graphs a call needs: forward and backward when training, else the inference graph."""
+def directions_for(training: bool, spec: "AttentionSpec | None" = None) -> tuple[str, ...]:
+    """The graphs a call needs: forward and backward when training, else the inference graph. A
+    paged spec (inference only) "trains" with the forward graph alone, which keeps the softmax
+    stats (a multi-token decode merges by them)."""
+    if spec is not None and spec.paged is not None:
+        return STATS_DIRECTIONS if training else INFERENCE_DIRECTIONS
     return TRAINING_DIRECTIONS if training else INFERENCE_DIRECTIONS
 
 
 # name -> default (see AttentionSpec.to_dict)
-_FIELDS_ADDED_LATER = {"segment_mask": False, "max_seqlen_q": None, "max_seqlen_kv": None}
+_FIELDS_ADDED_LATER = {"segment_mask": False, "max_seqlen_q": None, "max_seqlen_kv": None, "sinks": False,
+                       "paged": None}
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,12 @@ class AttentionSpec:
     # do not depend on them (`graphs.operands.graph_spec` drops them).
     max_seqlen_q: int | None = None
     max_seqlen_kv: int | None = None
+    # Attention sinks (`attention(..., sinks=)`) inside the graph: cuDNN's sink_token, one float32
+    # logit per query head as an operand (their values are not part of the spec).
+    sinks: bool = False
+    # Paged K/V (`sdpagraph.paged`): (num_pages, page_size) of the key/value pools, whose logical keys
+    # are (B, S = max_pages * page_size, K, H); None for dense keys.
+    paged: tuple[int, int] | None = None
 
     @property
     def has_window(self) -> bool:
@@ -132,6 +144,10 @@ class AttentionSpec:
             parts.append(f"segments({self.segments},{self.max_segments}{hints})")
         if self.segment_mask:
             parts.append("segment-mask")
+        if self.sinks:
+            parts.append("sinks")
+        if self.paged is not None:
+            parts.append(f"paged({self.paged[0]}x{self.paged[1]})")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -150,7 +166,7 @@ class AttentionSpec:
         if unknown:
             raise ValueError(f"unknown AttentionSpec field(s): {sorted(unknown)}")
         values = dict(data)
-        for name in ("window", "bias_shape", "mask_shape"):
+        for name in ("window", "bias_shape", "mask_shape", "paged"):
             if values.get(name) is not None:
                 values[name] = tuple(values[name])
         return cls(**values)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from sdpagraph import mods
 from sdpagraph.graphs.operands import bias_operand_shape, folds_padding, graph_io, plan_layout
-from sdpagraph.backends.cudnn import backend as cudnn_path
+from sdpagraph.backends.cudnn import call_operands
 from sdpagraph.call import prepare_call
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.backends.xla import xla_attention
@@ -31,13 +31,13 @@ def folded_recipe(kwargs):
         call = prepare_call(q, k, v, user_bias, **kwargs)
         spec, ir, inputs = call.spec, call.score_mod, call.inputs
         plan = plan_layout(spec, ir)
-        _, validity = cudnn_path._operands(spec, inputs, spec.max_segments)
-        operand = cudnn_path._bias_operand(plan, inputs, validity, q.dtype)
+        _, validity = call_operands.call_operands(spec, inputs, spec.max_segments)
+        operand = call_operands.bias_operand(plan, inputs, validity, q.dtype)
         graph_spec = normalize_arguments(q, k, v, operand, is_causal=spec.is_causal).spec
         graph_inputs = RuntimeInputs(bias=operand, mod_scalars=inputs.mod_scalars, mod_arrays=inputs.mod_arrays)
         out, lse = xla_attention(graph_spec, q, k, v, graph_inputs, ir)
-        out = cudnn_path._zero_rows(out, validity.q)
-        attended = cudnn_path._attended(plan, inputs)
+        out = call_operands.zero_rows(out, validity.q)
+        attended = call_operands.attended(plan, inputs)
         out = jnp.where(attended, out, 0)
         return out, jnp.where(jnp.swapaxes(attended[..., 0], 1, 2), lse, -jnp.inf)
 

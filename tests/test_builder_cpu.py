@@ -309,8 +309,26 @@ def test_a_boolean_mask_becomes_the_bias_operand():
     assert describe(both, None, "backward")["dbias"].dims == (2, 8, 128, 128)
 
 
+def test_sinks_are_the_sdpa_nodes_sink_token_and_its_gradient():
+    spec = make_spec(is_causal=True, sinks=True)
+    for direction in DIRECTIONS:
+        graph, lowering, _, options = lower_fake(spec, None, direction)
+        sink = graph.tensors["sink_token"]
+        assert options["sink_token"] is sink and "sink_token" in lowering.operand_roles
+        assert sink.attrs["dim"] == [1, 8, 1, 1] and sink.attrs["data_type"] == cudnn.data_type.FLOAT
+        assert sink.attrs["uid"] == lowering.uids["sink_token"]
+    assert lowering.result_roles == ("dq", "dk", "dv", "dsink_token")
+    d_sink = options["dSink_token"]
+    assert d_sink.attrs["output"] is True and d_sink.attrs["uid"] == lowering.uids["dsink_token"]
+    assert d_sink.attrs["dim"] == [1, 8, 1, 1] and d_sink.attrs["data_type"] == cudnn.data_type.FLOAT
+    operands, results = graph_io(dataclasses.replace(spec, sinks=False), None, "backward")
+    assert (operands + ("sink_token",), results + ("dsink_token",)) == graph_io(spec, None, "backward")
+    with pytest.raises(Unsupported, match="sinks inside a packed graph"):
+        lower_fake(make_spec(segments="self", max_segments=2, sinks=True), None, "forward")
+
+
 @pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("case", ["native", "mod", "jnp_mod", "packed", "chunk_bias"])
+@pytest.mark.parametrize("case", ["native", "mod", "jnp_mod", "packed", "chunk_bias", "sinks"])
 def test_real_pygraph_accepts_the_description(direction, case):
     """Up to the IR-level validate(), which needs no cuDNN backend library."""
     spec, ir = {
@@ -319,6 +337,7 @@ def test_real_pygraph_accepts_the_description(direction, case):
         "jnp_mod": (make_spec(is_causal=True, window=(64, 0)), user_mod("jnp")[0]),
         "packed": (make_spec(segments="self", max_segments=4, is_causal=True), None),
         "chunk_bias": (make_spec(chunk_size=64, bias_shape=(1, 8, 128, 128)), None),
+        "sinks": (make_spec(is_causal=True, window=(64, 0), sinks=True), None),
     }[case]
     graph = builder.new_graph(spec, direction, cudnn)
     lowering = lower(graph, spec, ir, direction, cudnn)

@@ -23,8 +23,11 @@ import sdpagraph
 from sdpagraph import mods
 from sdpagraph.deploy.specfile import load_specs
 from sdpagraph.scoremod.ir_eval import evaluate
+from sdpagraph.scoremod.masks import SEGMENT_ARRAYS, segment_ir
 from sdpagraph.graphs.operands import ARRAY_PREFIX
 from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.backends.cudnn.graph_on_xla import packed_ids
+from sdpagraph.segments.metadata import segment_positions
 from tests.devices import AXIS_TYPES, has_cpu_devices, make_mesh, on_axis_types, rerun_with_cpu_devices
 from tests.test_sharding import cudnn_on_cpu, fake_executor, random_ids  # noqa: F401 (a fixture)
 
@@ -228,10 +231,37 @@ def test_equal_to_jax_dot_product_attention(name):
 
 # ----------------------------------------------------------------------------- the cuDNN path's ring
 
+def packed_rows(static, operands):
+    """A packed graph's (B, T) query and (B, S) key slot ids (1..M, 0 for rows it does not cover),
+    decoded from its sequence lengths and ragged offsets as cuDNN reads them; (None, None) when dense."""
+    spec = static.graph_spec
+    if not spec.segments:
+        return None, None
+    decode = lambda side, length, heads: packed_ids(  # noqa: E731
+        operands[f"seq_len_{side}"], operands[f"ragged_offset_{side}"], spec.batch, length, spec.max_segments,
+        heads * spec.head_dim)
+    ids_q, ids_kv = decode("q", spec.q_len, spec.num_heads), decode("kv", spec.kv_len, spec.num_kv_heads)
+    stats_ids = packed_ids(operands["seq_len_q"], operands["ragged_offset_stats"], spec.batch, spec.q_len,
+                           spec.max_segments, spec.num_heads)
+    assert ids_q.shape == stats_ids.shape
+    return jnp.where(stats_ids == ids_q, ids_q, -1), ids_kv  # the stats' offsets must agree with q's
+
+
+def unwritten(x, rows):
+    """`x` (B, L, ...) with NaN in the rows a packed graph does not cover (rows: (B, L) slot ids, 0
+    there): what cuDNN leaves in them is undefined, so the caller must mask them."""
+    if rows is None:
+        return x
+    return jnp.where((rows > 0).reshape(rows.shape + (1,) * (x.ndim - 2)), x, jnp.nan)
+
+
 def logits_on_xla(static, operands):
-    """(q, k) -> the masked scores of the graph (what cuDNN computes before the softmax)."""
+    """(q, k) -> the masked scores of the graph (what cuDNN computes before the softmax): a packed
+    graph's within each slot's sequence, its causal mask top-left from each sequence's start; a dense
+    twin's within each query's segment bounds."""
     spec = static.graph_spec
     arrays = {name[len(ARRAY_PREFIX):]: x for name, x in operands.items() if name.startswith(ARRAY_PREFIX)}
+    ids_q, ids_kv = packed_rows(static, operands)
 
     def logits(q, k):
         b, t, n, h = q.shape
@@ -241,6 +271,14 @@ def logits_on_xla(static, operands):
                  jnp.arange(s)[None, None, None, :])
         if static.ir is not None:
             x = evaluate(static.ir, x, scalars=dict(static.scalars), arrays=arrays, index=index)[0]
+        if spec.segment_mask:  # the dense twin's segment bounds
+            bounds = {name: value for name, value in operands.items() if name in SEGMENT_ARRAYS}
+            x = evaluate(segment_ir(spec), x, scalars={}, arrays=bounds, index=index)[0]
+        if ids_q is not None:
+            same = (ids_q[:, None, :, None] == ids_kv[:, None, None, :]) & (ids_q[:, None, :, None] > 0)
+            x = jnp.where(same, x, -jnp.inf)
+            positions = segment_positions(ids_q), segment_positions(ids_kv)
+            index = (None, None, positions[0][:, None, :, None], positions[1][:, None, None, :])
         if spec.is_causal:
             x = jnp.where(index[3] <= index[2], x, -jnp.inf)
         return x
@@ -249,10 +287,15 @@ def logits_on_xla(static, operands):
 
 
 def cudnn_like_executor(static, graph, operands, results):
-    """Forward: test_sharding's stand-in. Backward: from the o and stats operands, as cuDNN does."""
+    """Forward: test_sharding's stand-in. Backward: from the o and stats operands, as cuDNN does.
+    Rows a packed graph does not cover come back NaN (`unwritten`)."""
+    ids_q, ids_kv = packed_rows(static, operands)
     if "dq" not in results:
-        return fake_executor(static, graph, operands, results)
+        out = fake_executor(static, graph, operands, results)
+        return {role: unwritten(x, ids_q) for role, x in out.items()}
     q, k, v, o, d_o, stats = (operands[r] for r in ("q", "k", "v", "o", "dO", "stats"))
+    if ids_q is not None:  # a packed graph's stats are (B, T, N); its uncovered rows read none
+        stats = jnp.where(ids_q[:, None, :] > 0, jnp.swapaxes(stats, 1, 2), jnp.inf)
     scores, pullback = jax.vjp(logits_on_xla(static, operands), q, k)
     p = jnp.exp(scores - stats[..., None])  # stats: (B, N, T)
     g = q.shape[2] // k.shape[2]
@@ -262,7 +305,8 @@ def cudnn_like_executor(static, graph, operands, results):
     d_p = jnp.einsum("btnh,bsnh->bnts", d_o.astype(jnp.float32), v_heads)
     d_rows = jnp.swapaxes(jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1), 1, 2)[..., None]
     dq, dk = pullback(p * (d_p - d_rows))
-    return {"dq": dq.astype(q.dtype), "dk": dk.astype(k.dtype), "dv": dv.astype(v.dtype)}
+    return {"dq": unwritten(dq, ids_q).astype(q.dtype), "dk": unwritten(dk, ids_kv).astype(k.dtype),
+            "dv": unwritten(dv, ids_kv).astype(v.dtype)}
 
 
 @pytest.fixture

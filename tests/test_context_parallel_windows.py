@@ -1,4 +1,5 @@
-"""Context parallelism for sliding windows: the "halo" strategy (`parallel.halo`) on 8 CPU devices.
+"""Context parallelism for sliding windows: the "halo" strategy (`parallel.halo`) on 8 CPU devices,
+in natural order and load-balanced.
 
 As in tests/test_context_parallel.py, the first test runs this file again in a subprocess with
 `--xla_force_host_platform_device_count=8`, where the device tests run. The XLA backend runs as it
@@ -19,6 +20,8 @@ from sdpagraph.parallel.context_parallel import choose_strategy
 from sdpagraph.spec import AttentionSpec
 from tests.devices import has_cpu_devices, make_mesh, on_axis_types, rerun_with_cpu_devices
 from tests.test_context_parallel import assert_same, value_and_grads
+from sdpagraph.backends.cudnn import backend as cudnn_backend
+from tests.cudnn_standin import stats_backward_executor
 from tests.test_sharding import cudnn_on_cpu, random_ids  # noqa: F401 (a fixture)
 
 DEVICES = 8
@@ -49,24 +52,38 @@ def case(name):
     }[name]
 
 
-def run(name, cp, axis_type, impl, strategy="halo", seed=0):
-    """(the context-parallel step's value and gradients, the one-device XLA reference's, the HLO)."""
-    kwargs, K = case(name)
+def run(name, cp, axis_type, impl, strategy="halo", seed=0, load_balanced=False, kwargs=None):
+    """(the context-parallel step's value and gradients in natural order, the one-device XLA
+    reference's, the HLO) of `case(name)`, or of `(kwargs, K)` when given."""
+    kwargs, K = kwargs or case(name)
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, T, N, H)).astype(np.float32)
     k, v = (rng.standard_normal((B, T, K, H)).astype(np.float32) for _ in range(2))
     cot = rng.standard_normal((B, T, N, H)).astype(np.float32)
     ref = value_and_grads(lambda q, k, v: sdpagraph.attention(q, k, v, implementation="xla", **kwargs))(q, k, v, cot)
+    order = (lambda x: sdpagraph.load_balance(x, cp)) if load_balanced else (lambda x: x)  # noqa: E731
+    back = (lambda x: sdpagraph.unload_balance(x, cp)) if load_balanced else (lambda x: x)  # noqa: E731
     m = make_mesh((cp,), ("cp",), axis_type)
     with jax.set_mesh(m):
         step = jax.jit(value_and_grads(lambda q, k, v: sdpagraph.attention(
-            q, k, v, implementation=impl, context_parallel_axis="cp", context_parallel_strategy=strategy, **kwargs)))
-        args = tuple(jax.device_put(x, NamedSharding(m, P(None, "cp"))) for x in (q, k, v, cot))
+            q, k, v, implementation=impl, context_parallel_axis="cp", context_parallel_strategy=strategy,
+            load_balanced=load_balanced, **kwargs)))
+        args = tuple(jax.device_put(order(x), NamedSharding(m, P(None, "cp"))) for x in (q, k, v, cot))
         compiled = step.lower(*args).compile()
-        ours = compiled(*args)
-        for x, like in zip((ours[0][1], *ours[1]), args):
+        (loss, out), grads = compiled(*args)
+        for x, like in zip((out, *grads), args):
             assert x.sharding.is_equivalent_to(like.sharding, 4), (x.sharding, like.sharding)
+        ours = (loss, back(out)), tuple(back(g) for g in grads)
     return ours, ref, compiled.as_text()
+
+
+def assert_same_step(ours, ref, tol=2e-5):
+    """Outputs and gradients within `tol`; the loss, a sum of B·T·N·H products whose float32 rounding
+    depends on the order of the sum, within 1e-4."""
+    (loss, out), grads = ours
+    (ref_loss, ref_out), ref_grads = ref
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-4, atol=1e-4)
+    assert_same((out, grads), (ref_out, ref_grads), tol)
 
 
 def assert_no_gather(hlo):
@@ -75,54 +92,97 @@ def assert_no_gather(hlo):
     assert "all-to-all" not in hlo
 
 
-@needs_devices
-@pytest.mark.parametrize("name, cp, axis_type", on_axis_types(
-    [("narrow", 4), ("one_shard", 4), ("wide", 4), ("wide", 2), ("two_sided", 4), ("two_sided", 8), ("gqa", 8),
-     ("softcap", 2), ("alibi", 4), ("relative_jnp", 8)],
-    explicit=[("wide", 4), ("two_sided", 8)]))
-def test_halo_on_xla_equals_one_device(name, cp, axis_type):
-    ours, ref, hlo = run(name, cp, axis_type, "xla")
-    assert_same(ours, ref)
-    assert_no_gather(hlo)
+def seed_of(*params):
+    """Fresh random inputs per test case, the same on every run of it."""
+    return sum(ord(c) * (i + 1) for i, c in enumerate(repr(params)))
 
 
 @needs_devices
-@pytest.mark.parametrize("name, cp, axis_type", on_axis_types(
-    [("narrow", 4), ("wide", 4), ("two_sided", 8), ("gqa", 2), ("softcap", 4), ("alibi", 8)],
-    explicit=[("wide", 4)]))
-def test_halo_on_the_cudnn_path(name, cp, axis_type, cudnn_on_cpu):
-    ours, ref, hlo = run(name, cp, axis_type, "cudnn")
-    assert_same(ours, ref, tol=3e-5)
+@pytest.mark.parametrize("name, cp, load_balanced, axis_type", on_axis_types(
+    [("narrow", 4, False), ("one_shard", 4, False), ("wide", 4, False), ("wide", 2, False), ("two_sided", 4, False),
+     ("two_sided", 8, False), ("gqa", 8, False), ("softcap", 2, False), ("alibi", 4, False), ("relative_jnp", 8, False),
+     # load-balanced: blocks of T/(2cp), device i holding blocks i and 2cp-1-i
+     ("narrow", 4, True), ("one_shard", 2, True), ("wide", 4, True), ("wide", 8, True), ("two_sided", 2, True),
+     ("two_sided", 8, True), ("gqa", 4, True), ("alibi", 8, True), ("relative_jnp", 4, True)],
+    explicit=[("wide", 4, False), ("two_sided", 8, False), ("wide", 8, True)]))
+def test_halo_on_xla_equals_one_device(name, cp, load_balanced, axis_type):
+    ours, ref, hlo = run(name, cp, axis_type, "xla", seed=seed_of(name, cp, load_balanced), load_balanced=load_balanced)
+    assert_same_step(ours, ref)
     assert_no_gather(hlo)
-    # One graph per case of halo lengths (the first / last devices have shorter halos), bottom-right aligned.
-    kwargs, _ = case(name)
+
+
+def halo_cases(kwargs, blocks):
+    """The (hl, hr) halo lengths of the `blocks` equal blocks of a windowed call: the window's sides,
+    cut at the sequence's ends."""
     left, right = kwargs["local_window_size"]
     right = 0 if kwargs.get("is_causal") else right
-    block = T // cp
-    cases = {(min(left, d * block, T - block), min(right, (cp - 1 - d) * block)) for d in range(cp)}
+    block = T // blocks
+    return {(min(left, b * block), min(right, T - (b + 1) * block)) for b in range(blocks)}
+
+
+@needs_devices
+@pytest.mark.parametrize("name, cp, load_balanced, axis_type", on_axis_types(
+    [("narrow", 4, False), ("wide", 4, False), ("two_sided", 8, False), ("gqa", 2, False), ("softcap", 4, False),
+     ("alibi", 8, False), ("wide", 4, True), ("two_sided", 8, True), ("alibi", 2, True)],
+    explicit=[("wide", 4, False), ("wide", 4, True)]))
+def test_halo_on_the_cudnn_path(name, cp, load_balanced, axis_type, cudnn_on_cpu, monkeypatch):
+    # Backward graphs that read the o and stats they are given, as cuDNN's (a split block merges two)
+    monkeypatch.setattr(cudnn_backend, "_call_executor", stats_backward_executor)
+    ours, ref, hlo = run(name, cp, axis_type, "cudnn", seed=seed_of(name, cp, load_balanced, "cudnn"),
+                         load_balanced=load_balanced)
+    assert_same_step(ours, ref, tol=3e-5)
+    assert_no_gather(hlo)
+    # Per case of halo lengths (blocks near the ends have shorter halos): a causal window its halo
+    # covers as square top-left calls, its own keys (L, L) and its halo reversed (hl, hl)
+    # (`halo_split`); otherwise one call over [halo ++ block], bottom-right aligned.
+    kwargs = case(name)[0]
+    blocks = cp * (2 if load_balanced else 1)
+    block, left = T // blocks, kwargs["local_window_size"][0]
+    split = kwargs.get("is_causal") and name != "alibi"  # alibi reads positions: one call
+    want = set()
+    for hl, hr in halo_cases(kwargs, blocks):
+        if split and (hl == 0 or hl == left <= block):
+            want |= {(block, block, "top_left")} | ({(hl, hl, "top_left")} if hl else set())
+        else:
+            want.add((block, hl + block + hr, "bottom_right"))
     built = {(s.q_len, s.kv_len, s.causal_alignment) for s, _, _ in cudnn_on_cpu[0]}
-    assert built == {(block, hl + block + hr, "bottom_right") for hl, hr in cases}, built
+    assert built == want, built
 
 
 @needs_devices
 def test_check_support_names_the_halo_and_its_block_backend(cudnn_on_cpu):
     q = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
     with jax.set_mesh(make_mesh((4,), ("cp",))):
-        answer = sdpagraph.check_support(q, q, q, is_causal=True, local_window_size=(9, 0),
-                                         context_parallel_axis="cp", context_parallel_strategy="halo")
-        assert (answer.supported, answer.backend) == (True, "cudnn"), answer
-        assert "halo over 'cp', cp=4" in answer.reason and "cuDNN" in answer.reason
+        for strategy in ("halo", "auto"):  # "auto" takes the halo for a narrow window
+            for load_balanced in (False, True):
+                answer = sdpagraph.check_support(q, q, q, is_causal=True, local_window_size=(9, 0),
+                                                 context_parallel_axis="cp", context_parallel_strategy=strategy,
+                                                 load_balanced=load_balanced)
+                assert (answer.supported, answer.backend) == (True, "cudnn"), answer
+                assert "halo over 'cp', cp=4" in answer.reason and "cuDNN" in answer.reason, answer
         answer = sdpagraph.check_support(q, q, q, is_causal=True, local_window_size=(9, 0), implementation="xla",
-                                         context_parallel_axis="cp", context_parallel_strategy="halo")
+                                         context_parallel_axis="cp", context_parallel_strategy="auto")
         assert answer.backend == "xla" and "halo over 'cp'" in answer.reason, answer
+        answer = sdpagraph.check_support(q, q, q, is_causal=True, context_parallel_axis="cp",
+                                         context_parallel_strategy="auto")  # no window: not the halo
+        assert answer.backend == "cudnn" and "all_to_all over 'cp', cp=4" in answer.reason, answer
 
 
-def test_auto_takes_the_halo_only_when_asked():
+def test_auto_takes_the_halo_for_windows_it_serves_with_less_traffic():
     spec = lambda t, window, causal=True, k=16: AttentionSpec(  # noqa: E731
         1, t, t, 16, k, 128, 128, "bfloat16", 0.1, is_causal=causal, window=window)
-    assert choose_strategy(spec(32768, (1024, 0)), 2, "auto") == "all_to_all"  # not yet measured on GPUs
+    for load_balanced in (False, True):
+        for t in (32768, 131072):
+            assert choose_strategy(spec(t, (1024, 0)), 2, "auto", load_balanced=load_balanced) == "halo"
+    assert choose_strategy(spec(32768, (1024, 512), causal=False), 8, "auto") == "halo"
+    # A window that makes the halo move more than all_to_all (3 of 4 blocks, both ways): all_to_all.
+    assert choose_strategy(spec(32768, (24576, 24576), causal=False), 4, "auto") == "all_to_all"
+    # ... unless the heads do not divide cp (no all_to_all; the ring would run XLA blocks).
+    assert choose_strategy(spec(32768, (24576, 24576), causal=False, k=1), 4, "auto") == "halo"
+    assert choose_strategy(spec(32768, (1024, -1), causal=False), 2, "auto") == "all_to_all"  # unbounded side
     assert choose_strategy(spec(32768, (1024, 0)), 2, "halo") == "halo"
     assert choose_strategy(spec(32768, (1024, 0)), 2, "ring") == "ring"
+    assert choose_strategy(spec(32768, (-1, -1)), 2, "auto") == "all_to_all"  # no window: unchanged
 
 
 @needs_devices
@@ -135,13 +195,13 @@ def test_halo_errors_name_the_argument():
         sdpagraph.attention(q, q, q, is_causal=True, **halo)
     with pytest.raises(ValueError, match=prefix + r"needs a sliding window .*local_window_size=\(4, -1\)"):
         sdpagraph.attention(q, q, q, local_window_size=(4, -1), **halo)
-    with pytest.raises(ValueError, match=prefix + r"takes the sequence in natural order \(load_balanced=False\)"):
-        sdpagraph.attention(q, q, q, is_causal=True, local_window_size=(4, 0), load_balanced=True, **halo)
     with pytest.raises(ValueError, match=prefix + "does not take packed segment_ids"):
         sdpagraph.attention(q, q, q, is_causal=True, local_window_size=(4, 0),
                             segment_ids=random_ids(np.random.default_rng(0), B, T, 3), **halo)
-    with pytest.raises(ValueError, match=prefix + "does not take chunk_size"):
-        sdpagraph.attention(q, q, q, is_causal=True, local_window_size=(4, 0), chunk_size=8, **halo)
+    with pytest.raises(ValueError, match=prefix + r"needs chunk_size=12 to divide the blocks of 16 tokens .*\(T/cp\)"):
+        sdpagraph.attention(q, q, q, is_causal=True, local_window_size=(4, 0), chunk_size=12, **halo)
+    with pytest.raises(ValueError, match=prefix + r"needs chunk_size=12 .*blocks of 8 tokens .*load_balanced=True"):
+        sdpagraph.attention(q, q, q, is_causal=True, chunk_size=12, load_balanced=True, **halo)
     with pytest.raises(ValueError, match=prefix + r"needs self-attention lengths: .*T=64 != .*S=32"):
         sdpagraph.attention(q, q[:, :32], q[:, :32], local_window_size=(4, 4), **halo)
     with pytest.raises(ValueError, match="context_parallel_axis='cp': context parallelism does not take bias"):

@@ -21,6 +21,7 @@ import sdpagraph
 from sdpagraph import mods
 from sdpagraph.graphs.operands import ARRAY_PREFIX, array_desc, graph_io
 from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.graphs import operands as operands_module
 from sdpagraph.call import prepare_call
 from sdpagraph.backends.cudnn.graph_on_xla import graph_forward
 
@@ -157,10 +158,11 @@ def test_spec_holds_the_4d_shape_and_the_keys_of_4d_calls_do_not_change(rng):
     assert unbatched.spec.bias_shape == (1, N, T, S)  # as before: 3-D bias of an unbatched call
 
 
-def fake_core(static, q, k, v, bias, aux, validity):
+def fake_core(static, q, k, v, bias, aux, validity, sinks=None):
     """The cuDNN graph, on XLA: the graph's bias operand (mask folded into it) and aux arrays
-    (`graph_on_xla.graph_forward`)."""
-    return graph_forward(static, aux)(q, k, v, bias)
+    (`graph_on_xla.graph_forward`), with the sinks joined as the real core joins them."""
+    aux = cudnn_backend._sink_operand(static, aux, sinks)
+    return cudnn_backend._with_sinks(static, *graph_forward(static, aux)(q, k, v, bias, aux.get("sink_token")), sinks)
 
 
 def cudnn_path(q, k, v, **kwargs):
@@ -173,7 +175,7 @@ def cudnn_path(q, k, v, **kwargs):
 @pytest.mark.parametrize("shape", [(), (S,), (T, 1), (N, T, S)])
 def test_lower_rank_bias_and_mask_on_the_cudnn_path(rng, monkeypatch, shape):
     monkeypatch.setattr(cudnn_backend, "_core", fake_core)
-    monkeypatch.setitem(cudnn_backend.MASKED_BIAS, "float32", -1e30)
+    monkeypatch.setitem(operands_module.MASKED_BIAS, "float32", -1e30)
     q, k, v = qkv(rng)
     bias = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     mask = random_mask(rng, shape)

@@ -21,6 +21,7 @@ from sdpagraph.graphs.lowering import lower
 from sdpagraph.errors import Unsupported
 from sdpagraph.graphs.operands import folds_segments, graph_io, graph_spec
 from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.graphs import operands as operands_module
 from sdpagraph.call import prepare_call
 from sdpagraph.backends.cudnn.graph_on_xla import graph_forward
 from sdpagraph.backends.xla import xla_attention
@@ -59,7 +60,7 @@ FOLDED = {
 }
 
 
-def fake_graph_core(static, q, k, v, bias, aux, validity):
+def fake_graph_core(static, q, k, v, bias, aux, validity, sinks=None):
     """The dense twin's cuDNN graph, on XLA, as cuDNN computes it from its own operands
     (`graph_on_xla.graph_forward`): the user's mod, the spec's position masks and `masks.segment_ir`
     on the graph's bound operands, then the bias operand, in which the user's mask is a large finite
@@ -72,7 +73,7 @@ def test_dense_twin_matches_the_packed_call_on_xla(name, monkeypatch):
     """The cuDNN path (`backends.cudnn.backend.attention`: operands, bias, row zeroing, logsumexp) around
     a stand-in for the graph, against the packed call on the XLA backend."""
     monkeypatch.setattr(cudnn_backend, "_core", fake_graph_core)
-    monkeypatch.setitem(cudnn_backend.MASKED_BIAS, "float32", -1e30)
+    monkeypatch.setitem(operands_module.MASKED_BIAS, "float32", -1e30)
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     kwargs = dict(FOLDED[name])
@@ -165,8 +166,9 @@ def test_the_cudnn_path_builds_and_keys_the_dense_graph(monkeypatch):
 def test_the_twin_field_leaves_earlier_cache_keys_unchanged():
     _, call = call_for(np.random.default_rng(), is_causal=True, score_mod=mods.softcap(5.0))
     fields = json.loads(call.spec.canonical())
-    later = ("segment_mask", "max_seqlen_q", "max_seqlen_kv")  # fields added after keys were first made
+    later = ("segment_mask", "max_seqlen_q", "max_seqlen_kv", "sinks")  # fields added after keys were first made
     assert not set(later) & set(fields)  # as keys made before those fields existed
     assert fields == {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(call.spec))).items()
                       if k not in later}
     assert json.loads(graph_spec(call.spec, call.score_mod).canonical())["segment_mask"] is True
+    assert json.loads(dataclasses.replace(call.spec, sinks=True).canonical())["sinks"] is True

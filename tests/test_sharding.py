@@ -33,6 +33,7 @@ from sdpagraph.graphs.operands import graph_io, graph_spec, uid_map
 from sdpagraph.graphs.support import Support
 from sdpagraph.memo import BoundedMemo
 from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.graphs import operands as operands_module
 from sdpagraph.numerics import gate as numerics_gate
 from sdpagraph.config import PARTITION
 from sdpagraph.backends.cudnn.graph_on_xla import run_on_xla
@@ -84,7 +85,7 @@ def cudnn_on_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(cudnn_backend, "cached_graph", fake_cached_graph)
     monkeypatch.setattr(cudnn_backend.ffi, "register_graph", lambda digest, blob: None)
     monkeypatch.setattr(cudnn_backend, "_call_executor", fake_executor)
-    monkeypatch.setitem(cudnn_backend.MASKED_BIAS, "float32", -1e30)
+    monkeypatch.setitem(operands_module.MASKED_BIAS, "float32", -1e30)
     monkeypatch.delenv(PARTITION.name, raising=False)
     yield built, env
 

@@ -4,9 +4,9 @@ the sinks against a float64 NumPy reference written from the formula
     p_ij = exp(l_ij) / (exp(s_h) + sum_j' exp(l_ij'))        out_i = sum_j p_ij v_j
 
 on the XLA and small-sequence backends; ds from its closed form against autodiff; the segment check's
-NaN rows; the cuDNN path (whose backward ignores the logsumexp's cotangent: sinks calls that train
-leave it, inference ones keep it and refuse a gradient); context parallelism on 2 CPU devices (the
-first test runs this file again with them); validation; Flax.
+NaN rows; the cuDNN path (whose backward ignores the logsumexp's cotangent: the sinks join inside its
+custom_vjp, shown with a stand-in backward that reads only the o and stats it is given); context
+parallelism on 2 CPU devices (the first test runs this file again with them); validation; Flax.
 """
 import jax
 import jax.numpy as jnp
@@ -18,9 +18,9 @@ import sdpagraph
 from sdpagraph.backends import registry, sinks as sinks_mod
 from sdpagraph.backends.cudnn import backend as cudnn_backend
 from sdpagraph.call import prepare_call
-from sdpagraph.graphs.support import Support
 from tests.devices import has_cpu_devices, make_mesh, rerun_with_cpu_devices
-from tests.test_drop_in import fake_core
+from tests.cudnn_standin import stats_backward_executor
+from tests.test_sharding import cudnn_on_cpu  # noqa: F401 (a fixture)
 
 DEVICES = 2
 HERE_WITH_DEVICES = has_cpu_devices(DEVICES)
@@ -214,44 +214,70 @@ def test_rows_past_the_segment_bound_stay_nan(rng):
 
 # ----------------------------------------------------------------------------- the cuDNN path
 
+@pytest.fixture(params=["native", "composed"])
+def cudnn_graphs_on_cpu(request, cudnn_on_cpu, monkeypatch):
+    """The cuDNN path with `stats_backward_executor`: cuDNN's own sinks (`spec.sinks` graphs), or,
+    with SDPAGRAPH_NATIVE_SINKS=0 (as where those graphs do not build), the sinks composed."""
+    monkeypatch.setenv("SDPAGRAPH_NATIVE_SINKS", "1" if request.param == "native" else "0")
+    monkeypatch.setattr(cudnn_backend, "_call_executor", stats_backward_executor)
+    return cudnn_on_cpu[0], request.param == "native"
+
+
 @one_device
-def test_a_training_call_with_sinks_leaves_cudnn(rng, monkeypatch):
-    """cuDNN's backward ignores the logsumexp's cotangent (shown with its real custom_vjp and the
-    graph evaluated on XLA), so the sinks' composition cannot be differentiated through it."""
+def test_the_stand_in_backward_ignores_the_logsumexp_cotangent(rng, cudnn_on_cpu, monkeypatch):
+    """As cuDNN's: a loss on the logsumexp alone has no gradient through it (what made a composition
+    outside the graph's custom_vjp wrong), while the XLA backend's has one."""
+    monkeypatch.setattr(cudnn_backend, "_call_executor", stats_backward_executor)
     x = inputs(rng, (2, 3, 7, 4, 2, 8))
     q, k, v = x["q"], x["k"], x["v"]
-    monkeypatch.setattr(cudnn_backend, "_checked", lambda static: False)  # every graph runs on XLA
     call = prepare_call(q, k, v)
     for backend, differentiated in ((cudnn_backend.BACKEND, False), (registry.get("xla"), True)):
         lse_only = lambda q: backend.attention(call.spec, q, k, v, call.inputs, None)[1].sum()  # noqa: E731
         assert np.any(np.asarray(jax.grad(lse_only)(q)) != 0) == differentiated
-    with pytest.raises(ValueError, match="sinks need the logsumexp's gradient, and the cuDNN backward"):
-        sdpagraph.attention(q, k, v, sinks=x["sinks"], implementation="cudnn")
-    answer = sdpagraph.check_support(q, k, v, sinks=x["sinks"])
-    assert not answer.supported and answer.backend != "cudnn"
-    assert "the cuDNN backward graph takes dO alone" in answer.reason
-    assert answer.reason.endswith(sinks_mod.COMPOSED)
 
 
 @one_device
-def test_an_inference_call_with_sinks_runs_on_cudnn_and_refuses_a_gradient(rng, monkeypatch):
-    monkeypatch.setattr(cudnn_backend, "_core", fake_core)  # the graph's forward, on XLA
-    monkeypatch.setattr(type(cudnn_backend.BACKEND), "support",
-                        lambda self, spec, ir, *, training, verify=None: Support(True, "cudnn", ""))
-    shapes = (2, 3, 7, 4, 2, 8)
-    x = inputs(rng, shapes)
-    attend = lambda q, s, **kw: sdpagraph.attention(q, x["k"], x["v"], sinks=s, training=False,  # noqa: E731
-                                                    implementation="cudnn", is_causal=True, **kw)
-    out, lse = jax.jit(lambda q, s: attend(q, s, return_residual=True))(x["q"], x["sinks"])
-    allowed = np.tril(np.ones((3, 7), bool))[None, None]
-    want_out, want_lse, want = reference(x["q"], x["k"], x["v"], x["sinks"], np.ones(out.shape), allowed=allowed)
+@pytest.mark.parametrize("name", ["plain", "causal", "gqa", "softcap", "segments", "masked_rows", "decode", "bias"])
+def test_a_training_call_with_sinks_runs_on_cudnn(rng, name, cudnn_graphs_on_cpu):
+    """The graph's backward given the output and logsumexp with the sink gives exact gradients of
+    q, k, v, bias and the sinks; the graphs are the call's own (no sinks in them)."""
+    shapes, kwargs, allowed = case(name, rng)
+    x = inputs(rng, shapes, bias=name == "bias")
+    d_out = rng.standard_normal(shapes[:2] + (shapes[3], shapes[5]))
+
+    @jax.jit
+    def run(x):
+        def loss(x):
+            out, lse = sdpagraph.attention(x["q"], x["k"], x["v"], x.get("bias"), sinks=x["sinks"],
+                                           implementation="cudnn", return_residual=True, **kwargs)
+            return jnp.sum(out * d_out), (out, lse)
+        return jax.grad(loss, has_aux=True)(x)
+
+    grads, (out, lse) = run(x)
+    want_out, want_lse, want = reference(x["q"], x["k"], x["v"], x["sinks"], d_out, allowed=allowed,
+                                         bias=x.get("bias"), softcap=CAP if name == "softcap" else None)
     close(out, want_out)
     close(lse, want_lse)
-    assert sdpagraph.check_support(x["q"], x["k"], x["v"], sinks=x["sinks"], training=False).supported
-    with pytest.raises(sinks_mod.SinksGradientError, match="pass training=True"):
-        jax.grad(lambda q: attend(q, x["sinks"]).sum())(x["q"])
-    # The sinks' own gradient needs no backend gradient.
-    close(jax.grad(lambda s: attend(x["q"], s).sum())(x["sinks"]), want["sinks"])
+    for key in x:
+        close(grads[key], want[key])
+    built, native = cudnn_graphs_on_cpu
+    assert {(spec.sinks, d) for spec, _, d in built} >= {(native, "forward"), (native, "backward")}
+    answer = sdpagraph.check_support(x["q"], x["k"], x["v"], x.get("bias"), sinks=x["sinks"], **kwargs)
+    assert answer.supported and answer.backend == "cudnn"
+    assert answer.reason.endswith(sinks_mod.NATIVE if native else sinks_mod.COMPOSED), answer.reason
+
+
+@one_device
+def test_an_inference_call_with_sinks_on_cudnn_runs_the_forward_graph(rng, cudnn_graphs_on_cpu):
+    x = inputs(rng, (2, 3, 7, 4, 2, 8))
+    out = sdpagraph.attention(x["q"], x["k"], x["v"], sinks=x["sinks"], is_causal=True, training=False,
+                              implementation="cudnn")
+    want, _, _ = reference(x["q"], x["k"], x["v"], x["sinks"], np.zeros(out.shape),
+                           allowed=np.tril(np.ones((3, 7), bool))[None, None])
+    close(out, want)
+    built, native = cudnn_graphs_on_cpu
+    # cuDNN's own sinks run the inference graph; composed ones read the forward graph's stats
+    assert [(spec.sinks, d) for spec, _, d in built] == [(True, "inference") if native else (False, "forward")]
 
 
 # ----------------------------------------------------------------------------- validation and Flax
@@ -315,18 +341,13 @@ def test_context_parallel_sinks(rng, strategy):
     want_out, want_lse, want = reference(x["q"], x["k"], x["v"], x["sinks"], d_out, allowed=band[None, None])
     close(out, want_out)
     close(lse, want_lse)
-    loss = jax.jit(jax.grad(lambda x: jnp.sum(attend(x)[0] * d_out)))
-    if strategy == "ring":  # its backward ignores the logsumexp's cotangent
-        with pytest.raises(sinks_mod.SinksGradientError, match="context_parallel_strategy='all_to_all'"):
-            loss(sharded)
-        return
-    grads = loss(sharded)
+    grads = jax.jit(jax.grad(lambda x: jnp.sum(attend(x)[0] * d_out)))(sharded)
     for key in x:
         close(grads[key], want[key])
 
 
 def test_the_composition_is_the_formula_on_known_numbers():
-    out, lse = sinks_mod.compose(jnp.ones((1, 2, 1, 1)), jnp.asarray([[[0.0, -jnp.inf]]]), jnp.asarray([0.0]))
+    out, lse = sinks_mod.apply(jnp.ones((1, 2, 1, 1)), jnp.asarray([[[0.0, -jnp.inf]]]), jnp.asarray([0.0]))
     np.testing.assert_allclose(np.asarray(out)[0, :, 0, 0], [0.5, 0.0])
     np.testing.assert_allclose(np.asarray(lse)[0, 0], [np.log(2.0), 0.0])
 
@@ -343,3 +364,50 @@ def test_a_minus_inf_sink_on_a_row_with_nothing_to_attend_gives_zero_and_finite_
                                                                key_value_seq_lengths=lengths, sinks=s,
                                                                implementation="xla") ** 2), argnums=(0, 1))(q, sinks)
     assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
+
+
+@needs_devices
+@pytest.mark.parametrize("strategy", ["ring", "all_to_all", "halo"])
+def test_context_parallel_sinks_on_cudnn_blocks(rng, strategy, cudnn_graphs_on_cpu):
+    """The blocks' backward reads only the o and stats it is given (`stats_backward_executor`): the
+    sinks join once per row (the ring's final merge, each device's call) and their gradient is summed
+    over the devices."""
+    shapes = (2, 8, 8, 4, 2, 8)
+    x = inputs(rng, shapes)
+    mesh = make_mesh((DEVICES,), ("cp",))
+    sharded = {n: jax.device_put(a, jax.sharding.NamedSharding(mesh, P(None, "cp"))) if n != "sinks" else a
+               for n, a in x.items()}
+    d_out = rng.standard_normal((2, 8, 4, 8))
+    window = (2, 0) if strategy == "halo" else None  # the ring runs cuDNN blocks without a window
+    attend = lambda x: sdpagraph.attention(  # noqa: E731
+        x["q"], x["k"], x["v"], sinks=x["sinks"], is_causal=True, local_window_size=window,
+        context_parallel_axis="cp", mesh=mesh, context_parallel_strategy=strategy, implementation="cudnn")
+    allowed = np.tril(np.ones((8, 8), bool))
+    if window is not None:
+        allowed &= ~np.tril(np.ones((8, 8), bool), -3)
+    want_out, _, want = reference(x["q"], x["k"], x["v"], x["sinks"], d_out, allowed=allowed[None, None])
+    close(jax.jit(attend)(sharded), want_out)
+    grads = jax.jit(jax.grad(lambda x: jnp.sum(attend(x) * d_out)))(sharded)
+    for key in x:
+        close(grads[key], want[key])
+
+
+@needs_devices
+def test_sinks_split_with_the_heads_under_spmd(rng, cudnn_graphs_on_cpu):
+    shapes = (2, 6, 6, 4, 2, 8)
+    x = inputs(rng, shapes)
+    mesh = make_mesh((DEVICES,), ("model",))
+    heads = {n: jax.device_put(a, jax.sharding.NamedSharding(mesh, P("model") if n == "sinks" else
+                                                             P(None, None, "model"))) for n, a in x.items()}
+    d_out = rng.standard_normal((2, 6, 4, 8))
+    attend = lambda x: sdpagraph.attention(x["q"], x["k"], x["v"], sinks=x["sinks"], is_causal=True,  # noqa: E731
+                                           implementation="cudnn")
+    want_out, _, want = reference(x["q"], x["k"], x["v"], x["sinks"], d_out,
+                                  allowed=np.tril(np.ones((6, 6), bool))[None, None])
+    out = jax.jit(attend)(heads)
+    close(out, want_out)
+    grads = jax.jit(jax.grad(lambda x: jnp.sum(attend(x) * d_out)))(heads)
+    for key in x:
+        close(grads[key], want[key])
+    built, native = cudnn_graphs_on_cpu
+    assert any(spec.num_heads == 2 for spec, _, _ in built), "one graph per device, on its heads"

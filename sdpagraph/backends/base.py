@@ -2,6 +2,7 @@
 
     backend.support(spec, score_mod, training=..., verify=...) -> Support   can it run this call here?
     backend.attention(spec, q, k, v, inputs, score_mod, training=..., verify=...) -> (out, lse)
+    backend.attention_with_sinks(spec, q, k, v, inputs, score_mod, sinks, verify=...) -> (out, lse)
 
 Every backend computes the same function (`sdpagraph.attention`'s docstring; the masks are
 `backends.masking`'s): `out` is (B, T, N, H_v) in the input dtype and `lse` the logsumexp (B, N, T)
@@ -14,6 +15,7 @@ from __future__ import annotations
 import abc
 from typing import Any, ClassVar
 
+from sdpagraph.backends import sinks as sinks_mod
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.graph_store import Verify
 from sdpagraph.graphs.support import Support
@@ -33,9 +35,6 @@ class Backend(abc.ABC):
     # Whether a packed call with `max_seqlen_q` / `max_seqlen_kv` hints costs what the sequences its
     # hints bound cost (dispatch's prediction); otherwise it costs the dense (B, T, S).
     packs_by_hints: ClassVar[bool] = False
-    # Why the backward ignores a cotangent on the logsumexp `attention` returns (None: it honours one).
-    # What is composed from the logsumexp (sinks) is differentiated only where it is honoured.
-    lse_without_gradient: ClassVar[str | None] = None
 
     @abc.abstractmethod
     def support(self, spec: AttentionSpec, score_mod: ScoreModIR | None, *, training: bool,
@@ -48,6 +47,22 @@ class Backend(abc.ABC):
                   score_mod: ScoreModIR | None, *, training: bool = True,
                   verify: Verify | None = None) -> tuple[Any, Any]:
         """(output, logsumexp) of the call; `training=False` may skip the softmax statistics."""
+
+    def attention_with_sinks(self, spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: RuntimeInputs,
+                             score_mod: ScoreModIR | None, sinks: Any, *, training: bool = True,
+                             verify: Verify | None = None) -> tuple[Any, Any]:
+        """(output, logsumexp) of the call with attention sinks `sinks` (N,) (`backends.sinks`), both
+        with the sink (the logsumexp None where `training=False` let the backend keep none). This
+        default composes them from `attention`'s logsumexp by autodiff, for backends whose backward
+        honours the logsumexp's cotangent; a backend whose backward does not (one that takes the
+        output and logsumexp it differentiates), or that has sinks of its own, overrides it."""
+        out, lse = self.attention(spec, query, key, value, inputs, score_mod, training=True, verify=verify)
+        return sinks_mod.apply(out, lse, sinks)
+
+    def sinks_path(self, spec: AttentionSpec, score_mod: ScoreModIR | None, inputs: RuntimeInputs, *,
+                   training: bool, verify: Verify | None = None) -> str:
+        """How `attention_with_sinks` joins the sinks to this call (`check_support`'s words)."""
+        return sinks_mod.COMPOSED
 
     def __repr__(self) -> str:
         return f"<sdpagraph backend {self.name!r}>"

@@ -4,33 +4,27 @@ denominator and adds no value,
     p_ij = exp(l_ij) / (exp(s_h) + sum_j' exp(l_ij'))        out_i = sum_j p_ij v_j
 
 (l: the logits after score_mod and bias; the sink passes through neither). It is composed from the
-logsumexp L every backend returns, with no kernel of its own:
+logsumexp L every backend returns, with no kernel of its own (`apply`):
 
     L' = logaddexp(L, s_h)        out' = out * exp(L - L')
 
-exact in float32, and differentiable by autodiff through the backend's output and logsumexp:
-d s_h = -sum_i exp(s_h - L'_i) <dO_i, out'_i>, and the logits' gradient takes the logsumexp's
-cotangent, so the backend's backward must honour one. A row with nothing to attend (L = -inf) gives
-0 and L' = s_h.
+exact in float32. Gradients, two ways:
+- autodiff through `apply`, where the backend's backward honours the logsumexp's cotangent (XLA,
+  small_seq: `Backend.attention_with_sinks`'s default);
+- a backward that takes the output and logsumexp it differentiates (cuDNN's graph, the ring's
+  blocks) is run with (out', L') in place of (out, L): the probabilities it recomputes,
+  exp(l - L'), are the sink's p, and its row term <dO, out'> is the sink softmax's; the sinks'
+  own gradient is `gradient`, d s_h = -sum_i exp(s_h - L'_i) <dO_i, out'_i>.
+A row with nothing to attend (L = -inf) gives 0 and L' = s_h.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
-from sdpagraph.backends.base import Backend
-from sdpagraph.errors import SdpagraphError
-
-_RING = "the context-parallel ring's backward takes dO alone (its logsumexp is returned without a gradient)"
-
 COMPOSED = "sinks: composed from the logsumexp (exact, no extra kernel)"
-
-
-class SinksGradientError(SdpagraphError, NotImplementedError):
-    """A call with sinks is differentiated where its backward ignores the logsumexp's cotangent."""
+NATIVE = "sinks: cuDNN's own (sink_token, and its gradient in the backward graph)"
 
 
 def check(sinks: Any, num_heads: int) -> Any:
@@ -46,60 +40,37 @@ def check(sinks: Any, num_heads: int) -> Any:
     return sinks
 
 
-def backend_reason(backend: Backend) -> str | None:
-    """Why `backend` cannot differentiate a call with sinks, or None when it can (its
-    `lse_without_gradient`): calls that may be differentiated (`training=True`) leave it; an inference
-    call keeps it, and a gradient through it raises `SinksGradientError`."""
-    why = backend.lse_without_gradient
-    return None if why is None else f"sinks need the logsumexp's gradient, and {why}"
-
-
-def inference_only(backend: Backend) -> str | None:
-    """What a gradient through an inference call with sinks on `backend` raises (None: it is exact)."""
-    why = backend_reason(backend)
-    return None if why is None else f"{why}; pass training=True to differentiate a call with sinks"
-
-
-def context_parallel_reason(strategy: str, backend: Backend) -> str | None:
-    """What a gradient through a context-parallel call with sinks (its `strategy`, its blocks'
-    `backend`) raises, or None where it is exact."""
-    why = f"sinks need the logsumexp's gradient, and {_RING}" if strategy == "ring" else backend_reason(backend)
-    if why is None:
-        return None
-    return (f"{why}; to differentiate a context-parallel call with sinks use context_parallel_strategy="
-            "'all_to_all' or 'halo' with implementation='xla'")
-
-
-def compose(out: Any, lse: Any, sinks: Any, no_gradient: str | None = None) -> tuple[Any, Any]:
-    """(out', L') of the backend's `out` (B, T, N, H_v) and `lse` (B, N, T) with `sinks` (N,).
-    `no_gradient`: why the backend's logsumexp has no gradient, and what to do; differentiating
-    through it then raises `SinksGradientError` with it (the gradient would be silently wrong)."""
-    if no_gradient is not None:
-        lse = _without_gradient(no_gradient, lse)
+def _rows(sinks: Any, lse: Any) -> Any:
+    """`sinks` (N,) as the logsumexp's (B, N, T), in its accumulation dtype."""
     acc = jnp.promote_types(lse.dtype, jnp.float32)
-    lse = lse.astype(acc)
-    sink = jnp.broadcast_to(sinks.astype(acc)[None, :, None], lse.shape)
+    return jnp.broadcast_to(sinks.astype(acc)[None, :, None], lse.shape)
+
+
+def apply(out: Any, lse: Any, sinks: Any) -> tuple[Any, Any]:
+    """(out', L') of a backend's `out` (B, T, N, H_v) and `lse` (B, N, T) with `sinks` (N,);
+    differentiable (through `out`, `lse` and `sinks`)."""
+    sink = _rows(sinks, lse)
+    lse = lse.astype(sink.dtype)
     # A row with nothing to attend under a -inf sink has L' = -inf: guarded so that neither the value
     # (exp(-inf - -inf)) nor logaddexp's gradient at (-inf, -inf) is NaN.
     both = jnp.isneginf(lse) & jnp.isneginf(sink)
     with_sink = jnp.where(both, -jnp.inf, jnp.logaddexp(jnp.where(both, 0.0, lse), sink))
     # each row's share left to the keys: 0 where nothing is attended
     kept = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - jnp.where(both, 0.0, with_sink)))
-    out = (out.astype(acc) * jnp.swapaxes(kept, 1, 2)[..., None]).astype(out.dtype)
+    out = (out.astype(sink.dtype) * jnp.swapaxes(kept, 1, 2)[..., None]).astype(out.dtype)
     return out, with_sink
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _without_gradient(reason: str, lse: Any) -> Any:
-    return lse
-
-
-def _without_gradient_fwd(reason: str, lse: Any) -> tuple[Any, None]:
-    return lse, None
-
-
-def _without_gradient_bwd(reason: str, _: None, d_lse: Any) -> Any:
-    raise SinksGradientError(reason)
-
-
-_without_gradient.defvjp(_without_gradient_fwd, _without_gradient_bwd)
+def gradient(d_out: Any, out: Any, lse: Any, sinks: Any, rows: Any = None) -> Any:
+    """d sinks (N,), in the sinks' dtype, from the cotangent `d_out` of the output `out` = out' and
+    its logsumexp `lse` = L' (both with the sink, `apply`): -sum over batch and rows of
+    exp(s_h - L') <dO, out'>. `rows`: (B, T) bool, the rows that hold results (None: all); the others
+    (padding, rows a graph leaves unwritten) add nothing, whatever they hold."""
+    sink = _rows(sinks, lse)
+    lse = lse.astype(sink.dtype)
+    share = jnp.where(jnp.isneginf(sink), 0.0, jnp.exp(sink - jnp.where(jnp.isneginf(lse), 0.0, lse)))
+    dot = jnp.swapaxes(jnp.sum(d_out.astype(sink.dtype) * out.astype(sink.dtype), axis=-1), 1, 2)  # (B, N, T)
+    terms = share * dot
+    if rows is not None:
+        terms = jnp.where(rows[:, None, :], terms, 0.0)
+    return (-jnp.sum(terms, axis=(0, 2))).astype(sinks.dtype)

@@ -24,6 +24,7 @@ import numpy as np
 from sdpagraph.backends.base import Backend, Verify
 from sdpagraph.backends.masking import TokenLayout, key_slice, positions_and_mask, token_layout
 from sdpagraph.backends.xla_blocks import accumulation_dtype, blockwise_attention, raw_scores, weighted_values
+from sdpagraph import paged
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.graphs.support import Support
 from sdpagraph.scoremod.ir import ScoreModIR
@@ -194,6 +195,9 @@ class XlaBackend(Backend):
     def attention(self, spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: RuntimeInputs,
                   score_mod: ScoreModIR | None, *, training: bool = True,
                   verify: Verify | None = None) -> tuple[Any, Any]:
+        if spec.paged is not None:  # the pages gathered into each sequence's keys
+            key, value = (paged.gather(pool, inputs.page_table) for pool in (key, value))
+            spec = dataclasses.replace(spec, paged=None)
         return xla_attention(spec, query, key, value, inputs, score_mod)
 
     @staticmethod

@@ -18,7 +18,7 @@ from sdpagraph import mods
 from sdpagraph.call import prepare_call
 from sdpagraph.deploy.recorded_ir import clip, recorded_score_mod
 from sdpagraph.deploy.spec_entry import SpecEntry, SpecFileError
-from sdpagraph.spec import DTYPES, INFERENCE_DIRECTIONS, TRAINING_DIRECTIONS, AttentionSpec, directions_for
+from sdpagraph.spec import DTYPES, AttentionSpec, directions_for
 
 RECORDED_FIELDS = ("spec", "score_mod", "directions", "summary")
 # In this order, each field's arguments join the call: an error belongs to the first field
@@ -90,9 +90,9 @@ def _parse_recorded(item: Mapping[str, Any]) -> SpecEntry:
         score_mod = None if raw is None else recorded_score_mod(raw, spec)
     with _field("directions"):
         directions = tuple(item["directions"]) if isinstance(item["directions"], list) else None
-        if directions not in (TRAINING_DIRECTIONS, INFERENCE_DIRECTIONS):
-            raise ValueError(f"must be {list(TRAINING_DIRECTIONS)} or {list(INFERENCE_DIRECTIONS)}, "
-                             f"got {item['directions']!r}")
+        allowed = (directions_for(True, spec), directions_for(False, spec))
+        if directions not in allowed:
+            raise ValueError(f"must be {list(allowed[0])} or {list(allowed[1])}, got {item['directions']!r}")
     return SpecEntry(spec, score_mod, directions)
 
 
@@ -162,7 +162,7 @@ def _parse_hand_written(item: Mapping[str, Any]) -> SpecEntry:
             if name == "score_mod":
                 arguments["score_mod_tensors"] = mod_tensors
             call = _trace_call(arguments)
-    return SpecEntry(call.spec, call.score_mod, directions_for(training))
+    return SpecEntry(call.spec, call.score_mod, directions_for(training, call.spec))
 
 
 def _dtype(name: Any) -> Any:

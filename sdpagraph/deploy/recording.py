@@ -69,7 +69,7 @@ def record_call(spec: AttentionSpec, ir: ScoreModIR | None, training: bool) -> N
         recorders = list(_active)
         if environment_path:
             recorders.append(_environment_recorder(environment_path))
-    entry = SpecEntry(spec, ir, directions_for(training))
+    entry = SpecEntry(spec, ir, directions_for(training, spec))
     for recorder in recorders:
         recorder.add(entry)
 

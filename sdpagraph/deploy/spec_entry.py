@@ -7,7 +7,7 @@ from typing import Any
 
 from sdpagraph.errors import SdpagraphError
 from sdpagraph.scoremod.ir import ScoreModIR
-from sdpagraph.spec import TRAINING_DIRECTIONS, AttentionSpec
+from sdpagraph.spec import AttentionSpec
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,8 @@ class SpecEntry:
 
     @property
     def training(self) -> bool:
-        return self.directions == TRAINING_DIRECTIONS
+        """Whether the entry's graphs keep the softmax stats (`spec.directions_for`)."""
+        return "forward" in self.directions
 
     @property
     def identity(self) -> tuple[str, str, tuple[str, ...]]:

@@ -43,6 +43,9 @@ from sdpagraph.graphs.mod_lowering import (
 )
 from sdpagraph.graphs.operands import (
     ARRAY_PREFIX,
+    D_SINK_TOKEN,
+    PAGE_TABLES,
+    SINK_TOKEN,
     TensorDesc,
     bias_operand_shape,
     describe,
@@ -109,9 +112,12 @@ def lower(graph: Any, spec: AttentionSpec, ir: ScoreModIR | None, direction: str
         if spec.bias_shape is not None:
             options["dBias"] = graph.tensor(name="dbias", dim=list(descs["dbias"].dims),
                                             stride=list(descs["dbias"].strides), data_type=types["io"])
+        if spec.sinks:
+            options["dSink_token"] = graph.tensor(name=D_SINK_TOKEN, dim=list(descs[D_SINK_TOKEN].dims),
+                                                  stride=list(descs[D_SINK_TOKEN].strides), data_type=types["float32"])
         dq, dk, dv = graph.sdpa_backward(name="sdpa_backward", q=tensors["q"], k=tensors["k"], v=tensors["v"],
                                          o=tensors["o"], dO=tensors["dO"], stats=tensors["stats"], **options)
-        outputs = {"dq": dq, "dk": dk, "dv": dv, "dbias": options.get("dBias")}
+        outputs = {"dq": dq, "dk": dk, "dv": dv, "dbias": options.get("dBias"), D_SINK_TOKEN: options.get("dSink_token")}
     else:
         o, stats = graph.sdpa(name="sdpa", q=tensors["q"], k=tensors["k"], v=tensors["v"],
                               generate_stats=direction == "forward", **options)
@@ -143,13 +149,18 @@ def _sdpa_options(spec: AttentionSpec, tensors: dict[str, Any], emitter: ModEmit
     options: dict[str, Any] = {"attn_scale": spec.scale}
     if "bias" in tensors:
         options["bias"] = tensors["bias"]
+    if SINK_TOKEN in tensors:
+        options["sink_token"] = tensors[SINK_TOKEN]
     if emitter is not None:
         options["score_mod"] = emitter.forward
         if direction == "backward":
             options["score_mod_bprop"] = emitter.bprop
         return options
-    if spec.has_padding or spec.segments:
+    if spec.has_padding or spec.segments or spec.paged:
         options.update(use_padding_mask=True, seq_len_q=tensors["seq_len_q"], seq_len_kv=tensors["seq_len_kv"])
+    if spec.paged:
+        options.update(paged_attention_k_table=tensors[PAGE_TABLES[0]], paged_attention_v_table=tensors[PAGE_TABLES[1]],
+                       paged_attention_max_seq_len_kv=spec.kv_len)
     if spec.segments:
         # The totals bound the packed token axes (and the backward's workspace) by B*T, not B*M*T.
         options.update(max_total_seq_len_q=spec.batch * spec.q_len, max_total_seq_len_kv=spec.batch * spec.kv_len)
@@ -208,6 +219,14 @@ _PACKED_WITH_MOD = {
 
 
 def _check_lowerable(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> None:
+    if spec.paged and direction == "backward":
+        raise Unsupported("paged K/V is inference-only: there is no backward graph")
+    if spec.paged and (needs_mod(spec, ir) or bias_operand_shape(spec, ir) is not None):
+        raise Unsupported("paged K/V needs cuDNN's padding mask, which a score_mod, chunk_size, bias or mask turns "
+                          "off (cuDNN's score_mod excludes it): the XLA backend gathers the pages instead")
+    if spec.sinks and spec.segments:
+        raise Unsupported("attention sinks inside a packed graph need cuDNN 9.26 (its THD backward with sinks); "
+                          "they are composed from the logsumexp instead")
     if direction == "backward" and ir is not None and ir.grad_output is None:
         raise Unsupported("the score_mod has no bprop: pass score_mod_bprop or use differentiable ops")
     if needs_mod(spec, ir) and spec.segments:

@@ -7,9 +7,11 @@ side can compute the operand order without cuDNN or a GPU.
 
 Roles name the buffers: "q", "k", "v", "o", "dO", "stats", "bias",
 "seq_len_q", "seq_len_kv", "ragged_offset_q", "ragged_offset_kv",
-"ragged_offset_stats", "segment_start", "segment_end" (`masks.segment_ir`), "array:<name>"
+"ragged_offset_stats", "segment_start", "segment_end" (`masks.segment_ir`), "sink_token"
+(attention sinks, (1, N, 1, 1) float32), "page_table_k", "page_table_v" (paged K/V: the same
+(B, 1, max_pages, 1) int32 table, once per pool; k and v are then the pools), "array:<name>"
 (score_mod aux arrays), and the results
-"o", "stats", "dq", "dk", "dv", "dbias". Pass-by-value scalars are named
+"o", "stats", "dq", "dk", "dv", "dbias", "dsink_token". Pass-by-value scalars are named
 "scalar:<name>" and "const:<i>"; they are not device operands.
 
 UIDs are positions in one fixed list (operands, then results, then pass-by-value
@@ -31,6 +33,8 @@ ARRAY_PREFIX = "array:"
 SCALAR_PREFIX = "scalar:"
 CONST_PREFIX = "const:"
 BACKWARD_INPUTS = ("o", "dO", "stats")
+SINK_TOKEN, D_SINK_TOKEN = "sink_token", "dsink_token"  # attention sinks' logits and their gradient
+PAGE_TABLES = ("page_table_k", "page_table_v")  # paged K/V: each sequence's pages, for k and for v
 ARRAY_TYPES = {FLOAT: "float32", INT: "int32"}  # IR array dtype -> storage
 
 
@@ -140,18 +144,23 @@ def graph_io(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> tupl
         operands += BACKWARD_INPUTS
     if bias_operand_shape(spec, ir) is not None:
         operands.append("bias")
-    if (spec.has_padding and not folds_padding(spec, ir)) or spec.segments:
+    if (spec.has_padding and not folds_padding(spec, ir)) or spec.segments or spec.paged:
         operands += ["seq_len_q", "seq_len_kv"]
+    if spec.paged:
+        operands += list(PAGE_TABLES)
     if spec.segments:
         operands += ["ragged_offset_q", "ragged_offset_kv"]
         if direction != "inference":
             operands.append("ragged_offset_stats")
     if spec.segment_mask:
         operands += list(segment_arrays(spec))
+    if spec.sinks:
+        operands.append(SINK_TOKEN)
     operands += [ARRAY_PREFIX + name for name in used_names(ir, "array", direction)]
 
     if direction == "backward":
         results = ["dq", "dk", "dv"] + (["dbias"] if spec.bias_shape is not None else [])
+        results += [D_SINK_TOKEN] if spec.sinks else []
     else:
         results = ["o", "stats"] if direction == "forward" else ["o"]
     return tuple(operands), tuple(results)
@@ -180,6 +189,11 @@ def uid_map(roles: tuple[str, ...]) -> dict[str, int]:
     return {role: index + 1 for index, role in enumerate(roles)}
 
 
+def page_count(spec: AttentionSpec) -> int:
+    """Pages per sequence of a paged spec: its page table's max_pages (S = max_pages * page_size)."""
+    return spec.kv_len // spec.paged[1]
+
+
 def num_sequences(spec: AttentionSpec) -> int:
     """Sequences cuDNN sees: B dense, B * max_segments when packed (THD)."""
     return spec.batch * spec.max_segments if spec.segments else spec.batch
@@ -201,6 +215,12 @@ def _describe_role(spec: AttentionSpec, ir: ScoreModIR | None, role: str) -> Ten
         "k": (k, s, h, "ragged_offset_kv"), "dk": (k, s, h, "ragged_offset_kv"),
         "v": (k, s, hv, "ragged_offset_kv"), "dv": (k, s, hv, "ragged_offset_kv"),
     }
+    if spec.paged and role in ("k", "v"):  # a pool (num_pages, page_size, K, H), as [pages, K, page, H]
+        num_pages, page = spec.paged
+        dim = h if role == "k" else hv
+        return TensorDesc((num_pages, k, page, dim), (page * k * dim, dim, k * dim, 1), "io")
+    if role in PAGE_TABLES:
+        return _row_major((b, 1, page_count(spec), 1), "int32")
     if role in token_major:
         heads, length, dim, offset = token_major[role]
         # BSHD memory described as [B, heads, length, dim]: no transposes.
@@ -212,6 +232,8 @@ def _describe_role(spec: AttentionSpec, ir: ScoreModIR | None, role: str) -> Ten
         return TensorDesc((b, n, t, 1), (n * t, t, 1, 1), "float32")
     if role in ("bias", "dbias"):
         return _row_major(bias_operand_shape(spec, ir), "io")
+    if role in (SINK_TOKEN, D_SINK_TOKEN):
+        return _row_major((1, n, 1, 1), "float32")
     if role in ("seq_len_q", "seq_len_kv"):
         return _row_major((b, 1, 1, 1), "int32")
     if role.startswith("ragged_offset_"):

@@ -64,7 +64,7 @@ def answer_from_builds(spec: AttentionSpec, ir: ScoreModIR | None, training: boo
     reason = environment_reason()
     if reason is not None:
         return graph_answer(False, reason), True
-    directions = directions_for(training)
+    directions = directions_for(training, spec)
     try:
         for direction in directions:
             build(direction)

@@ -7,8 +7,9 @@ sequence over a mesh axis, without gathering k or v.
              ├─ "ring"        ring.ring_attention: K/V blocks pass around the ring (ppermute)
              ├─ "all_to_all"  heads <-> sequence (jax.lax.all_to_all), one whole-sequence call per
              │                device on N/cp heads, and back
-             └─ "halo"        halo.halo_attention (sliding windows): each device receives the keys its
-                              windows reach from its neighbours (ppermute), then one local call
+             └─ "halo"        halo.halo_attention (sliding windows, chunks): each device receives the
+                              keys its windows and chunks reach from its neighbours (ppermute; none
+                              for chunks inside its blocks), then one local call per block
 
 Inside a `jax.shard_map` that already maps the axis, q, k, v are the local blocks: the strategy
 runs on them directly. Built on JAX's own machinery (shard_map, ppermute, all_to_all); no runtime of
@@ -46,6 +47,14 @@ STRATEGIES = ("ring", "all_to_all", "halo", "auto")
 # T65536 (bench/multi_gpu.py, docs/results/h200x2-2026-11-24-multi-gpu.md). Beyond the longest
 # length measured the ring, whose transfers hide better the longer its blocks, is kept.
 AUTO_ALL_TO_ALL_MAX_LEN = 65536
+# "auto" takes the halo (windows, chunks) while it moves at most this share of what all_to_all moves
+# (`_halo_traffic_share`): rows (least cp, share) in order, the first whose least cp the call's cp
+# reaches applies.
+# Design value until bench/multi_gpu.py --part cp-long measures the crossover on GPUs: both run one
+# call per device over the same keys, so the one that moves fewer bytes wins, and the ring runs
+# windows and chunks on XLA blocks (40x slower than one GPU on two H100s, window (1024, 0) T32768).
+# Measured rows go first, e.g. ((4, 0.5), (2, 0.8), (1, 1.0)).
+AUTO_HALO_TRAFFIC = ((1, 1.0),)
 
 
 def _fail(axis: Any, message: str) -> ValueError:
@@ -65,6 +74,12 @@ def _mesh_shape(axis: Any, mesh: Any) -> tuple[dict[str, int], bool]:
     if axis not in shape:
         raise _fail(axis, f"is not an axis of the mesh, whose axes are {tuple(shape)} (sizes {tuple(shape.values())})")
     return shape, False
+
+
+def _global(spec: AttentionSpec, cp: int, manual: bool) -> AttentionSpec:
+    """`spec` with the whole sequence's lengths: inside a shard_map over the axis (`manual`) the
+    call sees one device's block."""
+    return dataclasses.replace(spec, q_len=spec.q_len * cp, kv_len=spec.kv_len * cp) if manual else spec
 
 
 def check(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh: Any) -> tuple[dict[str, int], bool]:
@@ -100,22 +115,41 @@ def check(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh
     if strategy == "all_to_all" and (spec.num_heads % cp or spec.num_kv_heads % cp):
         raise _fail(axis, f"context_parallel_strategy='all_to_all' needs the query heads N={spec.num_heads} and "
                           f"key/value heads K={spec.num_kv_heads} divisible by cp={cp}; use 'ring'")
-    if strategy == "halo" and (why := halo.unsupported(spec, load_balanced)) is not None:
+    if strategy == "halo" and (why := halo.unsupported(_global(spec, cp, manual), cp, load_balanced)) is not None:
         raise _fail(axis, f"context_parallel_strategy='halo' {why}")
     return shape, manual
 
 
-def choose_strategy(spec: AttentionSpec, cp: int, strategy: str, ring_on_xla: bool = False) -> str:
-    """'auto': all_to_all when the heads divide cp and either T <= AUTO_ALL_TO_ALL_MAX_LEN or the
-    ring would run XLA blocks (`ring_on_xla`: windows, packed segments, mask_mods; all_to_all runs
-    those on cuDNN); else ring. Measured on two GPUs up to T65536 (AUTO_ALL_TO_ALL_MAX_LEN): the
-    ring's transfers hide behind its blocks' compute only when blocks are long, while all_to_all
-    runs one whole-sequence call per device but moves q, k, v and o unhidden. "halo" is taken only
-    when asked for until it is measured on GPUs beside the others."""
+def choose_strategy(spec: AttentionSpec, cp: int, strategy: str, ring_on_xla: bool = False,
+                    load_balanced: bool = False) -> str:
+    """The strategy a call runs; 'auto' decides here, in this order (`spec`: global lengths):
+    1. "halo" for bounded sliding windows and chunks that fit the blocks (`halo.unsupported`), while
+       its traffic is at most AUTO_HALO_TRAFFIC's share of all_to_all's (`_halo_traffic_share`), or
+       when the heads do not divide cp (no all_to_all; the ring runs windows and chunks on XLA blocks);
+    2. all_to_all when the heads divide cp and either T <= AUTO_ALL_TO_ALL_MAX_LEN or the ring would
+       run XLA blocks (`ring_on_xla`: windows, packed segments, mask_mods; all_to_all runs those on
+       cuDNN). Measured on two GPUs up to T65536: the ring's transfers hide behind its blocks' compute
+       only when blocks are long, while all_to_all runs one whole-sequence call per device but moves
+       q, k, v and o unhidden;
+    3. else the ring."""
     if strategy != "auto":
         return strategy
     heads_divide = spec.num_heads % cp == 0 and spec.num_kv_heads % cp == 0
+    if halo.unsupported(spec, cp, load_balanced) is None:
+        share = _halo_traffic_share(spec, cp, load_balanced)
+        limit = next(limit for least, limit in AUTO_HALO_TRAFFIC if cp >= least)
+        if not heads_divide or share <= limit:
+            return "halo"
     return "all_to_all" if heads_divide and (spec.q_len <= AUTO_ALL_TO_ALL_MAX_LEN or ring_on_xla) else "ring"
+
+
+def _halo_traffic_share(spec: AttentionSpec, cp: int, load_balanced: bool) -> float:
+    """What the halo moves per device over what all_to_all moves, forward (the backward moves the
+    same again in both): the halo, the keys and values its blocks reach (K heads each); all_to_all,
+    (cp-1)/cp of the device's q, k, v and o ((2N + 2K) heads of T/cp tokens). 0 on one device."""
+    halo_bytes = halo.HaloLayout(spec, cp, load_balanced).received * 2 * spec.num_kv_heads
+    all_to_all_bytes = (spec.q_len // cp) * (cp - 1) / cp * 2 * (spec.num_heads + spec.num_kv_heads)
+    return halo_bytes / all_to_all_bytes if all_to_all_bytes else 0.0
 
 
 def _cudnn_reason(graphs: list[tuple[AttentionSpec, Any]], implementation: str | None, reason: str | None,
@@ -165,7 +199,7 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
     spec, cp = call.spec, shape[axis]
     ring_reason = ring.cudnn_reason(spec, call.score_mod, call.inputs.python_mods)
     ring_on_xla = ring_reason is not None and implementation != registry.reference().name
-    strategy = choose_strategy(spec, cp, strategy, ring_on_xla=ring_on_xla)
+    strategy = choose_strategy(_global(spec, cp, manual), cp, strategy, ring_on_xla, load_balanced)
     # The batch splits over the other mesh axes when they divide it. Inside a shard_map the prepared
     # spec already holds the local batch and sequence blocks: the global lengths are cp times those.
     others = () if manual else tuple(a for a in shape if a != axis)
@@ -177,11 +211,12 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
         local = dataclasses.replace(spec, batch=spec.batch // math.prod(shape[a] for a in others))
     if strategy == "ring":
         blocks = ring.RingPlan(local, axis, cp, load_balanced, registry.primary().name, call.score_mod, ())
-        graphs = [(blocks.block_spec(causal), blocks.block_ir) for causal in sorted({False, spec.is_causal})]
+        graphs = [(block, blocks.block_ir) for block in blocks.block_specs]
         reason = ring_reason
     elif strategy == "halo":
-        blocks = halo.HaloPlan(local, axis, cp, registry.primary().name, call.score_mod, ())
-        graphs = [(blocks.block_spec(case), blocks.block_ir) for case in blocks.cases]
+        blocks = halo.HaloPlan(halo.HaloLayout(local, cp, load_balanced), axis, registry.primary().name,
+                               call.score_mod, ())
+        graphs = [(blocks.block_spec(case), blocks.block_ir) for case in blocks.layout.cases]
         reason = call.inputs.python_mods.reason if call.inputs.python_mods is not None else None
     else:
         split = Split(head_axes=(axis,), heads=cp, kv_heads=cp)
@@ -224,19 +259,19 @@ def _token_facts(ids: Any, cp: int, load_balanced: bool, max_segments: int) -> A
     return tuple(load_balance(x, cp) for x in facts) if load_balanced else facts
 
 
-def _ring(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, tok):
+def _ring(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, tok, sinks):
     plan = ring.RingPlan(local, axis, cp, load_balanced, backend, call.score_mod,
                          tuple(sorted((call.inputs.mod_scalars or {}).items())), call.inputs.python_mods)
-    return ring.ring_attention(plan, q, k, v, {"arrays": arrays, "q_tok": tok, "kv_tok": tok})
+    return ring.ring_attention(plan, q, k, v, {"arrays": arrays, "q_tok": tok, "kv_tok": tok}, sinks)
 
 
-def _halo(call, local: AttentionSpec, axis, cp, backend, q, k, v, arrays):
-    plan = halo.HaloPlan(local, axis, cp, backend, call.score_mod,
+def _halo(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, sinks):
+    plan = halo.HaloPlan(halo.HaloLayout(local, cp, load_balanced), axis, backend, call.score_mod,
                          tuple(sorted((call.inputs.mod_scalars or {}).items())), call.inputs.python_mods)
-    return halo.halo_attention(plan, q, k, v, arrays)
+    return halo.halo_attention(plan, q, k, v, arrays, sinks)
 
 
-def _all_to_all(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, ids):
+def _all_to_all(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, ids, sinks):
     """Heads <-> sequence: each device gets the whole sequence of N/cp heads, runs one call, and
     sends the output (and logsumexp) back to the sequence split."""
     me = jax.lax.axis_index(axis)
@@ -253,7 +288,11 @@ def _all_to_all(call, local: AttentionSpec, axis, cp, load_balanced, backend, q,
     if ids is not None:
         ids = jax.lax.all_gather(ids, axis, axis=1, tiled=True)  # natural order (`natural_order`)
         inputs = dataclasses.replace(inputs, q_segment_ids=ids, kv_segment_ids=ids)
-    out, lse = registry.get(backend).attention(spec, q, k, v, inputs, ir, training=True)
+    if sinks is None:
+        out, lse = registry.get(backend).attention(spec, q, k, v, inputs, ir, training=True)
+    else:  # this device's heads' sinks
+        sinks = jax.lax.dynamic_slice_in_dim(sinks, me * spec.num_heads, spec.num_heads)
+        out, lse = registry.get(backend).attention_with_sinks(spec, q, k, v, inputs, ir, sinks)
     if load_balanced:
         out, lse = load_balance(out, cp), load_balance(lse, cp, seq_axis=2)
     return jax.lax.all_to_all(out, axis, 1, 2, tiled=True), jax.lax.all_to_all(lse, axis, 2, 1, tiled=True)
@@ -261,9 +300,22 @@ def _all_to_all(call, local: AttentionSpec, axis, cp, load_balanced, backend, q,
 
 # ----------------------------------------------------------------------------- entry
 
+def _varying(x: Any, axes: tuple[str, ...]) -> Any:
+    """`x`, replicated over the mesh `axes` inside the shard_map, typed as varying over them: a
+    custom_vjp there gives its gradient the type of its other results (varying), and the transpose
+    of this cast sums it over the devices."""
+    axes = tuple(a for a in axes if a not in getattr(jax.typeof(x), "vma", ()))
+    if not axes:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)  # the older name
+
+
 def attention(call: PreparedCall, q: Any, k: Any, v: Any, *, axis: str, load_balanced: bool, strategy: str,
-              mesh: Any, implementation: str | None) -> tuple[Any, Any]:
-    """(output (B, T, N, Hv), logsumexp (B, N, T)) of a context-parallel call, q, k, v 4-D."""
+              mesh: Any, implementation: str | None, sinks: Any = None) -> tuple[Any, Any]:
+    """(output (B, T, N, Hv), logsumexp (B, N, T)) of a context-parallel call, q, k, v 4-D; with the
+    attention `sinks` (N,) joined once per row (`backends.sinks`) when given."""
     blocks_on = (registry.primary().name, registry.reference().name)
     if implementation not in (None, *blocks_on):
         raise ValueError(f"implementation={implementation!r} cannot run context-parallel attention "
@@ -277,33 +329,35 @@ def attention(call: PreparedCall, q: Any, k: Any, v: Any, *, axis: str, load_bal
     arrays = dict(call.inputs.mod_arrays or {})
     ids = call.inputs.q_segment_ids
 
-    def body(q, k, v, arrays, ids):
+    def body(q, k, v, arrays, ids, sinks):
+        if sinks is not None:
+            sinks = _varying(sinks, (axis, *how.batch_axes))
         if strategy == "all_to_all":
-            return _all_to_all(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, ids)
+            return _all_to_all(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, ids, sinks)
         if strategy == "halo":  # takes no segment ids (`halo.unsupported`)
-            return _halo(call, local, axis, cp, backend, q, k, v, arrays)
+            return _halo(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, sinks)
         tok = None if ids is None else tuple(jnp.asarray(x) for x in ids)
-        return _ring(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, tok)
+        return _ring(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, tok, sinks)
 
     if strategy == "ring" and ids is not None:  # per-token facts over the whole sequence
         ids = _token_facts(jnp.asarray(ids), cp, load_balanced, call.spec.max_segments)
     if how.manual:
-        return body(q, k, v, arrays, ids)
+        return body(q, k, v, arrays, ids, sinks)
     batch = how.batch_axes or None
     qkv = P(batch, axis)
     array_spec = {n: P(batch if x.shape[0] > 1 else None) for n, x in arrays.items()}
     ids_spec = None if ids is None else (P(batch, axis) if strategy == "all_to_all" else (P(batch, axis),) * 3)
-    in_specs = (qkv, qkv, qkv, array_spec, ids_spec)
+    in_specs = (qkv, qkv, qkv, array_spec, ids_spec, None if sinks is None else P())
     fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(qkv, P(batch, None, axis)))
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if not getattr(mesh, "explicit_axes", ()):
-        return fn(q, k, v, arrays, ids)
+        return fn(q, k, v, arrays, ids, sinks)
     # Explicit mesh axes: shard_map takes arguments only of the sharding types its in_specs say
     # (Auto axes move them implicitly), and the results get q's type (replicated for an unsharded
     # q), as on one device.
     typed = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     args = [x if x is None else jax.sharding.reshard(x, jax.tree.map(typed, spec))
-            for x, spec in zip((q, k, v, arrays, ids), in_specs)]
+            for x, spec in zip((q, k, v, arrays, ids, sinks), in_specs)]
     out, lse = fn(*args)
     b, t, n = (tuple(jax.typeof(q).sharding.spec) + (None,) * 3)[:3]
     return jax.sharding.reshard(out, typed(P(b, t, n))), jax.sharding.reshard(lse, typed(P(b, n, t)))

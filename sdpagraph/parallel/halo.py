@@ -1,19 +1,35 @@
-"""Halo attention: context parallelism for sliding windows, run inside `jax.shard_map` on one
-device's block of q, k, v (the sequence split over the mesh axis `HaloPlan.axis` in natural order).
+"""Halo attention: context parallelism for sliding windows and chunked attention, run inside
+`jax.shard_map` on one device's part of q, k, v (the sequence split over the mesh axis
+`HaloPlan.axis`, in natural order or load-balanced).
 
-A query at global position p with the window (left, right) reads the keys [p - left, p + right]
-only (causal: right is 0). Device d, holding the positions [d·L, (d+1)·L), needs only the `left` keys
-before its block and the `right` keys after it: its halos. They come from the neighbouring devices,
-one `jax.lax.ppermute` per device they reach into (a window wider than a block spans several), each
-carrying only the tokens needed. Then ONE attention call runs the local queries over
-[left halo ++ local keys ++ right halo]. Under autodiff the transpose of each ppermute sends the
-halo's dk/dv back to the device that holds those keys: gradients need no code of their own.
+The sequence is cut into `HaloLayout.count` equal blocks of L tokens: cp in natural order (device d
+holds block d), 2cp when load-balanced (device i holds blocks i and 2cp-1-i,
+`load_balance.device_chunks`). A query at global position p reads only the keys its window allows,
+[p - left, p + right] (causal: right is 0), and, with `chunk_size`, only those of its own chunk. So a
+block needs only the keys up to `left` before it and `right` after it, and none past its chunk's
+bounds: its halos (`HaloLayout.case_of`). Chunks fit the blocks in one of two ways (`chunk_fit`):
+- WHOLE: L is a multiple of chunk_size, every chunk lies inside a block: no halo at all, no
+  communication; each block runs the chunk mask locally (its start is a multiple of chunk_size);
+- WITHIN: chunk_size is a multiple of L (or covers the sequence), every block lies inside one chunk:
+  the halo reaches back (and, non-causal, forward) to the chunk's bounds, and the block's call needs
+  no chunk mask (every key it is given lies in its chunk).
+Chunks that cut blocks unevenly are not taken (`unsupported`).
 
-The first (last) devices have fewer tokens before (after) them than the window reaches, so their
-halos are shorter. Each device runs one of a few cases (hl, hr) of halo lengths, chosen by its index
-with `lax.switch`; every case is one call of static shapes (T = L, S = hl + L + hr):
-- cuDNN (`registry.primary()`): the window relative to the bottom-right diagonal, where local query i
-  sits at key i + hl + hr: a causal window is the call's own; a two-sided one is (left + hr,
+The halos come from the devices holding the neighbouring blocks, one `jax.lax.ppermute` per block
+step they reach across (a window wider than a block spans several), each carrying only the tokens
+needed; a device sending two pieces of one step (load-balanced) sends them in two rounds, and a
+piece of its own other block is a local slice (`_receive`). Then ONE attention call per block runs
+its queries over [left halo ++ its keys ++ right halo]. Under autodiff the transpose of each
+ppermute sends the halo's dk/dv back to the device that holds those keys: gradients need no code of
+their own.
+
+Blocks near the sequence's (or a chunk's) ends have shorter halos. Each block runs one of a few
+cases (hl, hr) of halo lengths, chosen by the device's index with `lax.switch`; every case is one
+call of static shapes (T = L, S = hl + L + hr):
+- cuDNN (`registry.primary()`): a causal block as two square top-left calls, its own keys and its
+  halo, merged (`halo_split`: a window relative to the bottom-right diagonal of S != T ran 10x
+  slower); otherwise one call with the window relative to the bottom-right diagonal, where local
+  query i sits at key i + hl + hr: a causal window is the call's own; a two-sided one is (left + hr,
   right - hr). A score_mod that reads positions gets the block's global offsets as int32 operands, as
   the ring's blocks do (`ring.OFFSETS`).
 - XLA (`registry.reference()`): `block_attention` with each token's global position (`TokenLayout`).
@@ -28,14 +44,17 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from sdpagraph.backends import registry
+from sdpagraph.backends import registry, sinks as sinks_mod
 from sdpagraph.backends.masking import TokenLayout
 from sdpagraph.call import RuntimeInputs
+from sdpagraph.parallel.halo_split import SplitPlan, split_attention
+from sdpagraph.parallel.load_balance import device_chunks
 from sdpagraph.parallel.ring import OFFSETS, with_offsets
 from sdpagraph.scoremod.forms import PythonMods
 from sdpagraph.scoremod.ir import ScoreModIR, with_position_offsets
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
 
+WHOLE, WITHIN, MISALIGNED = "whole", "within", "misaligned"  # `chunk_fit`
 
 
 def sides(spec: AttentionSpec) -> tuple[int, int]:
@@ -45,57 +64,122 @@ def sides(spec: AttentionSpec) -> tuple[int, int]:
     return left, 0 if spec.is_causal else right
 
 
-def unsupported(spec: AttentionSpec, load_balanced: bool) -> str | None:
-    """Why the halo strategy cannot run this call (None: it can); names the argument at fault."""
+def chunk_fit(spec: AttentionSpec, count: int) -> str | None:
+    """How `chunk_size`'s chunks lie on `count` equal blocks of the sequence: None without
+    chunk_size, WHOLE (every chunk inside one block), WITHIN (every block inside one chunk), or
+    MISALIGNED (a chunk boundary cuts a block and chunks span blocks)."""
+    size, block = spec.chunk_size, spec.q_len // count
+    if size is None:
+        return None
+    if block % size == 0:
+        return WHOLE
+    if all(b * block // size == ((b + 1) * block - 1) // size for b in range(count)):
+        return WITHIN
+    return MISALIGNED
+
+
+def unsupported(spec: AttentionSpec, cp: int, load_balanced: bool) -> str | None:
+    """Why the halo strategy cannot run this call over `cp` devices (None: it can); names the
+    argument at fault. `spec` has the global sequence lengths."""
+    count = cp * (2 if load_balanced else 1)
+    fit = chunk_fit(spec, count)
+    if fit == MISALIGNED:
+        blocks = "T/(2cp), load_balanced=True" if load_balanced else "T/cp"
+        return (f"needs chunk_size={spec.chunk_size} to divide the blocks of {spec.q_len // count} tokens the "
+                f"devices hold ({blocks}), or to be a multiple of them; use 'ring' or 'all_to_all'")
     left, right = sides(spec)
-    if not spec.has_window or left == UNBOUNDED or right == UNBOUNDED:
-        return ("needs a sliding window bounded on each side it reads: local_window_size=(left, 0) with "
-                f"is_causal=True, or (left, right); this call has local_window_size={spec.window} "
+    if fit is None and (not spec.has_window or left == UNBOUNDED or right == UNBOUNDED):
+        return ("needs a sliding window bounded on each side it reads, or chunk_size: local_window_size=(left, 0) "
+                f"with is_causal=True, or (left, right); this call has local_window_size={spec.window} "
                 f"(-1: unbounded) and is_causal={spec.is_causal}")
-    if load_balanced:
-        return ("takes the sequence in natural order (load_balanced=False): a window gives every device "
-                "the same work without load balancing")
     if spec.segments:
         return "does not take packed segment_ids; use 'ring' or 'all_to_all'"
-    if spec.chunk_size is not None:
-        return "does not take chunk_size; use 'ring' or 'all_to_all'"
     if spec.q_len != spec.kv_len:
         return f"needs self-attention lengths: query length T={spec.q_len} != key length S={spec.kv_len}"
     return None
 
 
 @dataclass(frozen=True)
-class HaloPlan:
-    """Everything static about one halo call. `spec` is the call's spec with one device's batch
-    (the sequence lengths stay global)."""
+class HaloLayout:
+    """Where the blocks of a call's sequence lie and which keys each needs (static). `spec` has the
+    global sequence lengths."""
 
     spec: AttentionSpec
+    size: int  # devices along the axis
+    load_balanced: bool
+
+    @property
+    def slots(self) -> int:
+        """Blocks per device."""
+        return 2 if self.load_balanced else 1
+
+    @property
+    def count(self) -> int:
+        return self.size * self.slots
+
+    @property
+    def block(self) -> int:
+        return self.spec.q_len // self.count
+
+    @functools.cached_property
+    def blocks_of(self) -> tuple[tuple[int, ...], ...]:
+        """The blocks each device holds, in the order of its tokens."""
+        return device_chunks(self.size, self.load_balanced)
+
+    @functools.cached_property
+    def holder(self) -> dict[int, tuple[int, int]]:
+        """block -> (the device holding it, its slot there)."""
+        return {b: (d, s) for d, blocks in enumerate(self.blocks_of) for s, b in enumerate(blocks)}
+
+    @functools.cached_property
+    def fit(self) -> str | None:
+        return chunk_fit(self.spec, self.count)
+
+    def case_of(self, block: int) -> tuple[int, int]:
+        """(hl, hr): the halo lengths block `block` receives: the window's sides, capped by the tokens
+        that exist and by the bounds of its chunk."""
+        start, end = block * self.block, (block + 1) * self.block
+        low, high = 0, self.spec.q_len  # the keys its queries may reach
+        if self.fit == WHOLE:
+            low, high = start, end
+        elif self.fit == WITHIN:
+            low = start // self.spec.chunk_size * self.spec.chunk_size
+            high = min(low + self.spec.chunk_size, high)
+        left, right = sides(self.spec)
+        return (start - low if left == UNBOUNDED else min(left, start - low),
+                high - end if right == UNBOUNDED else min(right, high - end))
+
+    @functools.cached_property
+    def cases(self) -> tuple[tuple[int, int], ...]:
+        return tuple(sorted({self.case_of(b) for b in range(self.count)}))
+
+    def reach(self, slot: int) -> tuple[int, int]:
+        """(left, right): the longest halos of the blocks in `slot` (one per device): the sizes of
+        their halo buffers."""
+        cases = [self.case_of(blocks[slot]) for blocks in self.blocks_of]
+        return tuple(max(case[i] for case in cases) for i in (0, 1))
+
+    @property
+    def received(self) -> int:
+        """Key (and value) tokens the busiest device's blocks read beyond themselves (what it
+        receives, and the slices of its own other block when load-balanced)."""
+        return max(sum(sum(self.case_of(b)) for b in blocks) for blocks in self.blocks_of)
+
+
+@dataclass(frozen=True)
+class HaloPlan:
+    """Everything static about one halo call."""
+
+    layout: HaloLayout  # its spec: the call's with one device's batch (the sequence lengths stay global)
     axis: str
-    size: int  # devices along `axis`
     backend: str  # the primary backend's name (cuDNN) or the reference's (XLA)
     score_mod: ScoreModIR | None
     scalars: tuple[tuple[str, Any], ...]
     python_mods: PythonMods | None = None
 
     @property
-    def block(self) -> int:
-        return self.spec.q_len // self.size
-
-    @property
-    def reach(self) -> tuple[int, int]:
-        """(left, right) halo lengths of a device with enough neighbours: the window's sides, capped
-        by the tokens that exist on the other devices."""
-        most = (self.size - 1) * self.block
-        return tuple(min(side, most) for side in sides(self.spec))
-
-    def case_of(self, device: int) -> tuple[int, int]:
-        """(hl, hr): the halo lengths device `device` receives."""
-        left, right = self.reach
-        return min(left, device * self.block), min(right, (self.size - 1 - device) * self.block)
-
-    @functools.cached_property
-    def cases(self) -> tuple[tuple[int, int], ...]:
-        return tuple(sorted({self.case_of(d) for d in range(self.size)}))
+    def spec(self) -> AttentionSpec:
+        return self.layout.spec
 
     @property
     def reads_positions(self) -> bool:
@@ -107,79 +191,160 @@ class HaloPlan:
         return with_position_offsets(self.score_mod, OFFSETS) if self.reads_positions else self.score_mod
 
     def block_spec(self, case: tuple[int, int]) -> AttentionSpec:
-        """The spec of one case's cuDNN call: local queries, hl + L + hr keys, the window relative to
-        the bottom-right diagonal (module docstring)."""
+        """The spec of one case's cuDNN call: a block's queries, hl + L + hr keys, the window relative
+        to the bottom-right diagonal (module docstring); the chunk mask where blocks hold whole chunks."""
         hl, hr = case
-        window = self.spec.window
+        left, right = self.spec.window
         if not self.spec.is_causal:
-            window = (window[0] + hr, window[1] - hr)
-        return dataclasses.replace(self.spec, q_len=self.block, kv_len=hl + self.block + hr,
-                                   causal_alignment="bottom_right", window=window)
+            left, right = (left if left == UNBOUNDED else left + hr), (right if right == UNBOUNDED else right - hr)
+        block = self.layout.block
+        chunk = self.spec.chunk_size if self.layout.fit == WHOLE else None
+        return dataclasses.replace(self.spec, q_len=block, kv_len=hl + block + hr, causal_alignment="bottom_right",
+                                   window=(left, right), chunk_size=chunk)
 
 
 # ----------------------------------------------------------------------------- the halos
 
-def _halo(plan: HaloPlan, kv: tuple[Any, Any], length: int, before: bool) -> tuple[Any, ...]:
-    """The `length` keys and values just before (`before`) or just after this device's block, from
-    the devices they lie on: one ppermute per device reached, each sending only the tokens needed.
-    A device with no such neighbour receives zeros there (its case never reads them)."""
-    parts = []
-    for step in range(1, -(-length // plan.block) + 1):
-        n = min(plan.block, length - (step - 1) * plan.block)
-        if before:  # the last n tokens of device d - step
-            piece = tuple(x[:, plan.block - n:] for x in kv)
-            pairs = [(j, j + step) for j in range(plan.size - step)]
-        else:  # the first n tokens of device d + step
-            piece = tuple(x[:, :n] for x in kv)
-            pairs = [(j, j - step) for j in range(step, plan.size)]
-        parts.append(jax.lax.ppermute(piece, plan.axis, pairs))
-    if before:
-        parts = parts[::-1]  # the farthest device's tokens come first
+def _receive(plan: HaloPlan, kv: tuple[Any, Any], wanted: list, offset: int, length: int) -> tuple[Any, ...]:
+    """The `length` tokens from `offset` of a block, per device: `wanted[d]` = (device, slot) of the
+    block device d reads them from, or None (it receives zeros or anything there: its case never
+    reads them). Pieces of another device's block travel by ppermute, in as many rounds as one
+    device has pieces to send; a piece of the device's own other block is a local slice."""
+    me, block = jax.lax.axis_index(plan.axis), plan.layout.block
+
+    def piece(slots):  # slots[d]: the slot device d takes the piece from
+        if len(set(slots)) == 1:
+            return tuple(x[:, slots[0] * block + offset:slots[0] * block + offset + length] for x in kv)
+        start = jnp.asarray(slots, jnp.int32)[me] * block + offset
+        return tuple(jax.lax.dynamic_slice_in_dim(x, start, length, axis=1) for x in kv)
+
+    candidates, choice = [], [0] * len(wanted)
+    own = {d: w[1] for d, w in enumerate(wanted) if w is not None and w[0] == d}
+    if own:
+        candidates.append(piece([own.get(d, 0) for d in range(len(wanted))]))
+    remote = {d: w for d, w in enumerate(wanted) if w is not None and w[0] != d}
+    while remote:
+        round_, senders = {}, set()
+        for d, (source, slot) in remote.items():
+            if source not in senders:
+                round_[d], senders = (source, slot), senders | {source}
+        slots = [0] * len(wanted)
+        for source, slot in round_.values():
+            slots[source] = slot
+        pairs = [(source, d) for d, (source, _) in round_.items()]
+        candidates.append(jax.lax.ppermute(piece(slots), plan.axis, pairs))
+        for d in round_:
+            choice[d] = len(candidates) - 1
+            del remote[d]
+    if len(candidates) == 1:
+        return candidates[0]
+    which = jnp.asarray(choice, jnp.int32)[me]
+    return tuple(jax.lax.select_n(which, *(c[i] for c in candidates)) for i in range(len(kv)))
+
+
+def _with_halos(plan: HaloPlan, kv: tuple[Any, Any], slot: int) -> tuple[Any, ...]:
+    """[left halo ++ the block in `slot` ++ right halo] of k and v, the halos `HaloLayout.reach`
+    long (the farthest block's tokens first on the left)."""
+    layout = plan.layout
+    block, (left, right) = layout.block, layout.reach(slot)
+    parts = [tuple(x[:, slot * block:(slot + 1) * block] for x in kv)]
+    for before, reach in ((True, left), (False, right)):
+        for step in range(1, -(-reach // block) + 1):
+            length = min(block, reach - (step - 1) * block)
+            wanted = []
+            for blocks in layout.blocks_of:
+                mine = blocks[slot]
+                needs = layout.case_of(mine)[0 if before else 1] > (step - 1) * block
+                wanted.append(layout.holder[mine - step if before else mine + step] if needs else None)
+            got = _receive(plan, kv, wanted, block - length if before else 0, length)
+            parts = [got, *parts] if before else [*parts, got]
     return tuple(jnp.concatenate([p[i] for p in parts], axis=1) for i in range(len(kv)))
 
 
-def _case_xla(plan: HaloPlan, case, me, q, k, v, arrays: Mapping[str, Any]) -> tuple[Any, Any]:
+def _case_xla(plan: HaloPlan, case, q_start, q, k, v, arrays: Mapping[str, Any], sinks: Any) -> tuple[Any, Any]:
     hl, hr = case
-    b, length = plan.spec.batch, hl + plan.block + hr
-    start = me * plan.block
-    q_pos = jnp.broadcast_to(start + jnp.arange(plan.block, dtype=jnp.int32), (b, plan.block))
-    kv_pos = jnp.broadcast_to(start - hl + jnp.arange(length, dtype=jnp.int32), (b, length))
+    block = plan.layout.block
+    b, length = plan.spec.batch, hl + block + hr
+    q_pos = jnp.broadcast_to(q_start + jnp.arange(block, dtype=jnp.int32), (b, block))
+    kv_pos = jnp.broadcast_to(q_start - hl + jnp.arange(length, dtype=jnp.int32), (b, length))
     every = lambda x: jnp.ones(x.shape, bool)  # noqa: E731
     layout = TokenLayout(q_pos, kv_pos, every(q_pos), every(kv_pos), None, None, 0)
-    spec = dataclasses.replace(plan.spec, q_len=plan.block, kv_len=length)
+    spec = dataclasses.replace(plan.spec, q_len=block, kv_len=length)
     inputs = RuntimeInputs(mod_scalars=dict(plan.scalars), mod_arrays=arrays, python_mods=plan.python_mods)
-    return registry.reference().block_attention(spec, q, k, v, inputs, plan.score_mod, layout)
+    out, lse = registry.reference().block_attention(spec, q, k, v, inputs, plan.score_mod, layout)
+    return (out, lse) if sinks is None else sinks_mod.apply(out, lse, sinks)
 
 
-def _case_cudnn(plan: HaloPlan, case, me, q, k, v, arrays: Mapping[str, Any]) -> tuple[Any, Any]:
+def split_plan(plan: HaloPlan, case: tuple[int, int]) -> SplitPlan | None:
+    """How a causal block of `case` runs as square top-left calls (`halo_split`), or None where it
+    runs as one call (two-sided windows, a window wider than its halo, mods that read positions)."""
+    hl, hr = case
+    spec, block = plan.spec, plan.layout.block
+    left, _ = sides(spec)
+    if not spec.is_causal or hr or plan.reads_positions or plan.python_mods is not None:
+        return None
+    windowed = left != UNBOUNDED
+    if windowed and hl and (hl != left or left > block):
+        return None
+    if not windowed and hl and plan.layout.fit != WITHIN:
+        return None
+    local = dataclasses.replace(spec, q_len=block, kv_len=block, causal_alignment="top_left",
+                                chunk_size=spec.chunk_size if plan.layout.fit == WHOLE else None)
+    halo = None
+    if hl:  # a window: causal over both reversed (T = S = hl); a chunk holding the block: every halo key
+        halo = dataclasses.replace(local, q_len=hl if windowed else block, kv_len=hl, is_causal=windowed,
+                                   window=(UNBOUNDED, UNBOUNDED), chunk_size=None)
+    return SplitPlan(local, halo, halo.q_len if halo is not None else 0, windowed, plan.score_mod, plan.scalars)
+
+
+def _case_cudnn(plan: HaloPlan, case, q_start, q, k, v, arrays: Mapping[str, Any], sinks: Any) -> tuple[Any, Any]:
+    split = split_plan(plan, case)
+    if split is not None and split.halo is not None:
+        hl = case[0]
+        return split_attention(split, q, (k[:, hl:], v[:, hl:]), (k[:, :hl], v[:, :hl]), arrays, sinks)
+    if split is not None:  # no halo: the block's own call, as on one device (chunks run as documents there)
+        inputs = RuntimeInputs(mod_scalars=dict(plan.scalars), mod_arrays=arrays)
+        if sinks is None:
+            return registry.primary().attention(split.local, q, k, v, inputs, plan.score_mod, training=True)
+        return registry.primary().attention_with_sinks(split.local, q, k, v, inputs, plan.score_mod, sinks)
     if plan.reads_positions:
-        start = me * plan.block
-        arrays = with_offsets(arrays, start, start - case[0])
+        arrays = with_offsets(arrays, q_start, q_start - case[0])
     inputs = RuntimeInputs(mod_scalars=dict(plan.scalars), mod_arrays=arrays)
-    return registry.primary().attention(plan.block_spec(case), q, k, v, inputs, plan.block_ir, training=True)
+    backend, spec = registry.primary(), plan.block_spec(case)
+    if sinks is None:
+        return backend.attention(spec, q, k, v, inputs, plan.block_ir, training=True)
+    return backend.attention_with_sinks(spec, q, k, v, inputs, plan.block_ir, sinks)
 
 
-def halo_attention(plan: HaloPlan, q, k, v, arrays: Mapping[str, Any]) -> tuple[Any, Any]:
-    """(output (B, L, N, Hv), logsumexp (B, N, L)) of the local queries over every key their windows
-    reach. `arrays`: the score_mod arrays (B|1, N|1, 1, 1)."""
-    me = jax.lax.axis_index(plan.axis)
-    left, right = plan.reach
-    keys, values = k, v
-    if left:
-        before = _halo(plan, (k, v), left, before=True)
-        keys, values = (jnp.concatenate([h, x], axis=1) for h, x in zip(before, (keys, values)))
-    if right:
-        after = _halo(plan, (k, v), right, before=False)
-        keys, values = (jnp.concatenate([x, h], axis=1) for h, x in zip(after, (keys, values)))
+def _block_attention(plan: HaloPlan, slot: int, me, q, k, v, arrays, sinks) -> tuple[Any, Any]:
+    """(output, logsumexp) of this device's block in `slot`: the case of its halo lengths."""
+    layout = plan.layout
+    block, left = layout.block, layout.reach(slot)[0]
+    q = q[:, slot * block:(slot + 1) * block]
+    keys, values = _with_halos(plan, (k, v), slot)
+    mine = [blocks[slot] for blocks in layout.blocks_of]
+    q_start = jnp.asarray(mine, jnp.int32)[me] * block
+    cases = sorted({layout.case_of(b) for b in mine})
     run = _case_xla if plan.backend == registry.reference().name else _case_cudnn
 
     def branch(case):
         hl, hr = case
-        present = slice(left - hl, left + plan.block + hr)  # this case's halos: the tokens that exist
-        return lambda q, keys, values: run(plan, case, me, q, keys[:, present], values[:, present], arrays)
+        present = slice(left - hl, left + block + hr)  # this case's halos: the tokens it reads
+        return lambda q, keys, values: run(plan, case, q_start, q, keys[:, present], values[:, present], arrays, sinks)
 
-    branches = [branch(case) for case in plan.cases]
-    if len(branches) == 1:
-        return branches[0](q, keys, values)
-    table = jnp.asarray([plan.cases.index(plan.case_of(d)) for d in range(plan.size)], jnp.int32)
-    return jax.lax.switch(table[me], branches, q, keys, values)
+    if len(cases) == 1:
+        return branch(cases[0])(q, keys, values)
+    table = jnp.asarray([cases.index(layout.case_of(b)) for b in mine], jnp.int32)
+    return jax.lax.switch(table[me], [branch(case) for case in cases], q, keys, values)
+
+
+def halo_attention(plan: HaloPlan, q, k, v, arrays: Mapping[str, Any], sinks: Any = None) -> tuple[Any, Any]:
+    """(output (B, L·slots, N, Hv), logsumexp (B, N, L·slots)) of the local queries over every key
+    their windows and chunks reach (each block's call sees every key its rows attend: `sinks` (N,),
+    when given, join it). `arrays`: the score_mod arrays (B|1, N|1, 1, 1)."""
+    me = jax.lax.axis_index(plan.axis)
+    results = [_block_attention(plan, slot, me, q, k, v, arrays, sinks) for slot in range(plan.layout.slots)]
+    if len(results) == 1:
+        return results[0]
+    return (jnp.concatenate([out for out, _ in results], axis=1),
+            jnp.concatenate([lse for _, lse in results], axis=-1))

@@ -4,7 +4,7 @@ blocks of q, k, v (sequence-split over the mesh axis `RingPlan.axis`).
 Forward: the key/value blocks (and their per-token facts, with packed segments) pass around the ring
 with `jax.lax.ppermute`, each transfer issued before the attention of the block already here, so
 XLA overlaps it with that compute. Every step attends the local queries to the visiting keys; the
-partial outputs merge by their logsumexp (`_merge`). Backward (`jax.custom_vjp`): a second ring
+partial outputs merge by their logsumexp (`softmax_merge.merge`). Backward (`jax.custom_vjp`): a second ring
 passes key/value blocks with their dk/dv accumulators; each block's gradients are computed from the
 FINAL output and logsumexp, which makes them exact (the softmax of a block row is
 exp(score - final logsumexp)), and one last transfer brings each dk/dv home.
@@ -18,8 +18,11 @@ whatever the step and device.
 Block backends: cuDNN (`registry.primary()`) runs its forward and backward graphs (`block_*`): the
 unmasked graph, and for the diagonal pair the causal one (equal offsets: local causal is global
 causal); a score_mod runs in both, and one that reads positions gets the pair's global offsets as
-int32 operands (`RingPlan.block_ir`), so the graphs stay the same at every step. XLA (`registry.reference()`) runs
-with each token's global position (`masking.TokenLayout`), so masks, windows, chunks, packed segments and
+int32 operands (`RingPlan.block_ir`), so the graphs stay the same at every step. Packed documents run
+packed (THD) block graphs over the documents the pair shares (`ring_documents`): one document off
+the diagonal, every document of the chunk on it; with a score_mod (which the packed graphs do not
+take) the dense twin of those graphs, given each query's document bounds in the key chunk. XLA
+(`registry.reference()`) runs with each token's global position (`masking.TokenLayout`), so masks, windows, chunks, packed segments and
 score_mods that read positions see global positions; its backward is jax's vjp of the block with
 the final output and logsumexp folded in (`_xla_pair_backward`).
 """
@@ -35,9 +38,11 @@ import jax.numpy as jnp
 
 from sdpagraph.scoremod.ir import ScoreModIR, with_position_offsets
 from sdpagraph.scoremod.masks import KEY_AXIS, QUERY_AXIS
-from sdpagraph.backends import registry
+from sdpagraph.backends import registry, sinks as sinks_mod
+from sdpagraph.backends.softmax_merge import merge
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.scoremod.forms import PythonMods
+from sdpagraph.parallel import ring_documents
 from sdpagraph.parallel.load_balance import device_chunks
 from sdpagraph.backends.masking import TokenLayout
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
@@ -93,10 +98,26 @@ class RingPlan:
         int32 operands (`OFFSETS`), so one graph serves every pair."""
         return with_position_offsets(self.score_mod, OFFSETS) if self.reads_positions else self.score_mod
 
-    def block_spec(self, causal: bool) -> AttentionSpec:
-        """The spec of one (query chunk, key chunk) pair on the cuDNN path."""
-        return dataclasses.replace(self.spec, q_len=self.q_chunk, kv_len=self.kv_chunk, is_causal=causal,
-                                   causal_alignment="top_left")
+    @property
+    def documents(self) -> bool:
+        """Whether the cuDNN blocks run packed documents (`ring_documents`)."""
+        return bool(self.spec.segments) and self.backend != registry.reference().name
+
+    def block_spec(self, diagonal: bool) -> AttentionSpec:
+        """The spec of one (query chunk, key chunk) pair on the cuDNN path: causal on the diagonal of a
+        causal call; with packed documents, as many document slots as the pair can share."""
+        spec = dataclasses.replace(self.spec, q_len=self.q_chunk, kv_len=self.kv_chunk,
+                                   is_causal=diagonal and self.spec.is_causal, causal_alignment="top_left")
+        if not self.spec.segments:
+            return spec
+        return dataclasses.replace(spec, max_segments=ring_documents.slots(self.spec.max_segments, self.q_chunk,
+                                                                           diagonal),
+                                   max_seqlen_q=None, max_seqlen_kv=None)
+
+    @property
+    def block_specs(self) -> tuple[AttentionSpec, ...]:
+        """The specs of the cuDNN block graphs, each once: off the diagonal and on it."""
+        return tuple(dict.fromkeys(self.block_spec(diagonal) for diagonal in (False, True)))
 
 
 def cudnn_reason(spec: AttentionSpec, score_mod: ScoreModIR | None, python_mods: PythonMods | None) -> str | None:
@@ -106,8 +127,9 @@ def cudnn_reason(spec: AttentionSpec, score_mod: ScoreModIR | None, python_mods:
     if score_mod is not None and score_mod.reads_positions and any(n.op == "binary_select" for n in score_mod.nodes):
         return ("its mods select by position (a mask_mod, or jnp.where in a score_mod): a block can leave a row "
                 "with nothing to attend, which the XLA blocks handle")
-    if spec.segments:
-        return "packed segments span blocks (the XLA blocks take each token's global segment and position)"
+    if spec.segments and score_mod is not None and score_mod.reads_positions:
+        return ("a score_mod that reads positions with packed segments counts from each document's start, which "
+                "the block graphs do not see (the XLA blocks take each token's position in its segment)")
     if spec.has_window or spec.chunk_size is not None:
         return "windows and chunks mask blocks at varying offsets (the XLA blocks mask by global positions)"
     if spec.is_causal and spec.q_len != spec.kv_len:
@@ -155,8 +177,8 @@ def _xla_pair(plan: RingPlan, arrays: Mapping[str, Any], q, k, v, layout: TokenL
     return registry.reference().block_attention(spec, q, k, v, inputs, plan.score_mod, layout)
 
 
-def _cudnn_static(plan: RingPlan, causal: bool) -> Any:
-    return registry.primary().block_static(plan.block_spec(causal), plan.block_ir, dict(plan.scalars))
+def _cudnn_static(plan: RingPlan, diagonal: bool) -> Any:
+    return registry.primary().block_static(plan.block_spec(diagonal), plan.block_ir, dict(plan.scalars))
 
 
 def with_offsets(arrays: Mapping[str, Any], q_start: Any, kv_start: Any) -> dict[str, Any]:
@@ -166,30 +188,48 @@ def with_offsets(arrays: Mapping[str, Any], q_start: Any, kv_start: Any) -> dict
     return {**arrays, OFFSETS[QUERY_AXIS]: offset(q_start), OFFSETS[KEY_AXIS]: offset(kv_start)}
 
 
-def _cudnn_operands(plan: RingPlan, arrays: Mapping[str, Any], q_start: Any, kv_start: Any) -> dict[str, Any]:
-    """The block graph's array operands: the score_mod's, and the pair's global offsets when it reads positions."""
+def _cudnn_operands(plan: RingPlan, static: Any, arrays: Mapping[str, Any], q_start: Any, kv_start: Any,
+                    ids: tuple[Any, Any] | None) -> Any:
+    """The block graph's operands: the score_mod's arrays, the pair's global offsets when it reads
+    positions, and with packed documents the pair's document ids (`ring_documents.pair_ids`)."""
     if plan.reads_positions:
         arrays = with_offsets(arrays, q_start, kv_start)
-    return registry.primary().block_operands(RuntimeInputs(mod_arrays=arrays))
+    q_ids, kv_ids = (None, None) if ids is None else ids
+    inputs = RuntimeInputs(mod_arrays=arrays, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    return registry.primary().block_operands(static, inputs)
+
+
+def _cudnn_branches(plan: RingPlan, arrays, q_start, kv_start, q_tok, kv_tok, skip, run) -> tuple[Any, tuple]:
+    """(branch index, branches) of one pair on cuDNN for `lax.switch`: `skip`, the off-diagonal
+    block graph and the diagonal one; `run(static, operands, *args)` runs a block graph. Dense: by
+    `_pair_status` (MASKED on cuDNN is only ever the diagonal pair of a causal call, `cudnn_reason`);
+    packed documents: by the documents the pair shares (`ring_documents.pair_status`)."""
+    ids = None
+    if plan.documents:
+        ids = ring_documents.pair_ids(q_tok, kv_tok)
+        status = ring_documents.pair_status(plan.spec.is_causal, q_start, kv_start, ids[0])
+    else:
+        status = _pair_status(plan, q_start, kv_start)
+
+    def block(diagonal):
+        static = _cudnn_static(plan, diagonal)
+        return lambda *args: run(static, _cudnn_operands(plan, static, arrays, q_start, kv_start, ids), *args)
+
+    return status, (skip, block(False), block(True))
 
 
 def _pair_forward(plan: RingPlan, arrays, acc, q, k, v, q_start, kv_start, q_tok, kv_tok) -> tuple[Any, Any]:
     """`acc` (output fp32, logsumexp (B, N, T)) of the local query chunk, merged with one key chunk's;
     a skipped pair leaves it as it is (no merge pass)."""
-    status = _pair_status(plan, q_start, kv_start)
     skip = lambda acc, q, k, v: acc  # noqa: E731
     if plan.backend == registry.reference().name:
-        layout = _layout(plan, q_start, kv_start, q_tok, kv_tok)
-        run = lambda acc, q, k, v: _merge(acc, _xla_pair(plan, arrays, q, k, v, layout))  # noqa: E731
+        status, layout = _pair_status(plan, q_start, kv_start), _layout(plan, q_start, kv_start, q_tok, kv_tok)
+        run = lambda acc, q, k, v: merge(acc, _xla_pair(plan, arrays, q, k, v, layout))  # noqa: E731
         return jax.lax.switch(status, (skip, run, run), acc, q, k, v)
-    aux = _cudnn_operands(plan, arrays, q_start, kv_start)
-
-    def graph(causal):
-        static = _cudnn_static(plan, causal)
-        return lambda acc, q, k, v: _merge(acc, registry.primary().block_forward(static, q, k, v, aux))
-
-    # MASKED on cuDNN is only ever the diagonal pair of a causal call (`cudnn_reason`): the causal graph.
-    return jax.lax.switch(status, (skip, graph(False), graph(plan.spec.is_causal)), acc, q, k, v)
+    forward = registry.primary().block_forward
+    status, branches = _cudnn_branches(plan, arrays, q_start, kv_start, q_tok, kv_tok, skip,
+                                       lambda static, aux, acc, q, k, v: merge(acc, forward(static, q, k, v, aux)))
+    return jax.lax.switch(status, branches, acc, q, k, v)
 
 
 def _xla_pair_backward(plan, arrays, q, k, v, layout, o, lse, d_o, d_rows) -> tuple[Any, Any, Any]:
@@ -206,39 +246,21 @@ def _xla_pair_backward(plan, arrays, q, k, v, layout, o, lse, d_o, d_rows) -> tu
 
 def _pair_backward(plan, arrays, grads, q, k, v, q_start, kv_start, q_tok, kv_tok, o, lse, d_o, d_rows):
     """`grads` (dq, dk, dv, fp32) plus one pair's; a skipped pair leaves them as they are."""
-    status = _pair_status(plan, q_start, kv_start)
     skip = lambda grads, q, k, v: grads  # noqa: E731
     add = lambda grads, new: tuple(g + x.astype(jnp.float32) for g, x in zip(grads, new))  # noqa: E731
     if plan.backend == registry.reference().name:
-        layout = _layout(plan, q_start, kv_start, q_tok, kv_tok)
+        status, layout = _pair_status(plan, q_start, kv_start), _layout(plan, q_start, kv_start, q_tok, kv_tok)
         run = lambda grads, q, k, v: add(grads, _xla_pair_backward(  # noqa: E731
             plan, arrays, q, k, v, layout, o, lse, d_o, d_rows))
         return jax.lax.switch(status, (skip, run, run), grads, q, k, v)
-    aux = _cudnn_operands(plan, arrays, q_start, kv_start)
-    o_io = o.astype(q.dtype)
-
-    def graph(causal):
-        static = _cudnn_static(plan, causal)
-        backward = registry.primary().block_backward
-        return lambda grads, q, k, v: add(grads, backward(static, q, k, v, aux, o_io, lse, d_o))
-
-    return jax.lax.switch(status, (skip, graph(False), graph(plan.spec.is_causal)), grads, q, k, v)
+    o_io, backward = o.astype(q.dtype), registry.primary().block_backward
+    status, branches = _cudnn_branches(
+        plan, arrays, q_start, kv_start, q_tok, kv_tok, skip,
+        lambda static, aux, grads, q, k, v: add(grads, backward(static, q, k, v, aux, o_io, lse, d_o)))
+    return jax.lax.switch(status, branches, grads, q, k, v)
 
 
 # ----------------------------------------------------------------------------- the ring
-
-def _merge(acc: tuple[Any, Any], new: tuple[Any, Any]) -> tuple[Any, Any]:
-    """Two partial softmax results (normalized output fp32 (B, T, N, Hv), logsumexp (B, N, T)) of
-    the same queries over disjoint keys, merged; rows with nothing to attend stay 0 / -inf."""
-    (o_a, lse_a), (o_b, lse_b) = acc, new
-    top = jnp.maximum(lse_a, lse_b)
-    top = jnp.where(jnp.isneginf(top), 0.0, top)
-    w_a, w_b = jnp.exp(lse_a - top), jnp.exp(lse_b - top)
-    total = w_a + w_b
-    lse = jnp.where(total > 0, top + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-    rows = lambda w: jnp.swapaxes(w / jnp.where(total > 0, total, 1.0), 1, 2)[..., None]  # noqa: E731
-    return o_a * rows(w_a) + o_b.astype(jnp.float32) * rows(w_b), lse
-
 
 def _split(x: Any, parts: int, axis: int = 1) -> list[Any]:
     return [None] * parts if x is None else jnp.split(x, parts, axis=axis)
@@ -309,25 +331,36 @@ def _ring_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o) -> tuple[Any, A
     return (jnp.concatenate(dq, axis=1).astype(q.dtype), d_kv[0].astype(k.dtype), d_kv[1].astype(v.dtype))
 
 
+def _forward_with_sinks(plan: RingPlan, q, k, v, extras, sinks) -> tuple[Any, Any]:
+    """The ring's merged (output, logsumexp), with the sinks joined once per row at the end."""
+    out, lse = _ring_forward(plan, q, k, v, extras)
+    if sinks is None:
+        return out, lse
+    return sinks_mod.apply(out, lse, sinks)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def ring_attention(plan: RingPlan, q, k, v, extras) -> tuple[Any, Any]:
+def ring_attention(plan: RingPlan, q, k, v, extras, sinks=None) -> tuple[Any, Any]:
     """(output (B, T_local, N, Hv), logsumexp (B, N, T_local)) of the local queries over every key.
 
     `extras`: {"arrays": score_mod arrays (B|1, N|1, 1, 1), "q_tok" / "kv_tok": (position, valid,
-    segment) per local token with packed segments, else None}; constants for differentiation. The
-    logsumexp is returned without a gradient, as on the cuDNN path."""
-    return _ring_forward(plan, q, k, v, extras)
+    segment) per local token with packed segments, else None}; constants for differentiation.
+    `sinks`: attention sinks (N,) (`backends.sinks`), or None. The logsumexp is returned without a
+    gradient, as on the cuDNN path."""
+    return _forward_with_sinks(plan, q, k, v, extras, sinks)
 
 
-def _ring_fwd(plan: RingPlan, q, k, v, extras):
-    out, lse = _ring_forward(plan, q, k, v, extras)
-    return (out, lse), (q, k, v, extras, out, lse)
+def _ring_fwd(plan: RingPlan, q, k, v, extras, sinks=None):
+    out, lse = _forward_with_sinks(plan, q, k, v, extras, sinks)
+    return (out, lse), (q, k, v, extras, out, lse, sinks)
 
 
 def _ring_bwd(plan: RingPlan, residuals, cotangents):
-    q, k, v, extras, out, lse = residuals
+    # With sinks the blocks' backward is given the output and logsumexp with the sink: exact.
+    q, k, v, extras, out, lse, sinks = residuals
     dq, dk, dv = _ring_backward(plan, q, k, v, extras, out, lse, cotangents[0])
-    return dq, dk, dv, jax.tree.map(lambda _: None, extras)
+    d_sinks = None if sinks is None else sinks_mod.gradient(cotangents[0], out, lse, sinks)
+    return dq, dk, dv, jax.tree.map(lambda _: None, extras), d_sinks
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)

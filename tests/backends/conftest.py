@@ -93,6 +93,7 @@ def cudnn_stand_in(monkeypatch):
         return
     from sdpagraph import ffi
     from sdpagraph.backends.cudnn import backend as cudnn_backend
+    from sdpagraph.graphs import operands as operands_module
     from sdpagraph.cache import GraphCache
     from sdpagraph.graph_store import using_cache
     from sdpagraph.graphs import builder
@@ -113,7 +114,7 @@ def cudnn_stand_in(monkeypatch):
 
     monkeypatch.setattr(cudnn_backend, "_call_executor", executor)
     # cuDNN's masked-bias value per io type has no float32 entry (cuDNN takes no float32).
-    monkeypatch.setitem(cudnn_backend.MASKED_BIAS, "float32", -1e30)
+    monkeypatch.setitem(operands_module.MASKED_BIAS, "float32", -1e30)
     monkeypatch.setenv("SDPAGRAPH_VERIFY", "off")  # the numerical check would run the (plan-less) graphs
     with using_cache(GraphCache()):  # in memory, one per test: answers and graphs start fresh
         yield executed

@@ -5,34 +5,42 @@ executor, and called with `jax.ffi.ffi_call`. A `jax.custom_vjp` runs the forwar
 graph (O and softmax stats) when differentiating and the backward graph for the
 gradients of query, key, value and bias; a call that is not differentiated runs the
 forward graph when `training=True` and the smaller inference graph otherwise.
+Attention sinks (`backends.sinks`): cuDNN's own (`sink_token` and its gradient, a spec with
+`sinks`) where the graphs build, else composed inside the custom_vjp: the backward graph is then
+given the output and stats with the sink.
 """
 from __future__ import annotations
 
 import functools
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sdpagraph import ffi
-from sdpagraph.backends import registry
+from sdpagraph.config import NATIVE_SINKS
+from sdpagraph.backends import registry, sinks as sinks_mod
 from sdpagraph.backends.base import Backend, Verify
 from sdpagraph.cache.graph_cache import CacheMissError
 from sdpagraph.graph_store import CachedGraph, cached_graph, check_graphs
-from sdpagraph.graphs.binning import BinPlan, bin_plan
+from sdpagraph.graphs.binning import bin_plan
 from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.scoremod.masks import SEGMENT_ARRAYS
 from sdpagraph.graphs.compiled import scalar_bits
-from sdpagraph.graphs.operands import ARRAY_PREFIX, MASKED_BIAS, LayoutPlan, graph_io, plan_layout, stats_shape
+from sdpagraph.graphs.operands import ARRAY_PREFIX, D_SINK_TOKEN, SINK_TOKEN, graph_io, plan_layout, stats_shape
 from sdpagraph.graphs.support import Support, environment_reason, graph_answer
 from sdpagraph.backends.cudnn.bins import packed as packed_bins, packer as bin_packer
-from sdpagraph.backends.cudnn import sharding
+from sdpagraph.backends.cudnn import paged_decode, sharding
+from sdpagraph.backends.cudnn.call_operands import (SEGMENT_OFFSETS, Validity, attended, bias_operand, call_operands,
+                                                   ragged_operands, zero_rows)
+from sdpagraph.graphs.chunk_documents import chunk_documents, chunk_ids
+from sdpagraph.graphs.decode_fold import decode_fold
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.backends.cudnn.graph_on_xla import run_on_xla
-from sdpagraph.segments.metadata import segment_metadata, segment_positions, segment_run_ids
-from sdpagraph.backends.masking import attended_rows
+from sdpagraph.segments.metadata import at_runs, segment_metadata, segment_run_ids
 from sdpagraph.spec import AttentionSpec
 
 
@@ -65,12 +73,11 @@ class _Static:
 
 # ----------------------------------------------------------------------------- one FFI call
 
-SEGMENT_OFFSETS = "segment_offsets_"  # + side: per-row token offsets of packed segments (B, M + 1)
 
 
 def _run_graph(static: _Static, direction: str, operands: Mapping[str, Any],
                results: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
-    """Run the `direction` graph on `operands` (as `_operands` gives them: sliceable along batch and
+    """Run the `direction` graph on `operands` (as `call_operands` gives them: sliceable along batch and
     heads): one op, once per device on its shard when the inputs are sharded (`sharding`)."""
     operand_roles, result_roles = graph_io(static.graph_spec, static.ir, direction)
     needed = {role: x for role, x in operands.items() if role in operand_roles or role.startswith(SEGMENT_OFFSETS)}
@@ -84,7 +91,7 @@ def _execute(static: _Static, direction: str, operands: Mapping[str, Any],
     it), register it with the executor, and call it on operands of those shapes; graphs that
     failed their numerical check are not run: their computation runs on XLA instead."""
     if static.graph_spec.segments:
-        operands = _ragged_operands(static.graph_spec, operands)
+        operands = ragged_operands(static.graph_spec, operands)
     if not _checked(static):
         return run_on_xla(static, operands, results)
     graph = cached_graph(static.spec, static.ir, direction)
@@ -142,116 +149,6 @@ def _call_executor(static: _Static, graph: CachedGraph, operands: Mapping[str, A
     return dict(zip(compiled.result_roles, outputs[:-1]))
 
 
-# ----------------------------------------------------------------------------- operands
-
-class _Validity(NamedTuple):
-    """Which rows hold results (a pytree, so it can pass through custom_vjp)."""
-
-    q: Any  # (B, T) bool: token rows that hold results, or None when all do
-    kv: Any  # (B, S) bool, or None
-    attended: Any = None  # (B|1, T, N|1, 1) bool when the bias carries masks: rows with a key to attend to
-
-
-def _packed_operands(spec: AttentionSpec, inputs: RuntimeInputs) -> dict[str, Any]:
-    """Per row: the lengths (B, M) and token offsets (B, M + 1) of its packed segments, in O(T).
-
-    They slice along the batch; the graph's ragged offsets, absolute element offsets into the whole
-    packed buffer, are made from them on the shapes the graph runs on (`_ragged_operands`)."""
-    operands = {}
-    for side, ids in (("q", inputs.q_segment_ids), ("kv", inputs.kv_segment_ids)):
-        meta = segment_metadata(ids, spec.max_segments)
-        operands[f"seq_len_{side}"] = meta.seq_lens.astype(jnp.int32)
-        operands[SEGMENT_OFFSETS + side] = meta.offsets.astype(jnp.int32)
-    return operands
-
-
-def _ragged_operands(spec: AttentionSpec, operands: Mapping[str, Any]) -> dict[str, Any]:
-    """The packed graph's seq lens and ragged element offsets of its B*M sequences (THD), from the
-    per-row ones of `_packed_operands`, for the batch and heads of `spec` (one shard's, when split)."""
-    operands = dict(operands)
-    sides = (("q", spec.q_len, spec.num_heads * spec.head_dim), ("kv", spec.kv_len, spec.num_kv_heads * spec.head_dim))
-    for side, length, row_elements in sides:
-        offsets = operands.pop(SEGMENT_OFFSETS + side)
-        starts = offsets[:, :-1] + (jnp.arange(spec.batch, dtype=jnp.int32) * length)[:, None]
-        starts = jnp.concatenate([starts.reshape(-1), jnp.full((1,), spec.batch * length, jnp.int32)])
-        operands[f"seq_len_{side}"] = operands[f"seq_len_{side}"].reshape(-1)
-        operands[f"ragged_offset_{side}"] = starts * row_elements
-        if side == "q":
-            operands["ragged_offset_stats"] = starts * spec.num_heads
-    return operands
-
-
-def _operands(spec: AttentionSpec, inputs: RuntimeInputs, max_segments: int) -> tuple[dict[str, Any], _Validity]:
-    """Every non-differentiable device operand by role, and which rows cuDNN writes.
-
-    `max_segments` is the call's own: segments past it count as padding (a dense twin drops it
-    from its spec)."""
-    operands: dict[str, Any] = {}
-    b, t, s = spec.batch, spec.q_len, spec.kv_len
-    for name, value in (inputs.mod_arrays or {}).items():
-        operands[ARRAY_PREFIX + name] = value
-    if spec.segments:
-        operands.update(_packed_operands(spec, inputs))
-        q_run, kv_run = segment_run_ids(inputs.q_segment_ids), segment_run_ids(inputs.kv_segment_ids)
-        validity = _Validity((q_run > 0) & (q_run <= max_segments), (kv_run > 0) & (kv_run <= max_segments))
-    elif spec.segment_mask:  # a dense twin (operands.graph_spec): self-attention, one ids array
-        ids = inputs.q_segment_ids
-        run = segment_run_ids(ids)
-        valid = (run > 0) & (run <= max_segments)  # as in the packed layout
-        token = jnp.arange(t, dtype=jnp.int32)[None, :]
-        start = token - segment_positions(ids)
-        end = token + segment_positions(ids[:, ::-1])[:, ::-1]  # positions from the segment's end
-        for role, bound in zip(SEGMENT_ARRAYS, (start, end)):  # masks.segment_ir; padding: itself
-            operands[role] = jnp.where(valid, bound, token).astype(jnp.int32)[:, None, :, None]
-        validity = _Validity(valid, valid)
-    else:
-        q_len = jnp.full((b,), t, jnp.int32) if inputs.q_lengths is None else jnp.asarray(inputs.q_lengths, jnp.int32)
-        kv_len = jnp.full((b,), s, jnp.int32) if inputs.kv_lengths is None else jnp.asarray(inputs.kv_lengths, jnp.int32)
-        validity = _Validity(None, None)
-        if spec.has_padding:
-            operands["seq_len_q"], operands["seq_len_kv"] = q_len, kv_len
-            validity = _Validity(jnp.arange(t)[None, :] < q_len[:, None], jnp.arange(s)[None, :] < kv_len[:, None])
-    return operands, validity
-
-
-def _bias_operand(plan: LayoutPlan, inputs: RuntimeInputs, validity: _Validity, dtype: Any) -> Any:
-    """The graph's bias (`LayoutPlan.bias_shape`): the user's bias, with the boolean mask
-    and folded key padding (`validity.kv`) as MASKED_BIAS where they say no."""
-    if plan.bias_shape is None:
-        return None
-    keep = inputs.mask
-    if plan.folds_padding and inputs.kv_lengths is not None:
-        kv_valid = validity.kv[:, None, None, :]
-        keep = kv_valid if keep is None else keep & kv_valid
-    bias = inputs.bias
-    if keep is not None:
-        kept = jnp.zeros((), jnp.float32) if bias is None else bias.astype(jnp.float32)
-        bias = jnp.where(keep, kept, jnp.float32(MASKED_BIAS[plan.graph_spec.dtype]))
-    return jnp.broadcast_to(bias, plan.bias_shape).astype(dtype)
-
-
-def _attended(plan: LayoutPlan, inputs: RuntimeInputs) -> Any:
-    """When the bias carries masks, which (B|1, T, N|1, 1) rows attend to some key (cuDNN
-    averages over the others, where sdpagraph gives 0); None when cuDNN masks everything itself.
-
-    Which rows attend follows the call's own spec: with a dense twin (packed segments the THD
-    layout cannot take), a row the user's mask empties within its segment must give 0."""
-    if not plan.bias_carries_masks:
-        return None
-    return jnp.swapaxes(attended_rows(plan.call_spec, inputs), 1, 2)[..., None]
-
-
-def _zero_rows(x: Any, valid: Any) -> Any:
-    """Zero the token rows that hold no result (x: (B, L, heads, dim), valid: (B, L)): rows cuDNN
-    leaves unwritten, or a dense twin's padding rows, which attend to themselves.
-
-    `valid` is None when every row is computed (no padding, no segments): no extra pass.
-    """
-    if valid is None:
-        return x
-    return jnp.where(valid[:, :, None, None], x, jnp.zeros((), x.dtype))
-
-
 # ----------------------------------------------------------------------------- custom_vjp
 
 def _forward(static: _Static, q, k, v, bias, aux, direction: str):
@@ -263,14 +160,39 @@ def _forward(static: _Static, q, k, v, bias, aux, direction: str):
     return out["o"], out.get("stats")
 
 
+def _stats_as_lse(spec: AttentionSpec, stats: Any) -> Any:
+    """The graph's softmax stats as the (B, N, T) logsumexp (a packed graph's are (B, T, N)); and back."""
+    return jnp.swapaxes(stats, 1, 2) if spec.segments else stats
+
+
+def _with_sinks(static: _Static, o, stats, sinks) -> tuple[Any, Any]:
+    """(o, stats) with the sinks joined (`sinks.apply`), in the graph's layouts; as given without
+    sinks or when the graph joined them itself (`spec.sinks`)."""
+    if sinks is None or static.graph_spec.sinks:
+        return o, stats
+    o, lse = sinks_mod.apply(o, _stats_as_lse(static.graph_spec, stats), sinks)
+    return o, _stats_as_lse(static.graph_spec, lse)
+
+
+def _sink_operand(static: _Static, aux: Mapping[str, Any], sinks: Any) -> dict[str, Any]:
+    """`aux` and, for a graph with cuDNN's sinks, their logits as its (1, N, 1, 1) float32 operand."""
+    if not static.graph_spec.sinks:
+        return aux
+    return {**aux, SINK_TOKEN: sinks.astype(jnp.float32).reshape(1, -1, 1, 1)}
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(static: _Static, q, k, v, bias, aux, validity):
-    return _forward(static, q, k, v, bias, aux, "forward" if static.training else "inference")
+def _core(static: _Static, q, k, v, bias, aux, validity, sinks):
+    # Composed sinks read the stats; cuDNN's own need none (`_with_sinks`).
+    keep_stats = static.training or (sinks is not None and not static.graph_spec.sinks)
+    direction = "forward" if keep_stats else "inference"
+    return _with_sinks(static, *_forward(static, q, k, v, bias, _sink_operand(static, aux, sinks), direction), sinks)
 
 
-def _core_fwd(static: _Static, q, k, v, bias, aux, validity):
-    o, stats = _forward(static, q, k, v, bias, aux, "forward")
-    return (o, stats), (q, k, v, bias, aux, validity, o, stats)
+def _core_fwd(static: _Static, q, k, v, bias, aux, validity, sinks):
+    aux = _sink_operand(static, aux, sinks)
+    o, stats = _with_sinks(static, *_forward(static, q, k, v, bias, aux, "forward"), sinks)
+    return (o, stats), (q, k, v, bias, aux, validity, o, stats, sinks)
 
 
 def _backward(static: _Static, q, k, v, bias, aux, o, stats, d_o) -> dict[str, Any]:
@@ -279,22 +201,31 @@ def _backward(static: _Static, q, k, v, bias, aux, o, stats, d_o) -> dict[str, A
                "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
     if static.graph_spec.bias_shape is not None:
         results["dbias"] = jax.ShapeDtypeStruct(bias.shape, bias.dtype)
+    if static.graph_spec.sinks:
+        results[D_SINK_TOKEN] = jax.ShapeDtypeStruct((1, static.graph_spec.num_heads, 1, 1), jnp.float32)
     operands = {"q": q, "k": k, "v": v, "o": o, "dO": d_o.astype(o.dtype), "stats": stats, "bias": bias, **aux}
     return _run_graph(static, "backward", operands, results)
 
 
 def _core_bwd(static: _Static, residuals, cotangents):
-    q, k, v, bias, aux, validity, o, stats = residuals
+    q, k, v, bias, aux, validity, o, stats, sinks = residuals
     # The stats (logsumexp) are returned without a gradient, as jax does. Rows that `attention`
     # zeroes after this core (padding, nothing to attend to) already arrive with a zero d_o.
+    # With sinks, o and stats are the sink's (out', L'): the graph's gradients are then exact.
     d_o, _ = cotangents
     grads = _backward(static, q, k, v, bias, aux, o, stats, d_o)
-    dq = _zero_rows(grads["dq"], validity.q)
-    dk, dv = (_zero_rows(grads[role], validity.kv) for role in ("dk", "dv"))
+    if sinks is None:
+        d_sinks = None
+    elif static.graph_spec.sinks:
+        d_sinks = grads[D_SINK_TOKEN].reshape(sinks.shape).astype(sinks.dtype)
+    else:
+        d_sinks = sinks_mod.gradient(d_o, o, _stats_as_lse(static.graph_spec, stats), sinks, rows=validity.q)
+    dq = zero_rows(grads["dq"], validity.q)
+    dk, dv = (zero_rows(grads[role], validity.kv) for role in ("dk", "dv"))
     dbias = grads.get("dbias")
     if dbias is None and bias is not None:  # a mask-only bias: a constant
         dbias = jnp.zeros_like(bias)
-    return dq, dk, dv, dbias, None, None
+    return dq, dk, dv, dbias, None, None, d_sinks
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -302,75 +233,136 @@ _core.defvjp(_core_fwd, _core_bwd)
 
 def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: RuntimeInputs,
               score_mod: ScoreModIR | None, *, training: bool = True,
-              verify: Callable[..., Any] | None = None) -> tuple[Any, Any]:
-    """Return (output (B, T, N, H_v), logsumexp (B, N, T) or None for the inference graph).
-    `verify`: the numerical check the call's graphs passed (`support`); per-device graphs of a
-    sharded call are checked with it too. Packed documents run on bins (`backends.cudnn.bins.packed`)
-    where `graphs.binning` plans them and the bins' graphs pass their own check here."""
-    run = functools.partial(_attention, score_mod=score_mod, training=training, verify=verify)
+              verify: Callable[..., Any] | None = None, sinks: Any = None) -> tuple[Any, Any]:
+    """Return (output (B, T, N, H_v), logsumexp (B, N, T) or None for the inference graph), with the
+    attention `sinks` (N,) joined when given (the logsumexp then always). `verify`: the numerical
+    check the call's graphs passed (`support`); per-device graphs of a sharded call are checked with
+    it too. Where their own graphs build and pass their check here, some calls run as others: packed
+    documents on bins (`graphs.binning`), chunked attention as packed documents
+    (`graphs.chunk_documents`), a multi-token decode as a folded prefix and a tail
+    (`graphs.decode_fold`)."""
+    run = functools.partial(_attention, score_mod=score_mod, training=training, verify=verify, sinks=sinks)
+    scalars = inputs.mod_scalars
+    folded = decode_fold(spec, score_mod)
+    if folded is not None and _runs_here(folded, None, True, verify, scalars):
+        with_stats = functools.partial(_attention, score_mod=None, training=True, verify=verify)
+        return paged_decode.attention(spec, folded, query, key, value, inputs, with_stats)
+    documents = chunk_documents(spec, score_mod)
+    if documents is not None and _runs_here(documents, None, training, verify, scalars):
+        ids = chunk_ids(spec)
+        return run(documents, query, key, value, dataclasses.replace(inputs, q_segment_ids=ids, kv_segment_ids=ids))
     bins = bin_plan(spec, score_mod)
-    if bins is not None and packed_bins.usable() and _bins_supported(bins, score_mod, training, verify, inputs):
+    if bins is not None and packed_bins.usable() and _runs_here(bins.spec, score_mod, training, verify, scalars):
         return packed_bins.attention(bins, spec, query, key, value, inputs, run)
     return run(spec, query, key, value, inputs)
 
 
-def _bins_supported(bins: BinPlan, score_mod: ScoreModIR | None, training: bool,
-                    verify: Callable[..., Any] | None, inputs: RuntimeInputs) -> bool:
-    """Whether the bins' graphs build here and pass their check; in strict mode, a cache without them
-    (one precompiled before binning) runs the call unbinned rather than failing it."""
+def _runs_here(spec: AttentionSpec, score_mod: ScoreModIR | None, training: bool,
+               verify: Callable[..., Any] | None, scalars: Mapping[str, Any] | None) -> bool:
+    """Whether the graphs of a call run in place of another's build here and pass their check; in
+    strict mode, a cache without them (precompiled before they existed) runs the call as it is."""
     if verify is not None:
-        verify = functools.partial(verify, scalars=inputs.mod_scalars)
+        verify = functools.partial(verify, scalars=scalars)
     try:
-        return support(bins.spec, score_mod, training=training, verify=verify).supported
+        return support(spec, score_mod, training=training, verify=verify).supported
     except CacheMissError:
         return False
 
 
+def native_sinks_spec(spec: AttentionSpec, score_mod: ScoreModIR | None, training: bool,
+                      verify: Callable[..., Any] | None, inputs: RuntimeInputs) -> AttentionSpec | None:
+    """The spec of the call with cuDNN's own sinks when they are asked for (`SDPAGRAPH_NATIVE_SINKS=1`)
+    and its graphs build here and pass their check, else None (the sinks are then composed)."""
+    if not NATIVE_SINKS.enabled():
+        return None
+    native = dataclasses.replace(spec, sinks=True)
+    return native if _runs_here(native, score_mod, training, verify, inputs.mod_scalars) else None
+
+
 def _attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: RuntimeInputs, *,
-               score_mod: ScoreModIR | None, training: bool, verify: Callable[..., Any] | None) -> tuple[Any, Any]:
+               score_mod: ScoreModIR | None, training: bool, verify: Callable[..., Any] | None,
+               sinks: Any = None) -> tuple[Any, Any]:
     plan = plan_layout(spec, score_mod)
     static = _Static(spec, plan.graph_spec, score_mod, tuple(sorted((inputs.mod_scalars or {}).items())), training,
                      verify)
-    aux, validity = _operands(plan.graph_spec, inputs, spec.max_segments)
-    validity = validity._replace(attended=_attended(plan, inputs))
-    bias = _bias_operand(plan, inputs, validity, query.dtype)
+    aux, validity = call_operands(plan.graph_spec, inputs, spec.max_segments)
+    validity = validity._replace(attended=attended(plan, inputs))
+    bias = bias_operand(plan, inputs, validity, query.dtype)
     spec = plan.graph_spec
-    out, stats = _core(static, query, key, value, bias, aux, validity)
-    out = _zero_rows(out, validity.q)
+    out, stats = _core(static, query, key, value, bias, aux, validity, sinks)
+    out = zero_rows(out, validity.q)
     if validity.attended is not None:
         out = jnp.where(validity.attended, out, jnp.zeros((), out.dtype))
     if stats is None:
         return out, None
-    lse = jnp.swapaxes(stats, 1, 2) if spec.segments else stats
+    lse = _stats_as_lse(spec, stats)
+    # A row with nothing to attend: logsumexp -inf, or the sink's logit
+    nothing = -jnp.inf if sinks is None else sinks.astype(lse.dtype)[None, :, None]
     if validity.q is not None:
-        lse = jnp.where(validity.q[:, None, :], lse, -jnp.inf)
+        lse = jnp.where(validity.q[:, None, :], lse, nothing)
     if validity.attended is not None:
-        lse = jnp.where(jnp.swapaxes(validity.attended[..., 0], 1, 2), lse, -jnp.inf)
+        lse = jnp.where(jnp.swapaxes(validity.attended[..., 0], 1, 2), lse, nothing)
     return out, lse
 
 
 # ----------------------------------------------------------------------------- context-parallel blocks
-# A block of a context-parallel ring (`parallel.ring`) is a dense call without padding, segments,
-# bias or mask; its backward is fed the FINAL merged output and logsumexp of every block, so each
-# block's dq, dk, dv is exact. `aux` holds the score_mod's array operands (`block_operands`).
+# A block of a context-parallel ring (`parallel.ring`) is a call without padding, bias or mask: dense,
+# or over the documents a (query chunk, key chunk) pair shares, given as pair-local segment ids
+# (`parallel.ring_documents`): packed (THD), or on the dense twin (`operands.graph_spec`: a score_mod)
+# with each query's document bounds in the key chunk. Its backward is fed the FINAL merged output and
+# logsumexp of every block, so each block's dq, dk, dv is exact. Rows outside the pair's documents (no
+# key of the pair is theirs, or padding) are left unwritten by a packed graph and attend no key on the
+# twin: they are masked here (output 0, logsumexp -inf, gradients 0), whatever cuDNN does with
+# zero-length sequences or rows with every key masked.
 
 def block_static(spec: AttentionSpec, score_mod: ScoreModIR | None, scalars: Mapping[str, Any]) -> _Static:
     return _Static(spec, plan_layout(spec, score_mod).graph_spec, score_mod, tuple(sorted(scalars.items())), True)
 
 
-def block_operands(inputs: RuntimeInputs) -> dict[str, Any]:
-    return {ARRAY_PREFIX + name: x for name, x in (inputs.mod_arrays or {}).items()}
+def block_operands(static: _Static, inputs: RuntimeInputs) -> tuple[dict[str, Any], Validity]:
+    """(the block graph's operands by role, the rows that hold results): the score_mod's arrays, and
+    from `inputs`' pair-local segment ids a packed block's per-slot lengths and token offsets, or the
+    dense twin's segment bounds (`_pair_segment_bounds`)."""
+    if static.graph_spec.segment_mask:
+        return _pair_segment_bounds(static, inputs)
+    return call_operands(static.graph_spec, inputs, static.spec.max_segments)
 
 
-def block_forward(static: _Static, q, k, v, aux: Mapping[str, Any]) -> tuple[Any, Any]:
+def _pair_segment_bounds(static: _Static, inputs: RuntimeInputs) -> tuple[dict[str, Any], Validity]:
+    """A dense-twin block's operands: per query row, the first and last key of its document in the
+    key chunk (`masks.segment_ir`, key-chunk indices). A row outside the pair's documents gets bounds
+    no key meets: it attends nothing, so it gives no key a gradient."""
+    operands = {ARRAY_PREFIX + name: x for name, x in (inputs.mod_arrays or {}).items()}
+    q_slot, kv_slot = segment_run_ids(inputs.q_segment_ids), segment_run_ids(inputs.kv_segment_ids)
+    keys = segment_metadata(inputs.kv_segment_ids, static.spec.max_segments)
+    start = at_runs(keys.offsets[:, :-1], q_slot)
+    end = start + at_runs(keys.seq_lens, q_slot) - 1
+    covered = q_slot > 0
+    bounds = (jnp.where(covered, start, static.graph_spec.kv_len), jnp.where(covered, end, -1))
+    for role, bound in zip(SEGMENT_ARRAYS, bounds):
+        operands[role] = bound.astype(jnp.int32)[:, None, :, None]
+    return operands, Validity(covered, kv_slot > 0)
+
+
+def block_forward(static: _Static, q, k, v, operands: tuple[Mapping[str, Any], Validity]) -> tuple[Any, Any]:
     """(o (B, T, N, H_v), logsumexp (B, N, T) fp32) of one block."""
-    return _forward(static, q, k, v, None, dict(aux), "forward")
+    aux, validity = operands
+    o, stats = _forward(static, q, k, v, None, dict(aux), "forward")
+    if validity.q is None:
+        return o, stats
+    lse = jnp.where(validity.q[:, None, :], _stats_as_lse(static.graph_spec, stats), -jnp.inf)
+    return zero_rows(o, validity.q), lse
 
 
-def block_backward(static: _Static, q, k, v, aux: Mapping[str, Any], o, lse, d_o) -> tuple[Any, Any, Any]:
-    """(dq, dk, dv) of one block, given the whole attention's output `o` and logsumexp `lse`."""
-    grads = _backward(static, q, k, v, None, dict(aux), o, lse, d_o)
-    return grads["dq"], grads["dk"], grads["dv"]
+def block_backward(static: _Static, q, k, v, operands: tuple[Mapping[str, Any], Validity], o, lse,
+                   d_o) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) of one block, given the whole attention's output `o` and logsumexp `lse` (B, N, T)."""
+    aux, validity = operands
+    if validity.q is not None:  # a finite stat keeps a row that attends no key here at 0 (padding's lse is -inf)
+        lse = jnp.where(validity.q[:, None, :], lse, 0.0)
+    grads = _backward(static, q, k, v, None, dict(aux), o, _stats_as_lse(static.graph_spec, lse), d_o)
+    dk, dv = (zero_rows(grads[role], validity.kv) for role in ("dk", "dv"))
+    return zero_rows(grads["dq"], validity.q), dk, dv
 
 
 class CudnnBackend(Backend):
@@ -379,8 +371,6 @@ class CudnnBackend(Backend):
 
     name = "cudnn"
     packs_by_hints = True
-    lse_without_gradient = ("the cuDNN backward graph takes dO alone (its softmax stats are returned without "
-                            "a gradient)")
     block_static = staticmethod(block_static)
     block_operands = staticmethod(block_operands)
     block_forward = staticmethod(block_forward)
@@ -396,6 +386,23 @@ class CudnnBackend(Backend):
                   score_mod: ScoreModIR | None, *, training: bool = True,
                   verify: Verify | None = None) -> tuple[Any, Any]:
         return attention(spec, query, key, value, inputs, score_mod, training=training, verify=verify)
+
+    def attention_with_sinks(self, spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: RuntimeInputs,
+                             score_mod: ScoreModIR | None, sinks: Any, *, training: bool = True,
+                             verify: Verify | None = None) -> tuple[Any, Any]:
+        # cuDNN's own sinks where their graphs build (and pass the check); else composed inside the
+        # custom_vjp, whose backward graph takes dO alone (`_core`).
+        native = native_sinks_spec(spec, score_mod, training, verify, inputs)
+        if native is not None:
+            return attention(native, query, key, value, inputs, score_mod, training=training, verify=verify,
+                             sinks=sinks)
+        return attention(spec, query, key, value, inputs, score_mod, training=True, verify=verify, sinks=sinks)
+
+    def sinks_path(self, spec: AttentionSpec, score_mod: ScoreModIR | None, inputs: RuntimeInputs, *,
+                   training: bool, verify: Verify | None = None) -> str:
+        if native_sinks_spec(spec, score_mod, training, verify, inputs) is not None:
+            return sinks_mod.NATIVE
+        return sinks_mod.COMPOSED
 
 
 BACKEND = CudnnBackend()

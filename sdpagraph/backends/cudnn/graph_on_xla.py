@@ -11,7 +11,9 @@ the same operands, so nothing upstream changes:
   offsets must agree with q's);
 - padding from the sequence lengths; masks and folded key padding are already in the bias operand;
 - the dense twin's segment bounds through its extra mod stage (`masks.segment_ir`);
-- the score_mod's arrays and scalars.
+- the score_mod's arrays and scalars;
+- paged K/V: the pools gathered by the page table into each sequence's keys;
+- cuDNN's attention sinks (`sink_token`, composed as `backends.sinks` composes them).
 The forward gives o and the stats in the graph's layout; the backward recomputes the forward and
 differentiates it with the cotangent dO (the o and stats it is given are not read).
 """
@@ -25,34 +27,52 @@ import jax.numpy as jnp
 
 from sdpagraph.scoremod.ir_eval import evaluate
 from sdpagraph.scoremod.masks import segment_ir
-from sdpagraph.graphs.operands import ARRAY_PREFIX
+from sdpagraph import paged
+from sdpagraph.graphs.operands import ARRAY_PREFIX, D_SINK_TOKEN, PAGE_TABLES, SINK_TOKEN
 from sdpagraph.call import RuntimeInputs
-from sdpagraph.backends import registry
+from sdpagraph.backends import registry, sinks
 
 
 def run_on_xla(static: Any, operands: Mapping[str, Any], results: Mapping[str, Any]) -> dict[str, Any]:
     """The `results` (role -> shape struct) one graph call of `static` (`cudnn._Static`) gives for
     `operands` (role -> array, as the executor takes them)."""
     forward = graph_forward(static, operands)
-    q, k, v, bias = (operands.get(role) for role in ("q", "k", "v", "bias"))
+    q, k, v, bias, sink = (operands.get(role) for role in ("q", "k", "v", "bias", SINK_TOKEN))
     if "dq" not in results:
-        out, stats = forward(q, k, v, bias)
+        out, stats = forward(q, k, v, bias, sink)
         return {"o": out.astype(q.dtype), "stats": stats} if "stats" in results else {"o": out.astype(q.dtype)}
-    out, pullback = jax.vjp(lambda q, k, v, bias: forward(q, k, v, bias)[0], q, k, v, bias)
-    dq, dk, dv, dbias = pullback(operands["dO"].astype(out.dtype))
-    grads = {"dq": dq, "dk": dk, "dv": dv}
-    if "dbias" in results:
-        grads["dbias"] = dbias
-    return {role: grads[role].astype(results[role].dtype) for role in grads}
+    out, pullback = jax.vjp(lambda *args: forward(*args)[0], q, k, v, bias, sink)
+    dq, dk, dv, dbias, dsink = pullback(operands["dO"].astype(out.dtype))
+    grads = {"dq": dq, "dk": dk, "dv": dv, "dbias": dbias, D_SINK_TOKEN: dsink}
+    return {role: grads[role].astype(results[role].dtype) for role in results}
 
 
 def graph_forward(static: Any, operands: Mapping[str, Any]) -> Callable[..., tuple[Any, Any]]:
-    """(q, k, v, bias) -> (o, stats in the graph's layout), as the graph computes them."""
+    """(q, k, v, bias, sink_token) -> (o, stats in the graph's layout), as the graph computes them."""
+    spec = static.graph_spec
+    plain = graph_forward_without_sinks(static, operands)
+    if not spec.sinks:
+        return lambda q, k, v, bias, sink=None: plain(q, k, v, bias)
+
+    def forward(q, k, v, bias, sink):
+        out, stats = plain(q, k, v, bias)
+        as_lse = (lambda x: jnp.swapaxes(x, 1, 2)) if spec.segments else (lambda x: x)  # noqa: E731
+        out, lse = sinks.apply(out, as_lse(stats), sink.reshape(spec.num_heads))
+        return out, as_lse(lse)
+
+    return forward
+
+
+def graph_forward_without_sinks(static: Any, operands: Mapping[str, Any]) -> Callable[..., tuple[Any, Any]]:
+    """(q, k, v, bias) -> (o, stats in the graph's layout) before any sinks."""
     spec = static.graph_spec
     arrays = {name[len(ARRAY_PREFIX):]: x for name, x in operands.items() if name.startswith(ARRAY_PREFIX)}
     scalars = dict(static.scalars)
 
     def forward(q, k, v, bias):
+        if spec.paged:
+            table = operands[PAGE_TABLES[0]].reshape(spec.batch, -1)
+            k, v = paged.gather(k, table), paged.gather(v, table)
         if spec.segments:
             ids_q = packed_ids(operands["seq_len_q"], operands["ragged_offset_q"], spec.batch, spec.q_len,
                                spec.max_segments, spec.num_heads * spec.head_dim)
@@ -72,7 +92,7 @@ def graph_forward(static: Any, operands: Mapping[str, Any]) -> Callable[..., tup
             masked, _ = evaluate(segment_ir(spec), jnp.zeros((b, 1, t, t), jnp.float32), scalars={}, arrays=bounds,
                                  index=index)
             mask = jnp.isfinite(masked)
-        plain = dataclasses.replace(spec, segment_mask=False, max_segments=0,
+        plain = dataclasses.replace(spec, segment_mask=False, max_segments=0, paged=None,
                                     mask_shape=None if mask is None else mask.shape,
                                     bias_shape=None if bias is None else bias.shape)
         inputs = RuntimeInputs(bias=bias, mask=mask, q_lengths=operands.get("seq_len_q"),

@@ -74,6 +74,8 @@ def small_seq_reason(spec: AttentionSpec) -> str | None:
         return "segment_mask specs are cuDNN graph specs, not calls"
     if spec.dtype == "float64":
         return "the small-sequence backend computes in float32; float64 runs on the XLA backend"
+    if spec.paged is not None:
+        return "the small-sequence backend takes dense keys, not paged ones"
     lengths = _lengths_in_regime(spec)
     if isinstance(lengths, str):
         return lengths

@@ -1,0 +1,117 @@
+"""One causal halo block on cuDNN as two calls of square, top-left graphs, merged by logsumexp.
+
+A halo block's queries (L) over [left halo (hl) ++ its own keys (L)] are one call with the window
+relative to the bottom-right diagonal (`halo.HaloPlan.block_spec`); on 2 H200s such calls (T16384,
+S17408, window (1024, 0)) ran 10x slower than the same window over T = S, as if no tile were skipped.
+So a causal block splits into
+- the local part: its queries over its own keys, T = S = L, the causal window top-left (the
+  one-device graph);
+- the halo part: with a window of `left` = hl <= L keys, query i sees halo key j iff j >= i, which
+  with both reversed is causal top-left over T = S = hl (`reverse`); with the block inside one chunk
+  and no window (`chunk_fit` WITHIN), every query sees every halo key: a dense (L, hl) call;
+merged by their logsumexps. As in the ring, one custom_vjp: each part's backward graph is given the
+FINAL output and logsumexp (cuDNN's backward takes no logsumexp cotangent), and the sinks join once,
+after the merge.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from sdpagraph.backends import registry, sinks as sinks_mod
+from sdpagraph.backends.softmax_merge import merge
+from sdpagraph.call import RuntimeInputs
+from sdpagraph.scoremod.ir import ScoreModIR
+from sdpagraph.spec import AttentionSpec
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """The two calls of one block (hashable: custom_vjp's static argument)."""
+
+    local: AttentionSpec  # T = S = L
+    halo: AttentionSpec | None  # T = rows, S = hl; None without a halo
+    rows: int  # the block's first `rows` queries see the halo
+    reverse: bool  # the halo part runs on reversed queries and keys (a causal graph)
+    score_mod: ScoreModIR | None  # reads no positions (a reversed part would see them mirrored)
+    scalars: tuple[tuple[str, Any], ...]
+
+    def statics(self) -> tuple[Any, Any]:
+        primary = registry.primary()
+        static = lambda spec: None if spec is None else primary.block_static(spec, self.score_mod,  # noqa: E731
+                                                                             dict(self.scalars))
+        return static(self.local), static(self.halo)
+
+
+def _flip(x: Any, axis: int = 1) -> Any:
+    return jnp.flip(x, axis=axis)
+
+
+def _halo_inputs(plan: SplitPlan, q: Any, kv: tuple[Any, Any]) -> tuple[Any, Any, Any]:
+    """The halo part's q (its first `rows`), k, v, reversed when the plan says so."""
+    q = q[:, :plan.rows]
+    k, v = kv
+    return (_flip(q), _flip(k), _flip(v)) if plan.reverse else (q, k, v)
+
+
+def _forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks) -> tuple[Any, Any]:
+    primary = registry.primary()
+    local, halo = plan.statics()
+    inputs = RuntimeInputs(mod_arrays=arrays)
+    out, lse = primary.block_forward(local, q, *local_kv, primary.block_operands(local, inputs))
+    if halo is not None:  # only the first `rows` rows change: updated in place
+        hq, hk, hv = _halo_inputs(plan, q, halo_kv)
+        h_out, h_lse = primary.block_forward(halo, hq, hk, hv, primary.block_operands(halo, inputs))
+        if plan.reverse:
+            h_out, h_lse = _flip(h_out), _flip(h_lse, axis=-1)
+        head, head_lse = merge((out[:, :plan.rows], lse[..., :plan.rows]), (h_out, h_lse))
+        out = jax.lax.dynamic_update_slice_in_dim(out, head.astype(out.dtype), 0, axis=1)
+        lse = jax.lax.dynamic_update_slice_in_dim(lse, head_lse, 0, axis=2)
+    out = out.astype(q.dtype)
+    return (out, lse) if sinks is None else sinks_mod.apply(out, lse, sinks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def split_attention(plan: SplitPlan, q, local_kv, halo_kv, arrays: Mapping[str, Any], sinks) -> tuple[Any, Any]:
+    """(output (B, L, N, Hv), logsumexp (B, N, L)) of a block's queries over its halo (`halo_kv`, hl
+    keys before the block) and its own keys (`local_kv`); `arrays` (the score_mod's) are constants."""
+    return _forward(plan, q, local_kv, halo_kv, arrays, sinks)
+
+
+def _split_fwd(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks):
+    out, lse = _forward(plan, q, local_kv, halo_kv, arrays, sinks)
+    return (out, lse), (q, local_kv, halo_kv, arrays, sinks, out, lse)
+
+
+def _split_bwd(plan: SplitPlan, residuals, cotangents):
+    q, local_kv, halo_kv, arrays, sinks, out, lse = residuals
+    d_o = cotangents[0]
+    primary = registry.primary()
+    local, halo = plan.statics()
+    inputs = RuntimeInputs(mod_arrays=arrays)
+    dq, dk, dv = primary.block_backward(local, q, *local_kv, primary.block_operands(local, inputs), out, lse, d_o)
+    d_halo = None
+    if halo is not None:
+        hq, hk, hv = _halo_inputs(plan, q, halo_kv)
+        rows = lambda x, axis=1: x[:, :plan.rows] if axis == 1 else x[..., :plan.rows]  # noqa: E731
+        h_out, h_lse, h_do = rows(out), rows(lse, -1), rows(d_o)
+        if plan.reverse:
+            h_out, h_lse, h_do = _flip(h_out), _flip(h_lse, axis=-1), _flip(h_do)
+        h_dq, h_dk, h_dv = primary.block_backward(halo, hq, hk, hv, primary.block_operands(halo, inputs),
+                                                  h_out, h_lse, h_do)
+        if plan.reverse:
+            h_dq, h_dk, h_dv = _flip(h_dq), _flip(h_dk), _flip(h_dv)
+        head = dq[:, :plan.rows].astype(jnp.float32) + h_dq.astype(jnp.float32)
+        dq = jax.lax.dynamic_update_slice_in_dim(dq, head.astype(dq.dtype), 0, axis=1)
+        d_halo = (h_dk, h_dv)
+    else:
+        d_halo = jax.tree.map(jnp.zeros_like, halo_kv)
+    d_sinks = None if sinks is None else sinks_mod.gradient(d_o, out, lse, sinks)
+    return dq, (dk, dv), d_halo, jax.tree.map(lambda _: None, arrays), d_sinks
+
+
+split_attention.defvjp(_split_fwd, _split_bwd)

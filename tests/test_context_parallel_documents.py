@@ -1,0 +1,118 @@
+"""Packed documents (self-attention `segment_ids`) on the ring's cuDNN blocks (`parallel.ring_documents`),
+on 8 CPU devices at cp = 2, 4 and 8, with test_context_parallel's stand-ins for the graph builder and
+the executor (`cudnn_ring`: packed graphs decoded from their sequence lengths and ragged offsets, the
+rows they do not cover left NaN, so the ring must mask them).
+
+As tests/test_context_parallel.py, the first test runs this file again in a subprocess with
+`--xla_force_host_platform_device_count=8`, where the other tests run.
+"""
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import sdpagraph
+from sdpagraph import mods
+from sdpagraph.graphs.operands import graph_spec
+from tests.devices import make_mesh, on_axis_types, rerun_with_cpu_devices
+from tests.test_context_parallel import (DEVICES, HERE_WITH_DEVICES, assert_same, cudnn_on_cpu,  # noqa: F401
+                                         cudnn_ring, needs_devices, place, reference, value_and_grads)
+
+B, T, N, H = 2, 64, 8, 8
+
+
+def test_in_a_process_with_eight_cpu_devices():
+    if HERE_WITH_DEVICES:
+        pytest.skip("this process has the devices: the tests below run here")
+    rerun_with_cpu_devices(__file__, DEVICES, timeout=1200)
+
+
+def documents(rng, batch, length):
+    """(segment ids (B, T), their most documents in a row): documents of 1-24 tokens, so some cross
+    the chunks' boundaries (4-32 tokens) and some lie inside one, with padding (id 0) between some
+    of them and at the end; an id may come back after another document (a new document)."""
+    ids = np.zeros((batch, length), np.int32)
+    counts = []
+    for row in ids:
+        at, count = int(rng.integers(0, 3)), 0
+        while at < length - 2:
+            size = int(rng.integers(1, 25))
+            row[at:at + size] = rng.integers(1, 4) + 3 * (count % 2)  # neighbours differ
+            at, count = at + size + int(rng.random() < 0.3) * int(rng.integers(1, 4)), count + 1
+        counts.append(count)
+    return ids, max(counts)
+
+
+def run(cp, load_balanced, causal, kv_heads, axis_type="auto", seed=0, implementation="cudnn", **kwargs):
+    """(the cp-device step's value and gradients in natural order, the one-device XLA reference's,
+    the compiled HLO) with fresh random float32 inputs."""
+    rng = np.random.default_rng(seed)
+    ids, most = documents(rng, B, T)
+    q = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    k, v = (rng.standard_normal((B, T, kv_heads, H)).astype(np.float32) for _ in range(2))
+    cot = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    call = dict(is_causal=causal, max_segments_per_seq=most, **kwargs)
+    order = (lambda x: sdpagraph.load_balance(x, cp)) if load_balanced else (lambda x: x)  # noqa: E731
+    back = (lambda x: sdpagraph.unload_balance(x, cp)) if load_balanced else (lambda x: x)  # noqa: E731
+    m = make_mesh((cp,), ("cp",), axis_type)
+    with jax.set_mesh(m):
+        step = jax.jit(value_and_grads(lambda q, k, v: sdpagraph.attention(
+            q, k, v, segment_ids=order(ids), context_parallel_axis="cp", load_balanced=load_balanced,
+            context_parallel_strategy="ring", implementation=implementation, **call)))
+        args = place(m, *(order(x) for x in (q, k, v, cot)))
+        compiled = step.lower(*args).compile()
+        (loss, out), grads = compiled(*args)
+        ours = (loss, back(out)), tuple(back(g) for g in grads)
+    return ours, reference(dict(call, segment_ids=ids))(q, k, v, cot), compiled.as_text()
+
+
+CASES = [(cp, lb, causal, kv) for cp in (2, 4, 8) for lb in (True, False) for causal, kv in ((True, 4), (False, N))]
+
+
+@needs_devices
+@pytest.mark.parametrize("cp, load_balanced, causal, kv_heads, axis_type", on_axis_types(
+    CASES, explicit=[(2, True, True, 4), (8, False, False, N)]))
+def test_documents_on_cudnn_blocks_equal_one_device(cp, load_balanced, causal, kv_heads, axis_type, cudnn_ring):
+    seed = int(np.random.default_rng().integers(2**31))
+    ours, ref, hlo = run(cp, load_balanced, causal, kv_heads, axis_type, seed)
+    assert_same(ours, ref, tol=3e-5)
+    assert "collective-permute" in hlo, f"seed {seed}"
+    # Segment ids (int32) may be gathered: every device reads the whole sequence's (`natural_order`).
+    gathers = re.findall(r"= (?:f32|bf16|f16)\[.*\ball-gather(?:-start)?\(.*", hlo)
+    assert not gathers, (f"the ring gathers no keys or values (seed {seed})", gathers[:3])
+    # Packed (THD) block graphs, forward and backward: one document off the diagonal, every
+    # document of a chunk on it (causal there when the call is).
+    chunk = T // (cp * (2 if load_balanced else 1))
+    most = max(s.max_segments for s, _, _ in cudnn_ring)
+    specs = {(s.segments, s.q_len, s.kv_len, s.max_segments, s.is_causal, d) for s, _, d in cudnn_ring}
+    want = {("self", chunk, chunk, slots, causal and slots == most, d) for slots in (1, most)
+            for d in ("forward", "backward")}
+    assert specs == want and most == min(most, chunk), (specs, seed)
+
+
+@needs_devices
+def test_support_names_the_ring_on_cudnn(cudnn_ring):
+    rng = np.random.default_rng(3)
+    ids, most = documents(rng, B, T)
+    q = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    with jax.set_mesh(make_mesh((4,), ("cp",))):
+        ask = lambda **kw: sdpagraph.check_support(  # noqa: E731
+            q, q, q, segment_ids=sdpagraph.load_balance(ids, 4), max_segments_per_seq=most, is_causal=True,
+            context_parallel_axis="cp", context_parallel_strategy="ring", load_balanced=True, **kw)
+        for answer in (ask(), ask(score_mod=mods.softcap(3.0))):
+            assert (answer.supported, answer.backend) == (True, "cudnn"), answer
+            assert "ring over 'cp', cp=4" in answer.reason and "blocks run on cuDNN" in answer.reason
+        answer = ask(score_mod=lambda s, b, h, q, kv: s - 0.05 * (q - kv).astype(s.dtype))
+        assert (answer.supported, answer.backend) == (False, "xla") and "document's start" in answer.reason, answer
+
+
+@needs_devices
+@pytest.mark.parametrize("cp, load_balanced, causal", [(4, True, True), (2, False, False), (8, True, False)])
+def test_softcap_with_documents_on_dense_twin_blocks(cp, load_balanced, causal, cudnn_ring):
+    """A score_mod with packed documents: the packed graphs do not take one, so each pair runs their
+    dense twin with its queries' document bounds in the key chunk."""
+    seed = int(np.random.default_rng().integers(2**31))
+    ours, ref, _ = run(cp, load_balanced, causal, 4, seed=seed, score_mod=mods.softcap(3.0))
+    assert_same(ours, ref, tol=3e-5)
+    assert cudnn_ring and all(graph_spec(s, ir).segment_mask for s, ir, _ in cudnn_ring), seed
