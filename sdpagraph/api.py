@@ -31,8 +31,8 @@ from sdpagraph.spec import AttentionSpec
 
 
 def _notify_listeners(call: PreparedCall, training: bool, sinks: bool = False) -> None:
-    """Report the call's graphs (spec recording); with sinks asked to run on cuDNN's own
-    (`SDPAGRAPH_NATIVE_SINKS`), also those, which the call runs where they build."""
+    """Report the call's graphs (spec recording); with sinks and cuDNN's own sinks on
+    (`SDPAGRAPH_NATIVE_SINKS`), also the forward graph with them, which the call runs where it builds."""
     notify_trace_listeners(call.spec, call.score_mod, training or sinks)  # composed sinks read the stats
     if sinks and NATIVE_SINKS.enabled():
         notify_trace_listeners(dataclasses.replace(call.spec, sinks=True), call.score_mod, training)

@@ -151,9 +151,9 @@ PALLAS_TRITON = Switch(
     "`0`: the Pallas kernels (small-sequence attention, the bin packer) never use Pallas' Triton "
     "backend, as when jax no longer has it: their XLA formulations run")
 NATIVE_SINKS = Switch(
-    "SDPAGRAPH_NATIVE_SINKS", "0",
-    "`1`: attention sinks on cuDNN use cuDNN's own `sink_token` graphs where they build; by default "
-    "they are composed from the logsumexp, which ran faster on an H100 (docs/sinks.md)")
+    "SDPAGRAPH_NATIVE_SINKS", "1",
+    "`0`: attention sinks on cuDNN are composed from the logsumexp in the forward too, never cuDNN's own "
+    "`sink_token` forward graph (for comparisons; docs/sinks.md)")
 PARTITION = Switch(
     "SDPAGRAPH_PARTITION", "1",
     "`0`, `false`, `off` or `no`: cuDNN calls are not partitioned under SPMD: one call over the "

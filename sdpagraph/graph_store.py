@@ -32,9 +32,7 @@ from sdpagraph.cache.graph_cache import CacheMissError, GraphCache
 from sdpagraph.cache.keys import CacheKey
 from sdpagraph.memo import BoundedMemo
 from sdpagraph.graphs import builder
-from sdpagraph.graphs.binning import bin_plan
-from sdpagraph.graphs.chunk_documents import chunk_documents
-from sdpagraph.graphs.decode_fold import decode_fold
+from sdpagraph.graphs.alternatives import alternatives
 from sdpagraph.graphs.builder import BuildEnvironment
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.scoremod.ir import ScoreModIR
@@ -132,16 +130,11 @@ def check_graphs(spec: AttentionSpec, ir: ScoreModIR | None, training: bool,
             answer = verify(spec, ir, training, cache, answer)
         if final:
             answers.put(question, answer)
-        # The graphs a call may run in place of its own: a packed call's bins, a chunked call's
-        # documents, a multi-token decode's folded prefix; checked too, so a precompiled cache holds
+        # The graphs a call may run as (`graphs.alternatives`): checked too, so a precompiled cache holds
         # them (strict mode, a cache made without them: the call runs as it is).
-        bins, folded = bin_plan(spec, ir), decode_fold(spec, ir)
-        others = ((None if bins is None else bins.spec, ir, training), (chunk_documents(spec, ir), None, training),
-                  (folded, None, True))
-        for other, other_ir, stats in others:
-            if answer.supported and other is not None:
-                try:
-                    check_graphs(other, other_ir, stats, cache, verify)
-                except CacheMissError:
-                    pass
+        for other, other_ir, stats in alternatives(spec, ir, training) if answer.supported else ():
+            try:
+                check_graphs(other, other_ir, stats, cache, verify)
+            except CacheMissError:
+                pass
     return answer

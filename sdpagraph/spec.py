@@ -33,14 +33,15 @@ UNBOUNDED = -1  # a window side that does not limit attention
 DIRECTIONS = ("forward", "backward", "inference")
 TRAINING_DIRECTIONS = ("forward", "backward")  # what a differentiated call runs
 INFERENCE_DIRECTIONS = ("inference",)
-STATS_DIRECTIONS = ("forward",)  # paged K/V (inference only) with its softmax stats: no backward exists
+STATS_DIRECTIONS = ("forward",)  # the graph with its softmax stats, where no backward graph exists
 
 
 def directions_for(training: bool, spec: "AttentionSpec | None" = None) -> tuple[str, ...]:
-    """The graphs a call needs: forward and backward when training, else the inference graph. A
-    paged spec (inference only) "trains" with the forward graph alone, which keeps the softmax
-    stats (a multi-token decode merges by them)."""
-    if spec is not None and spec.paged is not None:
+    """The graphs a call needs: forward and backward when training, else the inference graph. Specs
+    without a backward graph "train" with the forward graph alone, which keeps the softmax stats: paged
+    K/V (inference only; a multi-token decode merges by its stats) and cuDNN's own sinks (a call with
+    them runs the backward graph of its spec without sinks, given the output and stats with the sink)."""
+    if spec is not None and (spec.paged is not None or spec.sinks):
         return STATS_DIRECTIONS if training else INFERENCE_DIRECTIONS
     return TRAINING_DIRECTIONS if training else INFERENCE_DIRECTIONS
 
@@ -89,7 +90,8 @@ class AttentionSpec:
     max_seqlen_q: int | None = None
     max_seqlen_kv: int | None = None
     # Attention sinks (`attention(..., sinks=)`) inside the graph: cuDNN's sink_token, one float32
-    # logit per query head as an operand (their values are not part of the spec).
+    # logit per query head as an operand (their values are not part of the spec). Forward and
+    # inference graphs only (`directions_for`).
     sinks: bool = False
     # Paged K/V (`sdpagraph.paged`): (num_pages, page_size) of the key/value pools, whose logical keys
     # are (B, S = max_pages * page_size, K, H); None for dense keys.

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 
 from sdpagraph.backends.cudnn.graph_on_xla import graph_forward_without_sinks, run_on_xla
-from sdpagraph.graphs.operands import D_SINK_TOKEN, SINK_TOKEN
 
 
 def stats_backward_executor(static, graph, operands, results):
@@ -15,8 +14,7 @@ def stats_backward_executor(static, graph, operands, results):
     given and nothing of a logsumexp's cotangent: the forward is the graph's computation on XLA
     (`run_on_xla`); the backward differentiates
         sum_i <dO_i, sum_j exp(l_ij - stats_i) v_j>  -  sum_i D_i sum_j exp(l_ij - stats_i),
-    D_i = <dO_i, o_i> (from the `o` operand), whose gradient is cuDNN's: dl = P (dP - D); with
-    cuDNN's own sinks, d sink_token = -sum_i exp(s - stats_i) D_i."""
+    D_i = <dO_i, o_i> (from the `o` operand), whose gradient is cuDNN's: dl = P (dP - D)."""
     if "dq" not in results:
         return run_on_xla(static, operands, results)
     forward = graph_forward_without_sinks(static, operands)
@@ -36,7 +34,4 @@ def stats_backward_executor(static, graph, operands, results):
     q, k, v, bias = (operands.get(role) for role in ("q", "k", "v", "bias"))
     dq, dk, dv, dbias = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
     grads = {"dq": dq, "dk": dk, "dv": dv, "dbias": dbias}
-    if SINK_TOKEN in operands:
-        sink = operands[SINK_TOKEN].reshape(1, -1, 1)
-        grads[D_SINK_TOKEN] = -jnp.sum(jnp.exp(sink - given) * d_rows, axis=(0, 2)).reshape(1, -1, 1, 1)
     return {role: grads[role].astype(results[role].dtype) for role in results}

@@ -40,6 +40,7 @@ from sdpagraph.numerics import record as numerics_record
 from sdpagraph.call import prepare_call
 from sdpagraph.backends.cudnn.graph_on_xla import graph_forward
 from sdpagraph.backends.xla import xla_attention
+from sdpagraph.backends import sinks as sinks_mod
 
 ENV = builder.BuildEnvironment("9.19.0", "1.32.0", "sm90 fake GPU")
 B, T, N, K, H = 2, 16, 4, 2, 8
@@ -60,13 +61,18 @@ def fake_compile(spec, ir, direction, env):
     return compiled.blob, compiled.to_meta()
 
 
-def xla_core(static, q, k, v, bias, aux, validity, scale=1.0):
+def xla_core(static, q, k, v, bias, aux, validity, sinks=None, scale=1.0):
     """What a correct graph computes (dense specs without packed segments), on XLA
-    (`graph_on_xla.graph_forward`); `scale` multiplies the graph's attention scale."""
+    (`graph_on_xla.graph_forward`), with the sinks joined as the cuDNN path joins them: by a graph
+    with sinks, else composed from its stats; `scale` multiplies the graph's attention scale."""
     if scale != 1.0:
         static = dataclasses.replace(static, graph_spec=dataclasses.replace(
             static.graph_spec, scale=static.graph_spec.scale * scale))
-    return graph_forward(static, aux)(q, k, v, bias)
+    sink_token = None if sinks is None else sinks.astype(jnp.float32).reshape(1, -1, 1, 1)
+    out, stats = graph_forward(static, aux)(q, k, v, bias, sink_token)
+    if sinks is not None and not static.graph_spec.sinks:
+        out, stats = sinks_mod.apply(out, stats, sinks)
+    return out, stats
 
 
 @jax.custom_vjp
@@ -77,11 +83,11 @@ def _wrong_gradient(x):
 _wrong_gradient.defvjp(lambda x: (x, None), lambda _, g: (g * 1.5,))
 
 
-def wrong_scale_core(static, q, k, v, bias, aux, validity):
+def wrong_scale_core(static, q, k, v, bias, aux, validity, sinks=None):
     return xla_core(static, q, k, v, bias, aux, validity, scale=1.5)
 
 
-def wrong_dq_core(static, q, k, v, bias, aux, validity):
+def wrong_dq_core(static, q, k, v, bias, aux, validity, sinks=None):
     """Right forward, dq off by 50%."""
     return xla_core(static, _wrong_gradient(q), k, v, bias, aux, validity)
 

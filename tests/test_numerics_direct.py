@@ -20,8 +20,10 @@ from sdpagraph.backends.cudnn import backend as cudnn_backend
 from sdpagraph.numerics import check as numerics
 from sdpagraph.numerics import direct as numerics_direct
 from sdpagraph.numerics import draw as numerics_draw
-from tests.test_numerics import fake_gpu, spec_and_ir  # noqa: F401 - a fixture
+from tests.test_numerics import fake_gpu, spec_and_ir
 from tests.test_sharding import fake_executor
+
+__all__ = ["fake_gpu"]  # a fixture of tests.test_numerics, which pytest finds here by name
 
 IDS = jax.ShapeDtypeStruct((4, 24), jnp.int32)
 LENGTHS = jax.ShapeDtypeStruct((4,), jnp.int32)
@@ -74,7 +76,7 @@ def check(spec, ir, training, execute, slice_elements=numerics_draw.SLICE_ELEMEN
 
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("elements", [numerics_draw.SLICE_ELEMENTS, 700])
-def test_a_right_graph_passes_on_every_layout(fake_gpu, name, elements):  # noqa: F811
+def test_a_right_graph_passes_on_every_layout(fake_gpu, name, elements):
     spec, ir = spec_and_ir(**dict(CONFIGS[name]))
     seed = int(np.random.default_rng().integers(2**31))
     errors = check(spec, ir, True, standin(spec, ir), elements, seed)
@@ -84,7 +86,7 @@ def test_a_right_graph_passes_on_every_layout(fake_gpu, name, elements):  # noqa
     assert errors["o"] > 0  # the stand-in rounds to bf16: the comparison is real
 
 
-def test_the_inference_graph_is_checked_alone(fake_gpu):  # noqa: F811
+def test_the_inference_graph_is_checked_alone(fake_gpu):
     spec, ir = spec_and_ir(**dict(CONFIGS["padding_bottom_right_window"]))
     errors = check(spec, ir, False, standin(spec, ir))
     assert set(errors) == {"o", "empty_rows"} and errors["o"] < 1e-2
@@ -92,13 +94,13 @@ def test_the_inference_graph_is_checked_alone(fake_gpu):  # noqa: F811
 
 @pytest.mark.parametrize("name", ["causal_softcap_gqa", "packed_causal", "bias_mask_alibi", "padding_folded_into_a_mod"])
 @pytest.mark.parametrize("wrong,output", [("scale", "o"), ("dk", "dk")])
-def test_a_wrong_graph_fails_on_the_output_it_gets_wrong(fake_gpu, name, wrong, output):  # noqa: F811
+def test_a_wrong_graph_fails_on_the_output_it_gets_wrong(fake_gpu, name, wrong, output):
     spec, ir = spec_and_ir(**dict(CONFIGS[name]))
     errors = check(spec, ir, True, standin(spec, ir, wrong), slice_elements=700)
     assert errors[output] > 5e-2, errors
 
 
-def test_a_masked_out_row_gives_zeros_as_attention_does(fake_gpu):  # noqa: F811
+def test_a_masked_out_row_gives_zeros_as_attention_does(fake_gpu):
     """The mask empties query row 12; cuDNN averages over masked keys there, attention gives 0."""
     spec, ir = spec_and_ir(**dict(CONFIGS["bias_mask_alibi"]))
     chosen = numerics_draw.plan_slice(spec, 1, np.random.default_rng(0))
@@ -118,7 +120,7 @@ def test_random_io_values_are_finite_varied_and_in_range():
         assert 0.4 < np.mean(x > 0) < 0.6 and len(np.unique(x)) > 500
 
 
-def test_the_check_runs_directly_where_graphs_can(fake_gpu, monkeypatch):  # noqa: F811
+def test_the_check_runs_directly_where_graphs_can(fake_gpu, monkeypatch):
     """With the executor and a GPU (faked), check_numerics compiles nothing: no XLA program."""
     spec, ir = spec_and_ir(**dict(CONFIGS["causal_softcap_gqa"]))
     real = numerics_direct.run_direct
@@ -131,7 +133,7 @@ def test_the_check_runs_directly_where_graphs_can(fake_gpu, monkeypatch):  # noq
     assert set(result.timings) == {"run_s", "reference_s"}
 
 
-def test_a_dense_twin_gets_the_segment_bounds_the_runtime_gives(fake_gpu):  # noqa: F811
+def test_a_dense_twin_gets_the_segment_bounds_the_runtime_gives(fake_gpu):
     spec, ir = spec_and_ir(**dict(CONFIGS["packed_softcap_dense_twin"]))
     ids = np.array([[1, 1, 1, 2, 2, 0], [1, 2, 2, 2, 3, 3]], np.int32)
     small = dataclasses.replace(spec, batch=2, q_len=6, kv_len=6)

@@ -24,7 +24,7 @@ from typing import Any
 import jax.numpy as jnp
 
 COMPOSED = "sinks: composed from the logsumexp (exact, no extra kernel)"
-NATIVE = "sinks: cuDNN's own (sink_token, and its gradient in the backward graph)"
+NATIVE = "sinks: cuDNN's own in the forward graph (sink_token), the backward composed"
 
 
 def check(sinks: Any, num_heads: int) -> Any:

@@ -30,7 +30,7 @@ from sdpagraph.graph_store import graph_key
 from sdpagraph.numerics import check as numerics_check
 from sdpagraph.numerics.gate import record_numerics
 from sdpagraph.numerics.record import error_text, errors_text, format_error, over_tolerance
-from sdpagraph.deploy.bin_entries import with_bins
+from sdpagraph.deploy.derived_entries import with_derived
 from sdpagraph.deploy.spec_entry import SpecEntry
 from sdpagraph.deploy.specfile import load_entries
 
@@ -159,7 +159,7 @@ def verify_numerics(specs: Any, cache_dir: str | os.PathLike[str], *, progress: 
     fresh per entry). `check`: replaces `numerics.check.check_numerics` (tests).
     Raises SpecFileError for an invalid spec file (checked first, on any machine).
     """
-    entries = with_bins(load_entries(specs))  # and the bins packed calls run on
+    entries = with_derived(load_entries(specs))  # and the calls they run as (bins, documents, folds)
     directory = os.path.abspath(os.fspath(cache_dir))
     started = time.monotonic()
     reason = unavailable_reason()

@@ -26,7 +26,7 @@ from sdpagraph.deploy.formatting import format_age, format_table
 from sdpagraph.graph_store import cached_graph, check_graphs, graph_key
 from sdpagraph.config import VERIFY
 from sdpagraph.deploy.numerics import check_entry
-from sdpagraph.deploy.bin_entries import with_bins
+from sdpagraph.deploy.derived_entries import with_derived
 from sdpagraph.deploy.spec_entry import SpecEntry
 from sdpagraph.deploy.specfile import load_entries
 from sdpagraph.errors import SdpagraphError, Unsupported
@@ -165,7 +165,7 @@ def precompile(specs: Any, cache_dir: str | os.PathLike[str], *, jobs: int = 1, 
     """
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
-    entries = with_bins(load_entries(specs))  # and the bins packed calls run on
+    entries = with_derived(load_entries(specs))  # and the calls they run as (bins, documents, folds)
     builder = usable_builder(builder, "precompile")
     directory = os.path.abspath(os.fspath(cache_dir))
     stream = sys.stderr if progress is True else (progress or None)

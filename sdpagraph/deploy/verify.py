@@ -19,7 +19,7 @@ from sdpagraph.cache.disk import DiskStore, Miss
 from sdpagraph.cache.graph_cache import DEFAULT_LOCK_TIMEOUT_S
 from sdpagraph.cache.keys import key_digest, key_text, key_versions
 from sdpagraph.deploy.precompile import Builder, ExitCode, usable_builder
-from sdpagraph.deploy.bin_entries import with_bins
+from sdpagraph.deploy.derived_entries import with_derived
 from sdpagraph.deploy.spec_entry import SpecEntry
 from sdpagraph.deploy.specfile import load_entries
 
@@ -83,7 +83,7 @@ def verify(specs: Any, cache_dir: str | os.PathLike[str], *, builder: Builder | 
     Raises SpecFileError for an invalid spec file (checked first, on any machine), then
     BuilderUnavailable where keys cannot be computed (no GPU, no cuDNN frontend).
     """
-    entries = with_bins(load_entries(specs))  # and the bins packed calls run on
+    entries = with_derived(load_entries(specs))  # and the calls they run as (bins, documents, folds)
     builder = usable_builder(builder, "verify a cache")
     directory = os.path.abspath(os.fspath(cache_dir))
     store = DiskStore(directory, writable=False, lock_timeout_s=DEFAULT_LOCK_TIMEOUT_S)

@@ -43,7 +43,6 @@ from sdpagraph.graphs.mod_lowering import (
 )
 from sdpagraph.graphs.operands import (
     ARRAY_PREFIX,
-    D_SINK_TOKEN,
     PAGE_TABLES,
     SINK_TOKEN,
     TensorDesc,
@@ -112,12 +111,9 @@ def lower(graph: Any, spec: AttentionSpec, ir: ScoreModIR | None, direction: str
         if spec.bias_shape is not None:
             options["dBias"] = graph.tensor(name="dbias", dim=list(descs["dbias"].dims),
                                             stride=list(descs["dbias"].strides), data_type=types["io"])
-        if spec.sinks:
-            options["dSink_token"] = graph.tensor(name=D_SINK_TOKEN, dim=list(descs[D_SINK_TOKEN].dims),
-                                                  stride=list(descs[D_SINK_TOKEN].strides), data_type=types["float32"])
         dq, dk, dv = graph.sdpa_backward(name="sdpa_backward", q=tensors["q"], k=tensors["k"], v=tensors["v"],
                                          o=tensors["o"], dO=tensors["dO"], stats=tensors["stats"], **options)
-        outputs = {"dq": dq, "dk": dk, "dv": dv, "dbias": options.get("dBias"), D_SINK_TOKEN: options.get("dSink_token")}
+        outputs = {"dq": dq, "dk": dk, "dv": dv, "dbias": options.get("dBias")}
     else:
         o, stats = graph.sdpa(name="sdpa", q=tensors["q"], k=tensors["k"], v=tensors["v"],
                               generate_stats=direction == "forward", **options)
@@ -224,6 +220,9 @@ def _check_lowerable(spec: AttentionSpec, ir: ScoreModIR | None, direction: str)
     if spec.paged and (needs_mod(spec, ir) or bias_operand_shape(spec, ir) is not None):
         raise Unsupported("paged K/V needs cuDNN's padding mask, which a score_mod, chunk_size, bias or mask turns "
                           "off (cuDNN's score_mod excludes it): the XLA backend gathers the pages instead")
+    if spec.sinks and direction == "backward":
+        raise Unsupported("cuDNN's own sinks run in forward graphs only (its sink backward measured 2x slower): "
+                          "a call with sinks runs the backward graph of its spec without sinks")
     if spec.sinks and spec.segments:
         raise Unsupported("attention sinks inside a packed graph need cuDNN 9.26 (its THD backward with sinks); "
                           "they are composed from the logsumexp instead")

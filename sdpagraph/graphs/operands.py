@@ -11,7 +11,7 @@ Roles name the buffers: "q", "k", "v", "o", "dO", "stats", "bias",
 (attention sinks, (1, N, 1, 1) float32), "page_table_k", "page_table_v" (paged K/V: the same
 (B, 1, max_pages, 1) int32 table, once per pool; k and v are then the pools), "array:<name>"
 (score_mod aux arrays), and the results
-"o", "stats", "dq", "dk", "dv", "dbias", "dsink_token". Pass-by-value scalars are named
+"o", "stats", "dq", "dk", "dv", "dbias". Pass-by-value scalars are named
 "scalar:<name>" and "const:<i>"; they are not device operands.
 
 UIDs are positions in one fixed list (operands, then results, then pass-by-value
@@ -33,7 +33,7 @@ ARRAY_PREFIX = "array:"
 SCALAR_PREFIX = "scalar:"
 CONST_PREFIX = "const:"
 BACKWARD_INPUTS = ("o", "dO", "stats")
-SINK_TOKEN, D_SINK_TOKEN = "sink_token", "dsink_token"  # attention sinks' logits and their gradient
+SINK_TOKEN = "sink_token"  # attention sinks' logits (forward and inference graphs)
 PAGE_TABLES = ("page_table_k", "page_table_v")  # paged K/V: each sequence's pages, for k and for v
 ARRAY_TYPES = {FLOAT: "float32", INT: "int32"}  # IR array dtype -> storage
 
@@ -160,7 +160,6 @@ def graph_io(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> tupl
 
     if direction == "backward":
         results = ["dq", "dk", "dv"] + (["dbias"] if spec.bias_shape is not None else [])
-        results += [D_SINK_TOKEN] if spec.sinks else []
     else:
         results = ["o", "stats"] if direction == "forward" else ["o"]
     return tuple(operands), tuple(results)
@@ -232,7 +231,7 @@ def _describe_role(spec: AttentionSpec, ir: ScoreModIR | None, role: str) -> Ten
         return TensorDesc((b, n, t, 1), (n * t, t, 1, 1), "float32")
     if role in ("bias", "dbias"):
         return _row_major(bias_operand_shape(spec, ir), "io")
-    if role in (SINK_TOKEN, D_SINK_TOKEN):
+    if role == SINK_TOKEN:
         return _row_major((1, n, 1, 1), "float32")
     if role in ("seq_len_q", "seq_len_kv"):
         return _row_major((b, 1, 1, 1), "int32")

@@ -6,11 +6,16 @@ Fused-attention stacks ship silent wrong results; sdpagraph uses a graph only on
 computed the right answer on this GPU. The check draws fresh random inputs of the spec's shapes
 (q, k, v in the spec's dtype, a bias and a boolean mask of the spec's shapes with one query row
 masked out, random valid lengths for padding, random packed segments, the call's score_mod scalars
-(random positive ones where it has none) and random arrays of the IR's shapes), runs the config's
-graphs forward and, when training, backward with a random cotangent, and compares a slice of the
-results (`numerics_draw.plan_slice`) with a NumPy float32 reference (`numerics.reference`) on the
-host. The reference evaluates the spec's attention and the score_mod IR (`scoremod.ir_eval` on
-NumPy, backward through the IR's bprop, as the cuDNN backward graph does) for the slice only.
+(random positive ones where it has none), random arrays of the IR's shapes, for a spec with
+attention sinks sink logits that take sizable shares of the rows, and for paged K/V pools and a
+scattered page table (`numerics.draw`)), runs the config's graphs (`spec.directions_for`: forward
+and, when training, backward with a random cotangent; a paged spec (inference only) and a spec with
+cuDNN's own sinks (whose call runs the backward graph of its spec without sinks, checked as that
+spec) have no backward: their "training" graph is the forward one, checked with its softmax stats),
+and compares a slice of the results (`numerics_draw.plan_slice`) with a NumPy float32 reference
+(`numerics.reference`) on the host. The reference evaluates the spec's attention and the score_mod
+IR (`scoremod.ir_eval` on NumPy, backward through the IR's bprop, as the cuDNN backward graph does)
+for the slice only.
 
 The graphs run one of two ways:
 - on a GPU with the executor, directly (`numerics_direct`): inputs made in NumPy, each graph run
@@ -19,7 +24,9 @@ The graphs run one of two ways:
 - for a `candidate` (the CPU tests' stand-ins), in one jitted program: inputs drawn on the
   device, the candidate forward and `jax.vjp`, which keys each query may attend to and the
   positions `gen_index` reads from the shared mask code (`backends.masking.positions_and_mask`), all
-  cut to the slice there.
+  cut to the slice there. Without a candidate where the direct run is not available (the CPU
+  tests' faked GPU), the program runs the runtime's cuDNN path, which runs what the call runs: a multi-token paged decode as its folded prefix graph and a
+  packed call on its bins, in place of the spec's own graphs (the direct run runs those).
 The graph always runs on its whole shape; the cotangent is zero outside the slice, so dk, dv and a
 broadcast dbias of the whole run hold the slice's contributions only and compare exactly.
 
@@ -50,10 +57,10 @@ from sdpagraph.scoremod.ir import INT, ScoreModIR
 from sdpagraph.numerics.reference import reference
 from sdpagraph.numerics import direct as numerics_direct
 from sdpagraph.call import RuntimeInputs
-from sdpagraph.numerics.draw import MASK_KEEP, SLICE_ELEMENTS, Slice, host_inputs, plan_slice, slicers
+from sdpagraph.numerics.draw import MASK_KEEP, SLICE_ELEMENTS, Slice, host_inputs, kv_shapes, plan_slice, slicers
 from sdpagraph.numerics.record import NumericsResult
 from sdpagraph.backends.masking import positions_and_mask
-from sdpagraph.spec import AttentionSpec
+from sdpagraph.spec import AttentionSpec, directions_for
 
 # Relative Frobenius error bounds, bf16/fp16 inputs with fp32 accumulation against a reference
 # of higher precision: tests/gpu/test_builder_gpu.py's FORWARD_TOLERANCE / BACKWARD_TOLERANCE.
@@ -63,14 +70,20 @@ FORWARD_TOLERANCE = 1e-2
 BACKWARD_TOLERANCE = 2e-2
 TOLERANCES = {dtype: {"forward": FORWARD_TOLERANCE, "backward": BACKWARD_TOLERANCE}
               for dtype in ("bfloat16", "float16", "float32")}
-Candidate = Callable[..., tuple[Any, Any]]  # (spec, q, k, v, inputs, ir, training=...) -> (out, lse or None)
+# (spec, q, k, v, inputs, ir, training=..., sinks=... for a spec with sinks) -> (out, lse or None); a
+# paged spec's k and v are the pools, its table `inputs.page_table` (as `attention` calls a backend)
+Candidate = Callable[..., tuple[Any, Any]]
 
 
 def tolerances_for(spec: AttentionSpec, training: bool, has_bias: bool) -> dict[str, float]:
+    """The bound of each output the graphs of (spec, training) give: o; the logsumexp with the
+    forward graph's stats; the gradients with a backward graph."""
     bounds = TOLERANCES.get(spec.dtype, TOLERANCES["bfloat16"])
     names = {"o": bounds["forward"], "empty_rows": 0.0}
-    if training:
+    directions = directions_for(training, spec)
+    if "forward" in directions:
         names["lse"] = bounds["forward"]
+    if "backward" in directions:
         names.update(dq=bounds["backward"], dk=bounds["backward"], dv=bounds["backward"])
         if has_bias:
             names["dbias"] = bounds["backward"]
@@ -83,7 +96,7 @@ def check_numerics(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, c
                    *, seed: int | None = None, slice_elements: int = SLICE_ELEMENTS,
                    candidate: Candidate | None = None, scalars: Mapping[str, Any] | None = None) -> NumericsResult:
     """Run the cuDNN path of (spec, ir) once on random inputs and compare a slice of its results
-    with the float32 reference (`training`: forward and backward graphs, else the inference graph).
+    with the float32 reference (the graphs `spec.directions_for(training, spec)` names).
 
     `cache`: the graph cache whose graphs run (default: the runtime's). `slice_elements`: the
     reference's budget of score elements. `candidate` replaces the cuDNN path (tests). `scalars`:
@@ -115,7 +128,7 @@ def _check_in_thread(spec, ir, training, cache, seed, slice_elements, candidate,
         ran = time.perf_counter()
         errors = compare(spec, ir, training, chosen, data, host["scalars"])
         timings["reference_s"] = time.perf_counter() - ran
-    return errors, chosen.describe(spec), timings
+    return errors, chosen.describe(spec, "backward" in directions_for(training, spec)), timings
 
 
 def _run_compiled(spec, ir, training, chosen, host, seed, candidate):
@@ -157,15 +170,17 @@ def _compile(lowered: Any) -> Any:
 
 def _device_inputs(spec: AttentionSpec, ir: ScoreModIR | None, key: Any, host: Mapping[str, Any],
                    scalars: Mapping[str, Any]) -> tuple[Any, Any, Any, RuntimeInputs, Any]:
-    """q, k, v, the runtime inputs and a cotangent for o, drawn on the device (inside the jit)."""
+    """q, k, v (paged: the pools), the runtime inputs and a cotangent for o, drawn on the device
+    (inside the jit)."""
     dtype = jnp.dtype(spec.dtype)
-    b, t, s, n, kh = spec.batch, spec.q_len, spec.kv_len, spec.num_heads, spec.num_kv_heads
+    b, t, s, n = spec.batch, spec.q_len, spec.kv_len, spec.num_heads
     keys = iter(jax.random.split(key, 8 + (0 if ir is None else len(ir.array_names))))
 
     def normal(shape, kind=dtype):
         return jax.random.normal(next(keys), shape, jnp.float32).astype(kind)
 
-    q, k, v = normal((b, t, n, spec.head_dim)), normal((b, s, kh, spec.head_dim)), normal((b, s, kh, spec.head_dim_v))
+    k_shape, v_shape = kv_shapes(spec)
+    q, k, v = normal((b, t, n, spec.head_dim)), normal(k_shape), normal(v_shape)
     cotangent = normal((b, t, n, spec.head_dim_v))
     bias = None if spec.bias_shape is None else normal(spec.bias_shape)
     mask = None
@@ -185,21 +200,21 @@ def _device_inputs(spec: AttentionSpec, ir: ScoreModIR | None, key: Any, host: M
     ids_kv = host.get("kv_segment_ids", ids_q)
     inputs = RuntimeInputs(bias=bias, mask=mask, q_lengths=host.get("q_lengths"), kv_lengths=host.get("kv_lengths"),
                            q_segment_ids=ids_q, kv_segment_ids=ids_kv, mod_scalars=dict(scalars),
-                           mod_arrays=arrays)
+                           mod_arrays=arrays, page_table=host.get("page_table"))
     return q, k, v, inputs, cotangent
 
 
 # ----------------------------------------------------------------------------- the candidate's run
 
-def _run(fn: Callable, spec: AttentionSpec, q, k, v, inputs: RuntimeInputs, training: bool, cotangent) -> dict:
-    """Outputs (and, when training, gradients of q, k, v and the bias) of the candidate."""
+def _run(fn: Callable, q, k, v, inputs: RuntimeInputs, backward: bool, cotangent) -> dict:
+    """Outputs (and, with a `backward` graph, gradients of q, k, v and the bias) of the candidate."""
     has_bias = inputs.bias is not None
 
     def forward(q, k, v, bias):
         out, lse = fn(dataclasses.replace(inputs, bias=bias) if has_bias else inputs, q, k, v)
         return out, lse
 
-    if not training:
+    if not backward:
         out, lse = forward(q, k, v, inputs.bias)
         return {"o": out, "lse": lse}
     out, pullback, lse = jax.vjp(forward, q, k, v, inputs.bias, has_aux=True)
@@ -212,23 +227,31 @@ def _candidate_program(spec: AttentionSpec, ir: ScoreModIR | None, training: boo
     """(key, host arrays, slice indices) -> the slice of the inputs, of what may attend where, and of
     the candidate's results: all the reference needs, small enough to copy to the host. Query-side
     arrays come as (B', N', T', ...), one row of T' per (batch row, head) pair."""
+    directions = directions_for(training, spec)
+
     def program(key, host, picks):
         rows, heads, queries = picks["rows"][:, None, None], picks["heads"][None, :, None], picks["queries"]
         q, k, v, inputs, cotangent = _device_inputs(spec, ir, key, host, scalars)
         # Only the slice sends gradients back (see the module docstring).
         cotangent = jnp.zeros_like(cotangent).at[rows, queries, heads].set(cotangent[rows, queries, heads])
-        ours = _run(lambda inp, q, k, v: candidate(spec, q, k, v, inp, ir, training=training),
-                    spec, q, k, v, inputs, training, cotangent)
+        sinks = host.get("sinks")
+        with_sinks = {} if sinks is None else {"sinks": sinks}
+        ours = _run(lambda inp, q, k, v: candidate(spec, q, k, v, inp, ir, training=training, **with_sinks),
+                    q, k, v, inputs, "backward" in directions, cotangent)
         q_pos, kv_pos, allowed = positions_and_mask(spec, inputs)
-        on_q, on_kv, on_kv_grad, on_score = slicers(spec, picks, jnp)
+        on_q, on_kv, on_kv_grad, on_score = slicers(spec, picks, jnp, inputs.page_table)
         data = {"q": on_q(q), "k": on_kv(k), "v": on_kv(v), "cotangent": on_q(cotangent),
                 "allowed": on_score(allowed), "q_pos": q_pos[rows, queries],
                 "kv_pos": jnp.take(kv_pos, picks["rows"], axis=0), "bias": on_score(inputs.bias),
                 "arrays": {name: on_score(x) for name, x in (inputs.mod_arrays or {}).items()},
                 "o": on_q(ours["o"])}
-        if training:
-            data.update(lse=ours["lse"][rows, heads, queries], dq=on_q(ours["dq"]), dk=on_kv_grad(ours["dk"]),
-                        dv=on_kv_grad(ours["dv"]), dbias=on_score(ours["dbias"]))
+        if sinks is not None:
+            data["sinks"] = sinks[picks["heads"]]
+        if "forward" in directions:
+            data["lse"] = ours["lse"][rows, heads, queries]
+        if "backward" in directions:
+            data.update(dq=on_q(ours["dq"]), dk=on_kv_grad(ours["dk"]), dv=on_kv_grad(ours["dv"]),
+                        dbias=on_score(ours["dbias"]))
         return data
 
     return program
@@ -236,13 +259,10 @@ def _candidate_program(spec: AttentionSpec, ir: ScoreModIR | None, training: boo
 
 # ----------------------------------------------------------------------------- comparison
 
-def relative_error(actual: Any, expected: Any, where: Any = None) -> float:
+def relative_error(actual: Any, expected: Any) -> float:
     """||actual - expected||_F / ||expected||_F (inf when not finite): differences in float32, where
     bf16 and fp16 values are exact, squares summed in float64."""
     actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
-    if where is not None:
-        where = np.broadcast_to(where, actual.shape)
-        actual, expected = np.where(where, actual, 0.0), np.where(where, expected, 0.0)
     error = _norm(actual - expected) / max(_norm(expected), 1e-30)
     return error if math.isfinite(error) else math.inf
 
@@ -253,16 +273,20 @@ def _norm(x: np.ndarray) -> float:
 
 def compare(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Slice, data: Mapping[str, Any],
             scalars: Mapping[str, Any]) -> dict[str, float]:
-    """The errors of the candidate's slice (`data`) against the float32 reference."""
+    """The errors of the candidate's slice (`data`) against the float32 reference: o, the
+    logsumexp of a forward graph, the gradients of a backward graph (`spec.directions_for`)."""
+    directions = directions_for(training, spec)
+    backward = "backward" in directions
     with np.errstate(all="ignore"):  # inf/NaN from a wrong candidate become inf errors, not warnings
-        theirs = reference(spec, ir, training, chosen.indices(), data, scalars)
+        theirs = reference(spec, ir, backward, chosen.indices(), data, scalars)
         errors = {"o": relative_error(data["o"], theirs["o"])}
-        attends = np.isfinite(theirs["lse"])  # (B', N', T')
+        attends = theirs["attends"]  # (B', N', T')
         empty = ~attends[..., None]
         largest = [np.max(np.where(empty, np.abs(np.asarray(data["o"], np.float32)), 0.0))]
-        if training:
+        if "forward" in directions:
             errors["lse"] = relative_error(np.where(attends, np.asarray(data["lse"], np.float32), 0.0),
                                            np.where(attends, theirs["lse"], 0.0))
+        if backward:
             for name in ("dq", "dk", "dv"):
                 errors[name] = relative_error(data[name], theirs[name])
             largest.append(np.max(np.where(empty, np.abs(np.asarray(data["dq"], np.float32)), 0.0)))

@@ -11,12 +11,13 @@ What it does is what `backends.cudnn.backend.attention` does around the graphs, 
 - the graph's operands by role (`graphs.operands.graph_io` of `plan_layout`'s graph spec): q, k, v
   of random values; the bias operand (the user's bias, with the boolean mask and folded key padding
   as `MASKED_BIAS`); sequence lengths; for packed (THD) graphs the per-sequence lengths and ragged
-  element offsets; for a dense twin the segment bounds; the mod's arrays; for the backward graph
-  the forward's o and stats and a cotangent that is zero outside the slice (rows `attention`
-  zeroes get none);
+  element offsets; for a dense twin the segment bounds; the mod's arrays; the sinks' logits
+  (`sink_token`, a spec with sinks); for paged K/V the pools as k and v, the page table (once per
+  pool) and the sequence lengths; for the backward graph the forward's o and stats and a
+  cotangent that is zero outside the slice (rows `attention` zeroes get none);
 - the results as `attention` returns them, on the slice: rows that hold no result zeroed
-  (padding, dropped segments, rows a mask in the bias empties), their logsumexp -inf, dk and dv of
-  padded keys zeroed, dbias summed back to the user's bias shape.
+  (padding, dropped segments, rows a mask in the bias empties), their logsumexp -inf (with sinks:
+  the sink's logit), dk and dv of padded keys zeroed, dbias summed back to the user's bias shape.
 
 The reference's side (which keys each query may attend to, the positions `gen_index` reads) is
 derived here from the drawn lengths and segments, not by the runtime's JAX code: the check's
@@ -37,10 +38,11 @@ from sdpagraph.graph_store import CachedGraph, cached_graph
 from sdpagraph.ffi.direct import DeviceArena, Result, Sparse, Tiled
 from sdpagraph.scoremod.ir import INT, ScoreModIR
 from sdpagraph.graphs.compiled import scalar_bits
-from sdpagraph.graphs.operands import ARRAY_PREFIX, MASKED_BIAS, LayoutPlan, plan_layout, stats_shape
-from sdpagraph.numerics.draw import MASK_KEEP, Slice, slicers
+from sdpagraph.graphs.operands import (ARRAY_PREFIX, MASKED_BIAS, PAGE_TABLES, SINK_TOKEN, LayoutPlan, plan_layout,
+                                       stats_shape)
+from sdpagraph.numerics.draw import MASK_KEEP, Slice, key_index, kv_shapes, slicers
 from sdpagraph.backends.masking import position_allowed
-from sdpagraph.spec import AttentionSpec
+from sdpagraph.spec import AttentionSpec, directions_for
 
 # (graph, operands by role (arrays, `Tiled` or `Sparse`), results by role, the mod's scalars) -> results
 Execute = Callable[[CachedGraph, Mapping[str, Any], Mapping[str, Result], Mapping[str, Any]], dict[str, np.ndarray]]
@@ -201,13 +203,16 @@ def _bias_operand(plan: LayoutPlan, layout: _Layout, bias: np.ndarray | None,
     return np.ascontiguousarray(np.broadcast_to(value, plan.bias_shape)).astype(dtype), keep
 
 
-def _graph_operands(plan: LayoutPlan, layout: _Layout,
-                    inputs: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+def _graph_operands(plan: LayoutPlan, layout: _Layout, inputs: Mapping[str, Any], sinks: np.ndarray | None = None,
+                    page_table: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
     """(every operand role the forward and backward graphs may take but o, stats and dO; where the
-    bias operand keeps the user's bias, or None)."""
+    bias operand keeps the user's bias, or None). `sinks`: the sinks' logits (N,), for a graph with
+    sinks; `page_table`: (B, max_pages), for paged K/V."""
     spec = plan.graph_spec
     operands = {role: inputs[role] for role in ("q", "k", "v")}
     operands.update({ARRAY_PREFIX + name: x for name, x in inputs["arrays"].items()})
+    if spec.sinks:
+        operands[SINK_TOKEN] = np.asarray(sinks, np.float32).reshape(1, spec.num_heads, 1, 1)
     keep = None
     if plan.bias_shape is not None:
         operands["bias"], keep = _bias_operand(plan, layout, inputs["bias"], inputs["mask"])
@@ -219,20 +224,24 @@ def _graph_operands(plan: LayoutPlan, layout: _Layout,
         end = np.where(layout.q_valid, token - layout.q_pos + layout.q_run_len - 1, token)
         for role, bound in (("segment_start", start), ("segment_end", end)):
             operands[role] = bound.astype(np.int32)[:, None, :, None]
-    elif spec.has_padding:
+    elif spec.has_padding or spec.paged:  # a paged graph always takes the lengths (cuDNN's padding mask)
         operands["seq_len_q"] = layout.q_len.astype(np.int32)
         operands["seq_len_kv"] = layout.kv_len.astype(np.int32)
+    if spec.paged:
+        table = np.asarray(page_table, np.int32).reshape(spec.batch, 1, -1, 1)
+        operands.update({role: table for role in PAGE_TABLES})
     return operands, keep
 
 
 # ----------------------------------------------------------------------------- the run
 
 def draw_inputs(spec: AttentionSpec, ir: ScoreModIR | None, seed: int) -> dict[str, Any]:
-    """q, k, v, the user's bias and boolean mask (one row emptied) and the mod's arrays."""
+    """q, k, v (paged: the pools), the user's bias and boolean mask (one row emptied) and the mod's
+    arrays."""
     rng = np.random.default_rng([seed, 2])
-    b, t, s, n, kh = spec.batch, spec.q_len, spec.kv_len, spec.num_heads, spec.num_kv_heads
-    shapes = {"q": (b, t, n, spec.head_dim), "k": (b, s, kh, spec.head_dim), "v": (b, s, kh, spec.head_dim_v),
-              "bias": spec.bias_shape}
+    b, t, s = spec.batch, spec.q_len, spec.kv_len
+    k_shape, v_shape = kv_shapes(spec)
+    shapes = {"q": (b, t, spec.num_heads, spec.head_dim), "k": k_shape, "v": v_shape, "bias": spec.bias_shape}
     large = any(shape is not None and np.prod(shape) > POOL_VALUES for shape in shapes.values())
     pool = random_pool(rng, spec.dtype) if large else None
     inputs = {name: None if shape is None else random_io(rng, shape, spec.dtype, pool)
@@ -254,7 +263,7 @@ def draw_inputs(spec: AttentionSpec, ir: ScoreModIR | None, seed: int) -> dict[s
 def run_direct(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Slice,
                host: Mapping[str, Any], seed: int,
                execute: Execute | None = None) -> tuple[dict[str, Any], dict[str, float]]:
-    """Run the call's graphs once (forward and backward, or the inference graph) on random inputs:
+    """Run the call's graphs (`spec.directions_for(training, spec)`) once on random inputs:
     (the slice data `numerics.compare` takes, {"device_mib": device memory the run allocated,
     "device_s": seconds in the executor's copies and runs}). `host`:
     `numerics_draw.host_inputs`. `execute` runs one graph and returns its results as
@@ -284,7 +293,8 @@ def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Sli
     g = plan.graph_spec
     picks = chosen.indices()
     rows, heads, queries = picks["rows"][:, None, None], picks["heads"][None, :, None], picks["queries"]
-    on_q, on_kv, _, on_score = slicers(spec, picks, np)
+    page_table = host["arrays"].get("page_table")
+    on_q, on_kv, _, on_score = slicers(spec, picks, np, page_table)
     inputs = draw_inputs(spec, ir, seed)
     layout = _layout(spec, host["arrays"])
     allowed = _allowed_on_slice(spec, layout, picks, inputs["mask"], on_score)
@@ -293,7 +303,8 @@ def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Sli
     validity = bool(g.segments or g.segment_mask or g.has_padding)
     q_kept = layout.q_valid[rows, queries] if validity else np.ones(queries.shape, bool)  # (B', N', T')
     kept = q_kept & allowed.any(axis=-1) if plan.bias_carries_masks else q_kept
-    operands, keep = _graph_operands(plan, layout, inputs)
+    sinks = host["arrays"].get("sinks")
+    operands, keep = _graph_operands(plan, layout, inputs, sinks, page_table)
     dtype = io_dtype(g.dtype)
     zero = np.zeros((), dtype)
     o_shape = (g.batch, g.q_len, g.num_heads, g.head_dim_v)
@@ -313,20 +324,25 @@ def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Sli
         return execute(graph, {role: operands[role] for role in roles.operand_roles},
                        {role: results[role] for role in roles.result_roles}, host["scalars"])
 
-    forward = run("forward" if training else "inference",
-                  {"o": Result(o_shape, dtype, query_tokens),
-                   "stats": Result(stats_shape(g), np.float32)})
-    kv_index = (picks["rows"][:, None, None], np.arange(spec.kv_len)[None, :, None], picks["kv_heads"][None, None, :])
+    directions = directions_for(training, spec)
+    forward = run(directions[0], {"o": Result(o_shape, dtype, query_tokens),
+                                  "stats": Result(stats_shape(g), np.float32)})
+    kv_index = key_index(spec, picks, np, page_table)  # paged: the keys the graph reads from the pools
     data = {"q": _cut(inputs["q"], on_q, rows, queries, heads), "k": _cut(inputs["k"], on_kv, *kv_index),
             "v": _cut(inputs["v"], on_kv, *kv_index), "allowed": allowed,
             "q_pos": layout.q_pos[rows, queries], "kv_pos": layout.kv_pos[picks["rows"]],
             "bias": on_score(None if inputs["bias"] is None else np.asarray(inputs["bias"])),
             "arrays": {name: on_score(x) for name, x in inputs["arrays"].items()},
             "o": np.where(kept[..., None], on_q_tokens(forward["o"]), zero)}
-    if not training:
+    if sinks is not None:
+        data["sinks"] = sinks[picks["heads"]]
+    if "forward" not in directions:
         return data
     stats = forward["stats"].swapaxes(1, 2) if g.segments else forward["stats"]  # (B, N, T)
-    data["lse"] = np.where(kept, stats[rows, heads, queries], -np.inf)
+    nothing = -np.inf if sinks is None else data["sinks"][None, :, None]  # a row with nothing to attend
+    data["lse"] = np.where(kept, stats[rows, heads, queries], nothing)
+    if "backward" not in directions:
+        return data
     # Only the slice sends gradients back, so the whole run's dk, dv and dbias are the slice's.
     drawn = random_io(np.random.default_rng([seed, 3]), (*kept.shape, g.head_dim_v), g.dtype)
     data["cotangent"] = np.where(kept[..., None], np.asarray(drawn), zero)

@@ -1,9 +1,12 @@
 """What the numerical check draws: the slice of the results the reference computes, and the random
-inputs' small host-side parts (valid lengths, packed segments, score_mod scalars).
+inputs' small host-side parts (valid lengths, packed segments, score_mod scalars, attention sinks,
+paged K/V's page table).
 
     plan_slice(spec, slice_elements, rng) -> Slice
     host_inputs(spec, ir, seed, given) -> {"arrays": {...}, "scalars": {...}}
-    slicers(spec, picks, xp) -> (on_q, on_kv, on_kv_grad, on_score)
+    kv_shapes(spec) -> (k shape, v shape)          the graph's k and v operands (paged: the pools)
+    key_index(spec, picks, xp, page_table) -> where the slice's rows' keys lie in k and v
+    slicers(spec, picks, xp, page_table) -> (on_q, on_kv, on_kv_grad, on_score)
 
 The slice (`plan_slice`, drawn from the seed): at most about `slice_elements` score elements.
 Whole batch rows and heads while MIN_QUERY_ROWS query rows of each fit and their keys and values
@@ -14,6 +17,13 @@ dk and dv at a sample of key positions only (`key_rows`: blocks of adjacent keys
 last and one in each stratum between), which keeps its key-side work and what comes back from the device small at long
 sequences. Both ways of running the check (`numerics.direct` on the host and
 `numerics.check`'s compiled program) cut their results to it with the same `slicers`.
+
+Paged K/V (`spec.paged`): the graph's k and v are pools of num_pages pages (the spec's), read
+through a page table (B, max_pages). The check's table is a random permutation of the pool (pages
+of a sequence scattered and out of order; where the pool holds more pages than the table names,
+some are never read; where it holds fewer, sequences share pages), and the key lengths end inside a
+page (`_paged_kv_lengths`). The reference reads the slice's rows' logical keys from the same pool
+through the same table (`key_index`): exactly the keys the graph reads.
 """
 from __future__ import annotations
 
@@ -22,6 +32,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from sdpagraph.graphs.operands import page_count
 from sdpagraph.scoremod.ir import INT, ScoreModIR
 from sdpagraph.spec import AttentionSpec
 
@@ -39,6 +50,11 @@ MAX_KEY_ROWS = 512
 MIN_KEY_ROWS = 8
 KEY_BLOCK = 8
 SCALAR_RANGE = (1.0, 50.0)  # score_mod scalars: positive (softcap divides by its cap)
+# Attention sinks' logits: normal around log(S), where a sink takes half of a row of S logits of 0
+# (random q and k give logits of about unit spread around 0), with this spread: in one check some
+# heads' sinks take most of their rows, some (negative ones at short S) next to nothing, and most a
+# sizable share that o and lse depend on.
+SINK_SPREAD = 3.0
 MASK_KEEP = 0.7
 MAX_RANDOM_SEGMENTS = 8
 
@@ -67,10 +83,13 @@ class Slice:
         return (len(self.rows), len(self.heads), len(self.kv_heads), self.query_rows(), len(self.keys)) == (
             spec.batch, spec.num_heads, spec.num_kv_heads, spec.q_len, spec.kv_len)
 
-    def describe(self, spec: AttentionSpec) -> str:
+    def describe(self, spec: AttentionSpec, gradients: bool) -> str:
+        """"whole", or which rows, heads and query rows the reference computed (and, for `gradients`,
+        at which keys dk and dv were compared)."""
         if self.whole(spec):
             return "whole"
-        keys = "" if len(self.keys) == spec.kv_len else f", dk and dv at {len(self.keys)} of {spec.kv_len} keys"
+        keys = "" if len(self.keys) == spec.kv_len or not gradients else (
+            f", dk and dv at {len(self.keys)} of {spec.kv_len} keys")
         return (f"batch rows {list(self.rows)}, heads {list(self.heads)}, kv heads {list(self.kv_heads)}, "
                 f"{self.query_rows()} of {spec.q_len} query rows each{keys}")
 
@@ -134,14 +153,15 @@ def _strata(rng: np.random.Generator, size: int, count: int, fixed: int | None =
 def host_inputs(spec: AttentionSpec, ir: ScoreModIR | None, seed: int,
                 given: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The small random inputs drawn on the host: valid lengths, segment ids, score_mod scalars
-    (those not `given`)."""
+    (those not `given`), for a spec with sinks their logits ("sinks", (N,) float32) and for paged
+    K/V the page table ("page_table", (B, max_pages) int32)."""
     rng = np.random.default_rng(seed)
     b, t, s = spec.batch, spec.q_len, spec.kv_len
     arrays: dict[str, Any] = {}
     if spec.has_q_lengths:
         arrays["q_lengths"] = _lengths(rng, b, t)
     if spec.has_kv_lengths:
-        arrays["kv_lengths"] = _lengths(rng, b, s)
+        arrays["kv_lengths"] = _lengths(rng, b, s) if spec.paged is None else _paged_kv_lengths(rng, spec)
     if spec.segments:
         count = max(1, min(spec.max_segments or t, MAX_RANDOM_SEGMENTS))
         arrays["q_segment_ids"] = random_segment_ids(rng, b, t, count, spec.max_seqlen_q)
@@ -154,6 +174,10 @@ def host_inputs(spec: AttentionSpec, ir: ScoreModIR | None, seed: int,
             low, high = SCALAR_RANGE
             drawn = int(rng.integers(low, high + 1)) if node.dtype == INT else float(rng.uniform(low, high))
             scalars[name] = (given or {}).get(name, drawn)  # drawn anyway: a seed draws the same inputs
+    if spec.sinks:
+        arrays["sinks"] = rng.normal(np.log(s), SINK_SPREAD, spec.num_heads).astype(np.float32)
+    if spec.paged is not None:
+        arrays["page_table"] = random_page_table(rng, spec.paged[0], b, page_count(spec))
     return {"arrays": arrays, "scalars": scalars}
 
 
@@ -161,6 +185,32 @@ def _lengths(rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
     lengths = rng.integers(1, length + 1, batch).astype(np.int32)
     lengths[0] = length  # one full row
     return lengths
+
+
+def _paged_kv_lengths(rng: np.random.Generator, spec: AttentionSpec) -> np.ndarray:
+    """Key lengths of a paged spec: the last row all S keys (every page full), the others (with
+    one row: that one) ending inside a page, where a graph that reads its last page whole, or not
+    at all, is wrong; the first among them, whose query rows are all valid (`_lengths`), makes
+    every query row of the slice's first row see a partial page. With bottom-right causal
+    alignment at least T keys (decoding T new tokens: every query has keys to attend to, as
+    `backends.cudnn.paged_decode` requires)."""
+    s, page = spec.kv_len, spec.paged[1]
+    bottom_right = spec.is_causal and spec.causal_alignment == "bottom_right"
+    choices = np.arange(min(spec.q_len, s) if bottom_right else 1, s + 1)
+    inside_a_page = choices[choices % page != 0]
+    lengths = rng.choice(inside_a_page if len(inside_a_page) else choices, spec.batch).astype(np.int32)
+    if spec.batch > 1:
+        lengths[-1] = s
+    return lengths
+
+
+def random_page_table(rng: np.random.Generator, num_pages: int, batch: int, max_pages: int) -> np.ndarray:
+    """(batch, max_pages) int32 pages of a pool of `num_pages`: random permutations of the pool one
+    after another, so a sequence's pages are scattered and out of order, distinct while the pool
+    holds them all (the pages past batch * max_pages are never read)."""
+    rounds = -(-batch * max_pages // num_pages)
+    pages = np.concatenate([rng.permutation(num_pages) for _ in range(rounds)])[:batch * max_pages]
+    return pages.reshape(batch, max_pages).astype(np.int32)
 
 
 def random_segment_ids(rng: np.random.Generator, batch: int, length: int, count: int,
@@ -192,20 +242,44 @@ def _cuts(rng: np.random.Generator, used: int, segments: int, longest: int) -> l
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def slicers(spec: AttentionSpec, picks: Mapping[str, Any], xp: Any) -> tuple[Callable, Callable, Callable, Callable]:
+def kv_shapes(spec: AttentionSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of the graph's k and v operands: (B, S, K, H), or paged the pools (num_pages,
+    page_size, K, H)."""
+    leading = (spec.batch, spec.kv_len) if spec.paged is None else tuple(spec.paged)
+    return (*leading, spec.num_kv_heads, spec.head_dim), (*leading, spec.num_kv_heads, spec.head_dim_v)
+
+
+def key_index(spec: AttentionSpec, picks: Mapping[str, Any], xp: Any,
+              page_table: Any) -> tuple[Any, Any, Any]:
+    """Index arrays into the first three axes of k and v (`kv_shapes`), broadcasting to (B', S, K'):
+    every key of the slice's batch rows at its kv heads. Paged, key j of row b lies on the pool's
+    page `page_table[b, j // page_size]` at row j % page_size: the keys the graph reads (dense:
+    `page_table` is None)."""
+    rows, kv_heads = picks["rows"][:, None, None], picks["kv_heads"][None, None, :]
+    keys = xp.arange(spec.kv_len, dtype=xp.int32)[None, :, None]
+    if spec.paged is None:
+        return rows, keys, kv_heads
+    page = spec.paged[1]
+    return page_table[rows, keys // page], keys % page, kv_heads
+
+
+def slicers(spec: AttentionSpec, picks: Mapping[str, Any], xp: Any,
+            page_table: Any) -> tuple[Callable, Callable, Callable, Callable]:
     """(on_q, on_kv, on_kv_grad, on_score): cut a query-side (B, T, N, ...) array to (B', N', T', ...),
-    a key-side (B, S, K, ...) one to (B', S, K', ...) (`on_kv_grad`: to the slice's keys, (B', S', K',
-    ...)), and a score-shaped (B|1, N|1, T|1, S|1) one (or None) to (B', N', T', S|1); `picks` are
+    k or v (`kv_shapes`, paged through `page_table`) to the slice's rows' keys (B', S, K', ...)
+    (`on_kv_grad`: a (B, S, K, ...) gradient to the slice's keys, (B', S', K', ...)), and a
+    score-shaped (B|1, N|1, T|1, S|1) one (or None) to (B', N', T', S|1); `picks` are
     `Slice.indices()`, as NumPy (xp=numpy) or traced (xp=jax.numpy)."""
     b, t, n = spec.batch, spec.q_len, spec.num_heads
     rows, heads, queries = picks["rows"][:, None, None], picks["heads"][None, :, None], picks["queries"]
     nowhere = xp.zeros((1, 1, 1), xp.int32)
+    kv_index = key_index(spec, picks, xp, page_table)
 
     def on_q(x):
         return x[rows, queries, heads]
 
     def on_kv(x):
-        return xp.take(xp.take(x, picks["rows"], axis=0), picks["kv_heads"], axis=2)
+        return x[kv_index]
 
     def on_kv_grad(x):  # one gather: only the picked elements of a large result are read
         return x[picks["rows"][:, None, None], picks["keys"][None, :, None], picks["kv_heads"][None, None, :]]

@@ -44,11 +44,12 @@ class UncheckedGraphError(CacheMissError):
 
 def numerics_records(spec: AttentionSpec, ir: ScoreModIR | None, training: bool,
                      cache: GraphCache) -> list[tuple[CacheKey, Mapping[str, Any] | None]]:
-    """(key, numerics record or None) of each graph the call needs, from `cache` (never builds;
-    a graph not in the cache has no record)."""
+    """(key, numerics record or None) of each graph the call needs (`spec.directions_for`: the
+    training graph of a paged spec or one with sinks is its forward one alone), from `cache` (never
+    builds; a graph not in the cache has no record)."""
     env = builder.build_environment()
     records = []
-    for direction in directions_for(training):
+    for direction in directions_for(training, spec):
         key = graph_key(spec, ir, direction, env)
         found = cache.get(key)
         records.append((key, None if found is None else read_record(found[1])))
@@ -66,7 +67,7 @@ def checked(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, cache: G
     """`built` (a supported answer) once the graphs' numerics record says they are right: from the
     entries' records, else from running the check now and recording its result; otherwise an
     unsupported answer saying why. Raises `UncheckedGraphError` in strict mode for unchecked graphs."""
-    directions = directions_for(training)
+    directions = directions_for(training, spec)
     keys = [key for key, _ in numerics_records(spec, ir, training, cache)]
     with _checking.hold(keys[0].digest()):
         records = numerics_records(spec, ir, training, cache)  # another thread may have checked meanwhile

@@ -1,6 +1,6 @@
 """A float32 NumPy reference of attention with a score_mod IR, on a slice of the scores.
 
-    reference(spec, ir, training, picks, data, scalars) -> {"o", "lse", "dq", "dk", "dv", "dbias"}
+    reference(spec, ir, gradients, picks, data, scalars) -> {"o", "lse", "attends", "dq", "dk", "dv", "dbias"}
 
 The numerical check (`numerics.check`) compares cuDNN's results with it. It computes on the
 host, so it compiles nothing (compiling an XLA float32 reference was nearly all of the check's
@@ -11,7 +11,12 @@ traffic and the transcendental functions' vector speed (docs/results/). Its prod
 BLAS threads (`numerics.host_blas`). The mod runs through
 `scoremod.ir_eval` on NumPy, the backward through the IR's bprop as cuDNN's backward graph does.
 It computes only the scores of the picked (batch row, head, query row) elements, against every key,
-and dk and dv at the picked keys.
+and dk and dv at the picked keys. Keys are logical (B', S, K', H) ones: paged K/V's are given read
+from the pool through the page table (`numerics_draw.key_index`), so nothing here is paged.
+
+Attention sinks (`backends.sinks`, a spec with `sinks`): each head's sink logit s_h joins every row's
+softmax denominator after the mod and the bias, adding no value; o and lse are the sink's. A spec
+with sinks has no backward graph (`spec.directions_for`), so the check asks for its forward only.
 """
 from __future__ import annotations
 
@@ -26,17 +31,19 @@ from sdpagraph.spec import AttentionSpec
 
 
 @few_blas_threads()  # its products are small: waking every OpenBLAS thread costs more than it gives
-def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks: Mapping[str, np.ndarray],
+def reference(spec: AttentionSpec, ir: ScoreModIR | None, gradients: bool, picks: Mapping[str, np.ndarray],
               data: Mapping[str, Any], scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Attention of the slice with NumPy (module docstring): o (B', N', T', H_v), lse (B', N', T')
-    and, when training, dq (B', N', T', H), dk, dv (B', S', K', H) and dbias (B', N', T', S|1).
+    """Attention of the slice with NumPy (module docstring): o (B', N', T', H_v), lse (B', N', T'),
+    `attends` (B', N', T'), whether a row attends to some key, and, with `gradients`, dq (B', N', T', H),
+    dk, dv (B', S', K', H) and dbias (B', N', T', S|1).
 
     `picks`: the slice's batch `rows` (B',), `heads` (N',), `kv_heads` (K',), `queries`
     (B', N', T') and the `keys` (S') dk and dv are computed at. `data`: the slice of the inputs,
     query-side as (B', N', T', ...): q, the cotangent, k and v (B', S, K', H), `allowed` (where a
     query may attend, broadcastable to the scores), the positions `gen_index` reads (`q_pos`
     (B', N', T'), `kv_pos` (B', S)), the bias (None or broadcastable) and the mod's `arrays`;
-    `scalars`: the mod's scalars."""
+    the sinks' logits of the picked heads (`sinks` (N',), None or absent without sinks); `scalars`:
+    the mod's scalars."""
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
     scale = np.float32(spec.scale)
     group = spec.num_heads // spec.num_kv_heads
@@ -61,22 +68,20 @@ def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks:
     if data["bias"] is not None:
         logits = logits + f32(data["bias"])
     allowed = np.broadcast_to(np.asarray(data["allowed"], bool), logits.shape)
-    row_max = np.max(np.where(allowed, logits, -np.inf), axis=-1, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    weights = np.where(allowed, np.exp(np.where(allowed, logits, row_max) - row_max), 0.0)
-    total = np.sum(weights, axis=-1, keepdims=True)
-    probs = weights / np.where(total > 0, total, 1.0)  # rows with no allowed key: 0
-    lse = np.where(total > 0, row_max + np.log(np.where(total > 0, total, 1.0)), -np.inf)[..., 0]
+    sinks = data.get("sinks")
+    sink = None if sinks is None else f32(sinks)[None, :, None, None]  # (1, N', 1, 1)
+    probs, lse, attends = _softmax(logits, allowed, sink)
     out = probs @ v
-    result = {"o": out, "lse": lse}
-    if not training:
+    result = {"o": out, "lse": lse, "attends": attends}
+    if not gradients:
         return result
+    if ir is not None and ir.grad_output is None:
+        raise ValueError("the score_mod has no bprop, so its backward graph cannot be checked")
     # Backward as the cuDNN graph computes it: through the softmax, then the mod's bprop (the IR's
     # derived one equals the XLA backend's autodiff; a user's is what both backends run).
     d_out = f32(data["cotangent"])
-    d_logits = probs * (d_out @ v.swapaxes(-1, -2) - np.sum(d_out * out, axis=-1, keepdims=True))
-    if ir is not None and ir.grad_output is None:
-        raise ValueError("the score_mod has no bprop, so its backward graph cannot be checked")
+    row_term = np.sum(d_out * out, axis=-1, keepdims=True)  # <dO, o>
+    d_logits = probs * (d_out @ v.swapaxes(-1, -2) - row_term)
     d_score = d_logits if ir is None else mod(d_logits)
     result["dq"] = scale * (d_score @ k)
     at_keys = lambda x: np.take(x, picks["keys"], axis=-1).swapaxes(-1, -2)  # noqa: E731 - (B', N', S', T')
@@ -86,6 +91,25 @@ def reference(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, picks:
     if data["bias"] is not None:
         result["dbias"] = _bias_gradient(spec, picks, d_logits)
     return result
+
+
+def _softmax(logits: np.ndarray, allowed: np.ndarray,
+             sink: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(probabilities (B', N', T', S), logsumexp (B', N', T'), whether each row attends to some key):
+    the softmax over the allowed keys and the sink (None without sinks). A row with no allowed key
+    has probabilities 0 and logsumexp -inf, or the sink's logit."""
+    row_max = np.max(np.where(allowed, logits, -np.inf), axis=-1, keepdims=True)
+    if sink is not None:
+        row_max = np.maximum(row_max, sink)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    weights = np.where(allowed, np.exp(np.where(allowed, logits, row_max) - row_max), 0.0)
+    total = np.sum(weights, axis=-1, keepdims=True)
+    attends = total[..., 0] > 0
+    if sink is not None:
+        total = total + np.exp(sink - row_max)
+    divisor = np.where(total > 0, total, 1.0)
+    lse = np.where(total > 0, row_max + np.log(divisor), -np.inf)[..., 0]
+    return weights / divisor, lse, attends
 
 
 def _per_head(x: Any, kv_of: np.ndarray) -> np.ndarray:

@@ -1,7 +1,9 @@
 """The numerical check of cuDNN graphs on the GPU: correct graphs pass and record their
-errors; a tampered entry (another config's plan under this config's key) is caught, and the
-call runs on XLA. Skipped without a GPU (conftest.py).
+errors, graphs with cuDNN's attention sinks and paged K/V graphs too; a tampered entry (another
+config's plan under this config's key) is caught, and the call runs on XLA. Skipped without a GPU
+(conftest.py).
 """
+import dataclasses
 import functools
 
 import jax
@@ -10,13 +12,14 @@ import numpy as np
 import pytest
 
 import sdpagraph
-from sdpagraph import ffi, mods
+from sdpagraph import ffi, mods, paged
 from sdpagraph.cache import GraphCache, set_default_cache
 from sdpagraph import graph_store as cached_graphs
 from sdpagraph.numerics import check as numerics
 from sdpagraph.numerics import gate as numerics_gate
 from sdpagraph.numerics.record import NUMERICS_FIELD
 from sdpagraph.call import prepare_call
+from sdpagraph.spec import directions_for
 
 
 @pytest.fixture
@@ -88,6 +91,50 @@ def test_a_correct_graph_passes_and_records_its_errors(name, private_cache, repo
     # Recorded on disk: a new process does not check again.
     fresh = GraphCache(private_cache.directory)
     assert records(fresh, call, training) == found
+
+
+def sinks_spec():
+    """cuDNN's own attention sinks (`sink_token`), causal GQA: forward and inference graphs (a call
+    with sinks runs the backward graph of its spec without sinks)."""
+    q, k, v = inputs((2, 256, 8, 64), 2)
+    call = prepare_call(q, k, v, is_causal=True)
+    return dataclasses.replace(call.spec, sinks=True)
+
+
+def paged_spec(t):
+    """Paged K/V, GQA N16/K2, pages of 64 in a pool of 64 (the tables name 32), up to 512 keys;
+    `t` new tokens at the end of each sequence (bottom-right causal)."""
+    rng = np.random.default_rng(t)
+    q = jnp.asarray(rng.standard_normal((4, t, 16, 128)), jnp.bfloat16)
+    pool = jnp.asarray(rng.standard_normal((64, 64, 2, 128)), jnp.bfloat16)
+    table = jnp.asarray(rng.permutation(64)[:32].reshape(4, 8), jnp.int32)
+    lengths = jnp.asarray(rng.integers(t, 513, 4), jnp.int32)
+    return paged.prepare_paged_call(q, pool, pool, table, key_value_seq_lengths=lengths, is_causal=True,
+                                    causal_alignment="bottom_right").spec
+
+
+NEW_SPECS = {"sinks": sinks_spec, "paged_decode": lambda: paged_spec(1), "paged_multi_token": lambda: paged_spec(4)}
+
+
+@pytest.mark.parametrize("name", NEW_SPECS)
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+def test_sinks_and_paged_graphs_pass_the_check_and_record_exactly_their_graphs(name, training, private_cache,
+                                                                                report):
+    """Through the gate: the one graph the spec has (neither a paged spec nor one with sinks has a
+    backward: the training graph is the forward one with stats) is checked on the executor, and
+    records o's error and, for the forward graph, the logsumexp's."""
+    spec = NEW_SPECS[name]()
+    built = cached_graphs.check_graphs(spec, None, training, private_cache)
+    if not built.supported:
+        pytest.skip(f"cuDNN does not build {name} here: {built.reason}")
+    answer = cached_graphs.check_graphs(spec, None, training, private_cache, verify=numerics_gate.checked)
+    [(key, record)] = numerics_gate.numerics_records(spec, None, training, private_cache)
+    assert (key.direction,) == directions_for(training, spec) == (("forward",) if training else ("inference",))
+    report(f"numerics {name:<18} {'training' if training else 'inference':<9} {record['slice']:<40} "
+           f"{record['seconds']:.2f} s  " + " ".join(f"{key} {value:.1e}" for key, value in record["errors"].items()))
+    assert answer.supported and record["passed"] is True, (answer.reason, record["errors"])
+    assert set(record["errors"]) == ({"o", "lse", "empty_rows"} if training else {"o", "empty_rows"})
+    assert "compile_s" not in record["timings"] and record["timings"]["device_mib"] > 0  # the direct run
 
 
 def test_a_tampered_entry_is_caught_and_the_call_runs_on_xla(private_cache, caplog, report):

@@ -5,9 +5,10 @@ executor, and called with `jax.ffi.ffi_call`. A `jax.custom_vjp` runs the forwar
 graph (O and softmax stats) when differentiating and the backward graph for the
 gradients of query, key, value and bias; a call that is not differentiated runs the
 forward graph when `training=True` and the smaller inference graph otherwise.
-Attention sinks (`backends.sinks`): cuDNN's own (`sink_token` and its gradient, a spec with
-`sinks`) where the graphs build, else composed inside the custom_vjp: the backward graph is then
-given the output and stats with the sink.
+Attention sinks (`backends.sinks`) join inside the custom_vjp: in the forward graph as cuDNN's own
+`sink_token` (a spec with `sinks`) where it builds, else composed from the stats; the backward graph of
+the spec without sinks is given the output and stats with the sink, and the sinks' gradient is composed
+(cuDNN's sink backward measured 2x slower).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from sdpagraph.graphs.binning import bin_plan
 from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.scoremod.masks import SEGMENT_ARRAYS
 from sdpagraph.graphs.compiled import scalar_bits
-from sdpagraph.graphs.operands import ARRAY_PREFIX, D_SINK_TOKEN, SINK_TOKEN, graph_io, plan_layout, stats_shape
+from sdpagraph.graphs.operands import ARRAY_PREFIX, SINK_TOKEN, graph_io, plan_layout, stats_shape
 from sdpagraph.graphs.support import Support, environment_reason, graph_answer
 from sdpagraph.backends.cudnn.bins import packed as packed_bins, packer as bin_packer
 from sdpagraph.backends.cudnn import paged_decode, sharding
@@ -174,6 +175,12 @@ def _with_sinks(static: _Static, o, stats, sinks) -> tuple[Any, Any]:
     return o, _stats_as_lse(static.graph_spec, lse)
 
 
+def _without_sinks(static: _Static) -> _Static:
+    """`static` of the call's spec without cuDNN's own sinks (whose graphs are forward only)."""
+    return dataclasses.replace(static, spec=dataclasses.replace(static.spec, sinks=False),
+                               graph_spec=dataclasses.replace(static.graph_spec, sinks=False))
+
+
 def _sink_operand(static: _Static, aux: Mapping[str, Any], sinks: Any) -> dict[str, Any]:
     """`aux` and, for a graph with cuDNN's sinks, their logits as its (1, N, 1, 1) float32 operand."""
     if not static.graph_spec.sinks:
@@ -201,8 +208,6 @@ def _backward(static: _Static, q, k, v, bias, aux, o, stats, d_o) -> dict[str, A
                "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
     if static.graph_spec.bias_shape is not None:
         results["dbias"] = jax.ShapeDtypeStruct(bias.shape, bias.dtype)
-    if static.graph_spec.sinks:
-        results[D_SINK_TOKEN] = jax.ShapeDtypeStruct((1, static.graph_spec.num_heads, 1, 1), jnp.float32)
     operands = {"q": q, "k": k, "v": v, "o": o, "dO": d_o.astype(o.dtype), "stats": stats, "bias": bias, **aux}
     return _run_graph(static, "backward", operands, results)
 
@@ -211,15 +216,14 @@ def _core_bwd(static: _Static, residuals, cotangents):
     q, k, v, bias, aux, validity, o, stats, sinks = residuals
     # The stats (logsumexp) are returned without a gradient, as jax does. Rows that `attention`
     # zeroes after this core (padding, nothing to attend to) already arrive with a zero d_o.
-    # With sinks, o and stats are the sink's (out', L'): the graph's gradients are then exact.
+    # With sinks, o and stats are the sink's (out', L'), joined by cuDNN's forward graph or composed:
+    # the backward graph of the spec without sinks is then exact, and the sinks' gradient is composed.
     d_o, _ = cotangents
+    if static.graph_spec.sinks:
+        static = _without_sinks(static)
     grads = _backward(static, q, k, v, bias, aux, o, stats, d_o)
-    if sinks is None:
-        d_sinks = None
-    elif static.graph_spec.sinks:
-        d_sinks = grads[D_SINK_TOKEN].reshape(sinks.shape).astype(sinks.dtype)
-    else:
-        d_sinks = sinks_mod.gradient(d_o, o, _stats_as_lse(static.graph_spec, stats), sinks, rows=validity.q)
+    d_sinks = None if sinks is None else sinks_mod.gradient(d_o, o, _stats_as_lse(static.graph_spec, stats), sinks,
+                                                            rows=validity.q)
     dq = zero_rows(grads["dq"], validity.q)
     dk, dv = (zero_rows(grads[role], validity.kv) for role in ("dk", "dv"))
     dbias = grads.get("dbias")
@@ -271,8 +275,8 @@ def _runs_here(spec: AttentionSpec, score_mod: ScoreModIR | None, training: bool
 
 def native_sinks_spec(spec: AttentionSpec, score_mod: ScoreModIR | None, training: bool,
                       verify: Callable[..., Any] | None, inputs: RuntimeInputs) -> AttentionSpec | None:
-    """The spec of the call with cuDNN's own sinks when they are asked for (`SDPAGRAPH_NATIVE_SINKS=1`)
-    and its graphs build here and pass their check, else None (the sinks are then composed)."""
+    """The spec of the call with cuDNN's own sinks in its forward graph (`SDPAGRAPH_NATIVE_SINKS`, on
+    by default) when that graph builds here and passes its check, else None (the sinks are then composed)."""
     if not NATIVE_SINKS.enabled():
         return None
     native = dataclasses.replace(spec, sinks=True)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from sdpagraph.scoremod.ir_eval import evaluate
 from sdpagraph.scoremod.masks import segment_ir
 from sdpagraph import paged
-from sdpagraph.graphs.operands import ARRAY_PREFIX, D_SINK_TOKEN, PAGE_TABLES, SINK_TOKEN
+from sdpagraph.graphs.operands import ARRAY_PREFIX, PAGE_TABLES, SINK_TOKEN
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.backends import registry, sinks
 
@@ -41,9 +41,9 @@ def run_on_xla(static: Any, operands: Mapping[str, Any], results: Mapping[str, A
     if "dq" not in results:
         out, stats = forward(q, k, v, bias, sink)
         return {"o": out.astype(q.dtype), "stats": stats} if "stats" in results else {"o": out.astype(q.dtype)}
-    out, pullback = jax.vjp(lambda *args: forward(*args)[0], q, k, v, bias, sink)
-    dq, dk, dv, dbias, dsink = pullback(operands["dO"].astype(out.dtype))
-    grads = {"dq": dq, "dk": dk, "dv": dv, "dbias": dbias, D_SINK_TOKEN: dsink}
+    out, pullback = jax.vjp(lambda q, k, v, bias: forward(q, k, v, bias)[0], q, k, v, bias)
+    dq, dk, dv, dbias = pullback(operands["dO"].astype(out.dtype))
+    grads = {"dq": dq, "dk": dk, "dv": dv, "dbias": dbias}
     return {role: grads[role].astype(results[role].dtype) for role in results}
 
 

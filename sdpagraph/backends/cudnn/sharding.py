@@ -51,7 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from sdpagraph.cache import CacheMissError
 from sdpagraph.config import PARTITION
-from sdpagraph.graphs.operands import D_SINK_TOKEN, PAGE_TABLES
+from sdpagraph.graphs.operands import PAGE_TABLES
 from sdpagraph.meshes import explicit_axes
 from sdpagraph.logs import log_once, logger
 from sdpagraph.scoremod.ir import Node, ScoreModIR
@@ -328,7 +328,7 @@ def _sum_broadcast_grad(role: str, shape: tuple[int, ...], x: Any, call: _GraphC
     """Gradients of an operand that is whole on every device while the call is split: each device
     holds the sum over its shard only, the gradient is the sum over every shard. The bias (and its
     gradient) broadcast over a split batch or heads, and key/value with one head (MQA) under split
-    query heads, and the sinks' gradient under a split batch. `shape`: the global shape of `x`."""
+    query heads. `shape`: the global shape of `x`."""
     spec = call.static.graph_spec
     axes: tuple[str, ...] = ()
     if role == "dbias":
@@ -338,8 +338,6 @@ def _sum_broadcast_grad(role: str, shape: tuple[int, ...], x: Any, call: _GraphC
             axes += split.head_axes
     elif role in ("dk", "dv") and split.heads > 1 and split.kv_heads == 1:
         axes = split.head_axes
-    elif role == D_SINK_TOKEN:  # (1, N, 1, 1): summed over the batch
-        axes = split.batch_axes
     return jax.lax.psum(x, axes) if axes else x
 
 
