@@ -257,7 +257,9 @@ LONG_CALLS = (
     ("dense causal", 32768, {}, None, False, (("ring", True), ("auto", True)), 1.7),
 )
 CPU_SCALE = 128  # --cpu: lengths, documents, windows and chunks divided by this
-RING_ON_XLA_MAX_LEN = 32768  # longer rings on XLA blocks are skipped on GPUs: seconds per step
+# Longer rings on XLA blocks are skipped on GPUs: 0.02-0.03x of one GPU at T16384-32768 already
+# (docs/results/h100x2-2026-11-26-context-parallel.md), seconds per step beyond.
+RING_ON_XLA_MAX_LEN = 16384
 
 
 def long_call(index, cpu):

@@ -126,11 +126,13 @@ def choose_strategy(spec: AttentionSpec, cp: int, strategy: str, ring_on_xla: bo
     1. "halo" for bounded sliding windows and chunks that fit the blocks (`halo.unsupported`), while
        its traffic is at most AUTO_HALO_TRAFFIC's share of all_to_all's (`_halo_traffic_share`), or
        when the heads do not divide cp (no all_to_all; the ring runs windows and chunks on XLA blocks);
-    2. all_to_all when the heads divide cp and either T <= AUTO_ALL_TO_ALL_MAX_LEN or the ring would
-       run XLA blocks (`ring_on_xla`: windows, packed segments, mask_mods; all_to_all runs those on
-       cuDNN). Measured on two GPUs up to T65536: the ring's transfers hide behind its blocks' compute
-       only when blocks are long, while all_to_all runs one whole-sequence call per device but moves
-       q, k, v and o unhidden;
+    2. all_to_all when the heads divide cp and either T <= AUTO_ALL_TO_ALL_MAX_LEN, or the ring would
+       run XLA blocks (`ring_on_xla`: windows, mask_mods; all_to_all runs those on cuDNN), or the call
+       has packed documents: on 2 H100s the ring's document blocks ran 0.02x of one GPU at T32768 and
+       T131072 (correct, cause not found yet) where all_to_all ran 1.18x / 1.38x
+       (docs/results/h100x2-2026-11-26-context-parallel.md). Measured on two GPUs up to T65536 for
+       dense calls: the ring's transfers hide behind its blocks' compute only when blocks are long,
+       while all_to_all runs one whole-sequence call per device but moves q, k, v and o unhidden;
     3. else the ring."""
     if strategy != "auto":
         return strategy
@@ -140,7 +142,8 @@ def choose_strategy(spec: AttentionSpec, cp: int, strategy: str, ring_on_xla: bo
         limit = next(limit for least, limit in AUTO_HALO_TRAFFIC if cp >= least)
         if not heads_divide or share <= limit:
             return "halo"
-    return "all_to_all" if heads_divide and (spec.q_len <= AUTO_ALL_TO_ALL_MAX_LEN or ring_on_xla) else "ring"
+    ring_slow = ring_on_xla or bool(spec.segments)
+    return "all_to_all" if heads_divide and (spec.q_len <= AUTO_ALL_TO_ALL_MAX_LEN or ring_slow) else "ring"
 
 
 def _halo_traffic_share(spec: AttentionSpec, cp: int, load_balanced: bool) -> float:

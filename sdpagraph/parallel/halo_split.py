@@ -63,14 +63,16 @@ def _forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks) -> tuple[Any,
     local, halo = plan.statics()
     inputs = RuntimeInputs(mod_arrays=arrays)
     out, lse = primary.block_forward(local, q, *local_kv, primary.block_operands(local, inputs))
-    if halo is not None:  # only the first `rows` rows change: updated in place
+    if halo is not None:  # only the first `rows` rows change
         hq, hk, hv = _halo_inputs(plan, q, halo_kv)
         h_out, h_lse = primary.block_forward(halo, hq, hk, hv, primary.block_operands(halo, inputs))
         if plan.reverse:
             h_out, h_lse = _flip(h_out), _flip(h_lse, axis=-1)
         head, head_lse = merge((out[:, :plan.rows], lse[..., :plan.rows]), (h_out, h_lse))
-        out = jax.lax.dynamic_update_slice_in_dim(out, head.astype(out.dtype), 0, axis=1)
-        lse = jax.lax.dynamic_update_slice_in_dim(lse, head_lse, 0, axis=2)
+        # (joined by concatenation: an in-place update of the graph's result made XLA 0.11 report a
+        # cycle in a dynamic-slice fusion on 2 H100s)
+        out = jnp.concatenate([head.astype(out.dtype), out[:, plan.rows:]], axis=1)
+        lse = jnp.concatenate([head_lse, lse[..., plan.rows:]], axis=-1)
     out = out.astype(q.dtype)
     return (out, lse) if sinks is None else sinks_mod.apply(out, lse, sinks)
 
@@ -106,7 +108,7 @@ def _split_bwd(plan: SplitPlan, residuals, cotangents):
         if plan.reverse:
             h_dq, h_dk, h_dv = _flip(h_dq), _flip(h_dk), _flip(h_dv)
         head = dq[:, :plan.rows].astype(jnp.float32) + h_dq.astype(jnp.float32)
-        dq = jax.lax.dynamic_update_slice_in_dim(dq, head.astype(dq.dtype), 0, axis=1)
+        dq = jnp.concatenate([head.astype(dq.dtype), dq[:, plan.rows:]], axis=1)
         d_halo = (h_dk, h_dv)
     else:
         d_halo = jax.tree.map(jnp.zeros_like, halo_kv)
