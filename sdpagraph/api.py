@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from sdpagraph.cache import CacheMissError
-from sdpagraph.config import NATIVE_SINKS
+from sdpagraph.config import NATIVE_SINKS, xla_deterministic_ops
 from sdpagraph.graphs.support import Support
 from sdpagraph.parallel import context_parallel
 from sdpagraph.backends import registry, sinks as sinks_mod
@@ -50,6 +50,18 @@ def _prepare(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = Non
     if page_table is not None:
         return paged.prepare_paged_call(query, key, value, page_table, bias, mask, **kwargs)
     return prepare_call(query, key, value, bias, mask, **kwargs)
+
+
+def _with_determinism(call: PreparedCall, deterministic: Any) -> PreparedCall:
+    """`call` with its spec asking for cuDNN's deterministic backward when `deterministic` is True, or
+    None and XLA runs deterministic ops (`--xla_gpu_deterministic_ops=true` in XLA_FLAGS)."""
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be True, False or None, got {type(deterministic).__name__}")
+    if deterministic is None:
+        deterministic = xla_deterministic_ops()
+    if not deterministic:
+        return call
+    return dataclasses.replace(call, spec=dataclasses.replace(call.spec, deterministic=True))
 
 
 def _check_implementation(implementation: Any) -> None:
@@ -161,6 +173,7 @@ def attention(
     max_seqlen_q: int | None = None,
     max_seqlen_kv: int | None = None,
     page_table: Any = None,
+    deterministic: bool | None = None,
     context_parallel_axis: str | None = None,
     load_balanced: bool = False,
     context_parallel_strategy: str = "ring",
@@ -247,6 +260,9 @@ def attention(
         recommended), differentiable; exp(sinks[n]) joins each row's softmax denominator and
         adds no value (not passed through score_mod or bias). On cuDNN too, with gradients
         (docs/sinks.md); the residual then includes the sink.
+      deterministic: run cuDNN's deterministic backward algorithm (bitwise-reproducible gradients,
+        usually slower); None (default): when XLA runs with `--xla_gpu_deterministic_ops=true`
+        (`XLA_FLAGS`), as XLA's own ops then are.
       page_table: paged K/V for serving (docs/paged.md): `key` and `value` are then page pools
         `(num_pages, page_size, K, H)`, `page_table` `(B, max_pages)` int32 lists each
         sequence's pages in order, and `key_value_seq_lengths` its key count; T = 1 is
@@ -311,6 +327,7 @@ def attention(
         score_mod_tensors=score_mod_tensors, score_mod_bprop=score_mod_bprop, mask_mod=mask_mod,
         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
     )
+    call = _with_determinism(call, deterministic)
     if page_table is not None:  # inference only: the inference graph, and no gradient
         training = False
         query, key, value = paged.inference_only(query, key, value)
@@ -359,6 +376,7 @@ def check_support(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
     """
     kwargs.pop("return_residual", None)
     sinks = kwargs.pop("sinks", None)
+    deterministic = kwargs.pop("deterministic", None)
     implementation = kwargs.pop("implementation", None)
     _check_implementation(implementation)
     parallel = {name: kwargs.pop(name) for name in ("context_parallel_axis", "load_balanced",
@@ -367,7 +385,7 @@ def check_support(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
     if axis is not None and kwargs.get("segment_ids") is not None:
         kwargs["segment_ids"] = context_parallel.natural_order(kwargs["segment_ids"], axis, parallel.get("mesh"),
                                                                parallel.get("load_balanced", False))
-    call = _prepare(query, key, value, bias, mask, **kwargs)
+    call = _with_determinism(_prepare(query, key, value, bias, mask, **kwargs), deterministic)
     if call.spec.paged is not None:  # inference only
         training = False
     if sinks is not None:

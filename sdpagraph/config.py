@@ -34,6 +34,16 @@ def _environ(environ: Environ) -> Mapping[str, str]:
     return os.environ if environ is None else environ
 
 
+_DETERMINISTIC_FLAG = re.compile(r"(?:^|\s)--xla_gpu_deterministic_ops(?:=(\S*))?(?=\s|$)")
+
+
+def xla_deterministic_ops(environ: Environ = None) -> bool:
+    """Whether XLA_FLAGS asks XLA for deterministic GPU ops (`--xla_gpu_deterministic_ops[=true]`;
+    the last occurrence wins, as in XLA's flag parsing)."""
+    found = _DETERMINISTIC_FLAG.findall(_environ(environ).get("XLA_FLAGS", ""))
+    return bool(found) and found[-1].lower() in ("", "true", "1")
+
+
 @dataclass(frozen=True)
 class Variable:
     """One variable. `default` is what an unset variable means, as README shows it ("": nothing).

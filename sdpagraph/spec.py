@@ -48,7 +48,7 @@ def directions_for(training: bool, spec: "AttentionSpec | None" = None) -> tuple
 
 # name -> default (see AttentionSpec.to_dict)
 _FIELDS_ADDED_LATER = {"segment_mask": False, "max_seqlen_q": None, "max_seqlen_kv": None, "sinks": False,
-                       "paged": None}
+                       "paged": None, "deterministic": False}
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,9 @@ class AttentionSpec:
     # Paged K/V (`sdpagraph.paged`): (num_pages, page_size) of the key/value pools, whose logical keys
     # are (B, S = max_pages * page_size, K, H); None for dense keys.
     paged: tuple[int, int] | None = None
+    # cuDNN's deterministic backward algorithm (`attention(..., deterministic=)`); forward graphs are
+    # the same either way (keyed without it: `graphs.builder.graph_identity`).
+    deterministic: bool = False
 
     @property
     def has_window(self) -> bool:
@@ -150,6 +153,8 @@ class AttentionSpec:
             parts.append("sinks")
         if self.paged is not None:
             parts.append(f"paged({self.paged[0]}x{self.paged[1]})")
+        if self.deterministic:
+            parts.append("deterministic")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:

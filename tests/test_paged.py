@@ -11,7 +11,7 @@ import sdpagraph
 from sdpagraph.errors import Unsupported
 from sdpagraph.graphs.lowering import _check_lowerable
 from sdpagraph.graphs.operands import PAGE_TABLES, graph_io
-from sdpagraph.paged import PagedGradientError
+from sdpagraph.paged import PagedGradientError, prepare_paged_call
 from tests.test_sharding import cudnn_on_cpu  # noqa: F401 (a fixture)
 
 PAGE, POOL = 4, 24
@@ -69,7 +69,7 @@ def test_decode_multi_token_and_chunked_prefill_match_the_reference(rng, t, pref
 
 def test_decode_is_not_causal_and_equals_dense_attention_on_the_gathered_keys(rng):
     q, kp, vp, table, lengths = paged_inputs(rng)
-    call = sdpagraph.paged.prepare_paged_call(q, kp, vp, table, is_causal=True, causal_alignment="bottom_right",
+    call = prepare_paged_call(q, kp, vp, table, is_causal=True, causal_alignment="bottom_right",
                                               key_value_seq_lengths=lengths)
     assert not call.spec.is_causal and call.spec.paged == (POOL, PAGE) and call.spec.kv_len == 5 * PAGE
     dense = [np.asarray(x)[np.asarray(table)].reshape(3, 5 * PAGE, 2, 16) for x in (kp, vp)]
@@ -151,7 +151,7 @@ def test_check_support_answers_for_paged_calls(rng, cudnn_on_cpu):
     answer = sdpagraph.check_support(q, kp, vp, page_table=table, key_value_seq_lengths=lengths,
                                      implementation="cudnn")
     assert answer.supported and answer.backend == "cudnn"  # the stand-in builds; the real lowering refuses:
-    call = sdpagraph.paged.prepare_paged_call(q, kp, vp, table, key_value_seq_lengths=lengths,
+    call = prepare_paged_call(q, kp, vp, table, key_value_seq_lengths=lengths,
                                               score_mod=sdpagraph.mods.softcap(30.0))
     with pytest.raises(Unsupported, match="padding mask"):
         _check_lowerable(call.spec, call.score_mod, "inference")

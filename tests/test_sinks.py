@@ -325,15 +325,19 @@ def test_in_a_process_with_two_cpu_devices():
     rerun_with_cpu_devices(__file__, DEVICES, timeout=600)
 
 
-@needs_devices
-@pytest.mark.parametrize("strategy", ["ring", "all_to_all", "halo"])
-def test_context_parallel_sinks(rng, strategy):
-    shapes = (2, 8, 8, 4, 2, 8)
-    x = inputs(rng, shapes)
+def split_along_the_sequence(rng):
+    """(inputs, the mesh "cp" of the devices, the inputs with q, k, v split along it, a cotangent)."""
+    x = inputs(rng, (2, 8, 8, 4, 2, 8))
     mesh = make_mesh((DEVICES,), ("cp",))
     sharded = {n: jax.device_put(a, jax.sharding.NamedSharding(mesh, P(None, "cp"))) if n != "sinks" else a
                for n, a in x.items()}
-    d_out = rng.standard_normal((2, 8, 4, 8))
+    return x, mesh, sharded, rng.standard_normal((2, 8, 4, 8))
+
+
+@needs_devices
+@pytest.mark.parametrize("strategy", ["ring", "all_to_all", "halo"])
+def test_context_parallel_sinks(rng, strategy):
+    x, mesh, sharded, d_out = split_along_the_sequence(rng)
     attend = lambda x: sdpagraph.attention(  # noqa: E731
         x["q"], x["k"], x["v"], sinks=x["sinks"], is_causal=True, local_window_size=(2, 0),
         context_parallel_axis="cp", mesh=mesh,
@@ -374,12 +378,7 @@ def test_context_parallel_sinks_on_cudnn_blocks(rng, strategy, cudnn_graphs_on_c
     """The blocks' backward reads only the o and stats it is given (`stats_backward_executor`): the
     sinks join once per row (the ring's final merge, each device's call) and their gradient is summed
     over the devices."""
-    shapes = (2, 8, 8, 4, 2, 8)
-    x = inputs(rng, shapes)
-    mesh = make_mesh((DEVICES,), ("cp",))
-    sharded = {n: jax.device_put(a, jax.sharding.NamedSharding(mesh, P(None, "cp"))) if n != "sinks" else a
-               for n, a in x.items()}
-    d_out = rng.standard_normal((2, 8, 4, 8))
+    x, mesh, sharded, d_out = split_along_the_sequence(rng)
     window = (2, 0) if strategy == "halo" else None  # the ring runs cuDNN blocks without a window
     attend = lambda x: sdpagraph.attention(  # noqa: E731
         x["q"], x["k"], x["v"], sinks=x["sinks"], is_causal=True, local_window_size=window,

@@ -6,6 +6,7 @@ whose arguments make the call invalid.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 from contextlib import contextmanager
@@ -98,10 +99,16 @@ def _parse_recorded(item: Mapping[str, Any]) -> SpecEntry:
 
 def _check_runtime_makes(spec: AttentionSpec) -> None:
     """Reject a spec the runtime never produces (an edited file would build useless graphs)."""
-    made = _trace_call(_arguments_of(spec)).spec
+    if spec.paged is not None and (spec.paged[0] < 1 or spec.paged[1] < 1 or spec.kv_len % spec.paged[1]):
+        raise ValueError(f"paged={list(spec.paged)} needs [num_pages >= 1, page_size >= 1] with the key length "
+                         f"S={spec.kv_len} a multiple of page_size (S = max_pages * page_size)")
+    # What the runtime sets on a prepared call's spec: paged K/V (`paged.prepare_paged_call`), cuDNN's
+    # own sinks (`backends.cudnn`), the deterministic backward (`attention(..., deterministic=)`)
+    made = dataclasses.replace(_trace_call(_arguments_of(spec)).spec, paged=spec.paged, sinks=spec.sinks,
+                               deterministic=spec.deterministic)
     if made.canonical() != spec.canonical():
         given, expected = spec.to_dict(), made.to_dict()
-        different = [name for name in given if json.dumps(given[name]) != json.dumps(expected[name])]
+        different = [name for name in given if json.dumps(given[name]) != json.dumps(expected.get(name))]
         raise ValueError("not what the runtime makes of these arguments: "
                          + ", ".join(f"{name} is {given[name]!r}, the runtime has {expected[name]!r}"
                                      for name in different))

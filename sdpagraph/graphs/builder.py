@@ -52,6 +52,7 @@ Packed (THD) graphs need H == Hv and take no bias or mask, and no score_mod or c
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import importlib.metadata
 import os
@@ -147,7 +148,10 @@ def graph_identity(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -
         ir_hash = NO_MOD
     else:
         ir_hash = ir.digest if direction == "backward" else ir.forward_digest
-    return graph_spec(spec, ir).canonical(), f"lowering{LOWERING_VERSION}:{ir_hash}"
+    spec = graph_spec(spec, ir)
+    if direction != "backward":  # the deterministic algorithm is the backward's: one forward graph serves both
+        spec = dataclasses.replace(spec, deterministic=False)
+    return spec.canonical(), f"lowering{LOWERING_VERSION}:{ir_hash}"
 
 
 def compile_graph(spec: AttentionSpec, ir: ScoreModIR | None, direction: str,

@@ -111,6 +111,8 @@ def lower(graph: Any, spec: AttentionSpec, ir: ScoreModIR | None, direction: str
         if spec.bias_shape is not None:
             options["dBias"] = graph.tensor(name="dbias", dim=list(descs["dbias"].dims),
                                             stride=list(descs["dbias"].strides), data_type=types["io"])
+        if spec.deterministic:
+            options["use_deterministic_algorithm"] = True
         dq, dk, dv = graph.sdpa_backward(name="sdpa_backward", q=tensors["q"], k=tensors["k"], v=tensors["v"],
                                          o=tensors["o"], dO=tensors["dO"], stats=tensors["stats"], **options)
         outputs = {"dq": dq, "dk": dk, "dv": dv, "dbias": options.get("dBias")}

@@ -18,8 +18,9 @@ Chunks that cut blocks unevenly are not taken (`unsupported`).
 The halos come from the devices holding the neighbouring blocks, one `jax.lax.ppermute` per block
 step they reach across (a window wider than a block spans several), each carrying only the tokens
 needed; a device sending two pieces of one step (load-balanced) sends them in two rounds, and a
-piece of its own other block is a local slice (`_receive`). Then ONE attention call per block runs
-its queries over [left halo ++ its keys ++ right halo]. Under autodiff the transpose of each
+piece of its own other block is a local slice (`_receive`). Then one attention call per block runs
+its queries over [left halo ++ its keys ++ right halo], or, for causal blocks on cuDNN, two calls
+that take the block's own keys and the halo apart, never joined into one buffer (`_split_block`). Under autodiff the transpose of each
 ppermute sends the halo's dk/dv back to the device that holds those keys: gradients need no code of
 their own.
 
@@ -242,15 +243,16 @@ def _receive(plan: HaloPlan, kv: tuple[Any, Any], wanted: list, offset: int, len
     return tuple(jax.lax.select_n(which, *(c[i] for c in candidates)) for i in range(len(kv)))
 
 
-def _with_halos(plan: HaloPlan, kv: tuple[Any, Any], slot: int) -> tuple[Any, ...]:
-    """[left halo ++ the block in `slot` ++ right halo] of k and v, the halos `HaloLayout.reach`
-    long (the farthest block's tokens first on the left)."""
+def _halos(plan: HaloPlan, kv: tuple[Any, Any], slot: int) -> tuple[tuple[Any, ...] | None, tuple[Any, ...] | None]:
+    """(left halo, right halo) of k and v for the block in `slot`, each `HaloLayout.reach` long (the
+    farthest block's tokens first on the left), or None where the reach is 0."""
     layout = plan.layout
-    block, (left, right) = layout.block, layout.reach(slot)
-    parts = [tuple(x[:, slot * block:(slot + 1) * block] for x in kv)]
-    for before, reach in ((True, left), (False, right)):
-        for step in range(1, -(-reach // block) + 1):
-            length = min(block, reach - (step - 1) * block)
+    block, reach = layout.block, layout.reach(slot)
+    halos = []
+    for before, length_reached in ((True, reach[0]), (False, reach[1])):
+        parts = []
+        for step in range(1, -(-length_reached // block) + 1):
+            length = min(block, length_reached - (step - 1) * block)
             wanted = []
             for blocks in layout.blocks_of:
                 mine = blocks[slot]
@@ -258,6 +260,15 @@ def _with_halos(plan: HaloPlan, kv: tuple[Any, Any], slot: int) -> tuple[Any, ..
                 wanted.append(layout.holder[mine - step if before else mine + step] if needs else None)
             got = _receive(plan, kv, wanted, block - length if before else 0, length)
             parts = [got, *parts] if before else [*parts, got]
+        halos.append(tuple(jnp.concatenate([p[i] for p in parts], axis=1) for i in range(len(kv))) if parts else None)
+    return halos[0], halos[1]
+
+
+def _with_halos(plan: HaloPlan, kv: tuple[Any, Any], slot: int) -> tuple[Any, ...]:
+    """[left halo ++ the block in `slot` ++ right halo] of k and v (`_halos`)."""
+    block = plan.layout.block
+    before, after = _halos(plan, kv, slot)
+    parts = [p for p in (before, tuple(x[:, slot * block:(slot + 1) * block] for x in kv), after) if p is not None]
     return tuple(jnp.concatenate([p[i] for p in parts], axis=1) for i in range(len(kv)))
 
 
@@ -321,10 +332,13 @@ def _block_attention(plan: HaloPlan, slot: int, me, q, k, v, arrays, sinks) -> t
     layout = plan.layout
     block, left = layout.block, layout.reach(slot)[0]
     q = q[:, slot * block:(slot + 1) * block]
-    keys, values = _with_halos(plan, (k, v), slot)
     mine = [blocks[slot] for blocks in layout.blocks_of]
-    q_start = jnp.asarray(mine, jnp.int32)[me] * block
     cases = sorted({layout.case_of(b) for b in mine})
+    table = jnp.asarray([cases.index(layout.case_of(b)) for b in mine], jnp.int32)
+    if plan.backend != registry.reference().name and all(split_plan(plan, case) is not None for case in cases):
+        return _split_block(plan, slot, me, q, k, v, arrays, sinks, cases, table)
+    keys, values = _with_halos(plan, (k, v), slot)
+    q_start = jnp.asarray(mine, jnp.int32)[me] * block
     run = _case_xla if plan.backend == registry.reference().name else _case_cudnn
 
     def branch(case):
@@ -334,8 +348,30 @@ def _block_attention(plan: HaloPlan, slot: int, me, q, k, v, arrays, sinks) -> t
 
     if len(cases) == 1:
         return branch(cases[0])(q, keys, values)
-    table = jnp.asarray([cases.index(layout.case_of(b)) for b in mine], jnp.int32)
     return jax.lax.switch(table[me], [branch(case) for case in cases], q, keys, values)
+
+
+def _split_block(plan: HaloPlan, slot: int, me, q, k, v, arrays, sinks, cases, table) -> tuple[Any, Any]:
+    """A causal block on cuDNN whose every case splits (`split_plan`): its own keys and the halo it
+    receives go to the two calls apart, never joined into one buffer (a copy of the whole block, and
+    of its gradients, per step)."""
+    block = plan.layout.block
+    local = tuple(x[:, slot * block:(slot + 1) * block] for x in (k, v))
+    before, _ = _halos(plan, (k, v), slot)  # causal: nothing after
+
+    def branch(case):
+        split = split_plan(plan, case)
+        if split.halo is None:
+            return lambda q, local, before: _case_cudnn(plan, case, None, q, *local, arrays, sinks)
+        hl = case[0]  # the halo buffer is `reach` long: its last hl tokens are this case's
+        return lambda q, local, before: split_attention(split, q, local, tuple(x[:, x.shape[1] - hl:] for x in before),
+                                                        arrays, sinks)
+
+    if before is None:
+        before = tuple(x[:, :0] for x in local)
+    if len(cases) == 1:
+        return branch(cases[0])(q, local, before)
+    return jax.lax.switch(table[me], [branch(case) for case in cases], q, local, before)
 
 
 def halo_attention(plan: HaloPlan, q, k, v, arrays: Mapping[str, Any], sinks: Any = None) -> tuple[Any, Any]:
