@@ -27,3 +27,24 @@ def whole_along_sequence(ids: Any) -> Any:
     if len(spec) < 2 or spec[1] is None:
         return ids
     return jax.sharding.reshard(ids, NamedSharding(sharding.mesh, P(*spec[:1])))
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes (inside a `shard_map`) `x`'s value varies over."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def varying_like(x: Any, operands: Any, axes: Any = ()) -> Any:
+    """`x` typed as varying over every manual mesh axis some operand varies over, and over `axes`.
+    Inside a `shard_map`, an FFI call's results come back invariant whatever its operands are, and a
+    custom_vjp's gradient must carry its primal's manual axes; a value replicated over axes it is
+    then typed as varying over has its gradient summed over them by this cast's transpose."""
+    wanted = frozenset(axes).union(*(varying_axes(op) for op in operands if op is not None and hasattr(op, "shape")))
+    missing = tuple(sorted(wanted - varying_axes(x)))
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)  # the older name

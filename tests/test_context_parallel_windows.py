@@ -227,3 +227,27 @@ def test_halo_with_a_batch_axis_and_inside_shard_map():
     assert_same(jax.jit(value_and_grads(lambda q, k, v: attn(q, k, v, m)))(*args), ref)  # the batch over "data"
     inner = jax.shard_map(attn, mesh=m, in_specs=spec, out_specs=spec)  # q, k, v are the local blocks
     assert_same(jax.jit(value_and_grads(inner))(*args), ref)
+
+
+@needs_devices
+@pytest.mark.parametrize("strategy", ["halo", "ring", "all_to_all"])
+def test_sinks_inside_a_shard_map_over_another_axis_too(strategy):
+    """Inside a user's shard_map over ("data", "cp"), q varies over both axes: the sinks' gradient
+    must too (summed over both by the transposes), not over "cp" alone."""
+    rng = np.random.default_rng(31)
+    q, k, v = (jnp.asarray(rng.standard_normal((4, T, N, H)), jnp.float32) for _ in range(3))
+    sinks = jnp.asarray(rng.standard_normal(N), jnp.float32)
+    kwargs = dict(is_causal=True, local_window_size=(5, 0))
+    mesh = make_mesh((2, 2), ("data", "cp"))
+
+    def local(q, k, v, sinks):
+        return sdpagraph.attention(q, k, v, sinks=sinks, context_parallel_axis="cp", context_parallel_strategy=strategy,
+                                   implementation="xla", **kwargs)
+
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(P("data", "cp"),) * 3 + (P(),), out_specs=P("data", "cp"))
+    loss = lambda f: lambda q, k, v, s: jnp.sum(f(q, k, v, s) ** 2)  # noqa: E731
+    got = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+    one = lambda q, k, v, s: sdpagraph.attention(q, k, v, sinks=s, implementation="xla", **kwargs)  # noqa: E731
+    want = jax.grad(loss(one), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4)

@@ -95,7 +95,7 @@ def test_ffi_results_vary_over_the_manual_axes_their_operands_vary_over():
     (seen on an H100 with context parallelism's all_to_all strategy, jax 0.11.2)."""
     from jax.sharding import Mesh, PartitionSpec as P
 
-    from sdpagraph.backends.cudnn.backend import _varying_axes, varying_like
+    from sdpagraph.meshes import varying_axes as _varying_axes, varying_like
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("cp",))
     seen = {}

@@ -157,3 +157,26 @@ def test_check_support_answers_for_paged_calls(rng, cudnn_on_cpu):
         _check_lowerable(call.spec, call.score_mod, "inference")
     with pytest.raises(Unsupported, match="inference-only"):
         _check_lowerable(call.spec, None, "backward")
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_a_multi_token_decode_with_sinks_on_the_cudnn_path_keeps_them(rng, native, cudnn_on_cpu, monkeypatch):
+    """The fold's merged logsumexp is the whole row's: the sinks join after it (cuDNN's own sinks would
+    take the call off its folded form, so they are composed there)."""
+    monkeypatch.setenv("SDPAGRAPH_NATIVE_SINKS", native)
+    q, kp, vp, table, lengths = paged_inputs(rng, t=4)
+    sinks = jnp.asarray(rng.standard_normal(8), jnp.float32)
+    out = sdpagraph.attention(q, kp, vp, page_table=table, key_value_seq_lengths=lengths, is_causal=True,
+                              causal_alignment="bottom_right", sinks=sinks, implementation="cudnn")
+    want = reference(q, kp, vp, table, np.asarray(lengths), sinks=sinks)
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    assert all(not spec.sinks for spec, _, _ in cudnn_on_cpu[0])
+
+
+def test_sequences_shorter_than_the_new_tokens_see_only_the_keys_they_have(rng, cudnn_on_cpu):
+    q, kp, vp, table, _ = paged_inputs(rng, t=4)
+    lengths = jnp.asarray([2, 9, 1], jnp.int32)
+    attend = lambda implementation: sdpagraph.attention(  # noqa: E731
+        q, kp, vp, page_table=table, key_value_seq_lengths=lengths, is_causal=True, causal_alignment="bottom_right",
+        implementation=implementation)
+    np.testing.assert_allclose(attend("cudnn"), attend("xla"), rtol=2e-5, atol=2e-5)

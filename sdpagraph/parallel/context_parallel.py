@@ -38,7 +38,7 @@ from sdpagraph.call import PreparedCall, notify_trace_listeners
 from sdpagraph.parallel.load_balance import load_balance, unload_balance
 from sdpagraph.segments.metadata import segment_positions, segment_run_ids
 from sdpagraph.backends.cudnn.sharding import Split, local_ir, local_spec
-from sdpagraph.meshes import whole_along_sequence
+from sdpagraph.meshes import varying_like, whole_along_sequence
 from sdpagraph.spec import AttentionSpec
 
 STRATEGIES = ("ring", "all_to_all", "halo", "auto")
@@ -291,29 +291,19 @@ def _all_to_all(call, local: AttentionSpec, axis, cp, load_balanced, backend, q,
     if ids is not None:
         ids = jax.lax.all_gather(ids, axis, axis=1, tiled=True)  # natural order (`natural_order`)
         inputs = dataclasses.replace(inputs, q_segment_ids=ids, kv_segment_ids=ids)
+    # the numerical check, for graphs the call runs in place of the plan's (chunks as documents, sinks)
+    verify = numerics_gate.checked
     if sinks is None:
-        out, lse = registry.get(backend).attention(spec, q, k, v, inputs, ir, training=True)
+        out, lse = registry.get(backend).attention(spec, q, k, v, inputs, ir, training=True, verify=verify)
     else:  # this device's heads' sinks
         sinks = jax.lax.dynamic_slice_in_dim(sinks, me * spec.num_heads, spec.num_heads)
-        out, lse = registry.get(backend).attention_with_sinks(spec, q, k, v, inputs, ir, sinks)
+        out, lse = registry.get(backend).attention_with_sinks(spec, q, k, v, inputs, ir, sinks, verify=verify)
     if load_balanced:
         out, lse = load_balance(out, cp), load_balance(lse, cp, seq_axis=2)
     return jax.lax.all_to_all(out, axis, 1, 2, tiled=True), jax.lax.all_to_all(lse, axis, 2, 1, tiled=True)
 
 
 # ----------------------------------------------------------------------------- entry
-
-def _varying(x: Any, axes: tuple[str, ...]) -> Any:
-    """`x`, replicated over the mesh `axes` inside the shard_map, typed as varying over them: a
-    custom_vjp there gives its gradient the type of its other results (varying), and the transpose
-    of this cast sums it over the devices."""
-    axes = tuple(a for a in axes if a not in getattr(jax.typeof(x), "vma", ()))
-    if not axes:
-        return x
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(x, axes, to="varying")
-    return jax.lax.pvary(x, axes)  # the older name
-
 
 def attention(call: PreparedCall, q: Any, k: Any, v: Any, *, axis: str, load_balanced: bool, strategy: str,
               mesh: Any, implementation: str | None, sinks: Any = None) -> tuple[Any, Any]:
@@ -333,8 +323,8 @@ def attention(call: PreparedCall, q: Any, k: Any, v: Any, *, axis: str, load_bal
     ids = call.inputs.q_segment_ids
 
     def body(q, k, v, arrays, ids, sinks):
-        if sinks is not None:
-            sinks = _varying(sinks, (axis, *how.batch_axes))
+        if sinks is not None:  # varying as q (inside a user's shard_map, over its other axes too)
+            sinks = varying_like(sinks, (q,), (axis, *how.batch_axes))
         if strategy == "all_to_all":
             return _all_to_all(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, ids, sinks)
         if strategy == "halo":  # takes no segment ids (`halo.unsupported`)

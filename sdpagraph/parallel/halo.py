@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from sdpagraph.backends import registry, sinks as sinks_mod
 from sdpagraph.backends.masking import TokenLayout
 from sdpagraph.call import RuntimeInputs
+from sdpagraph.numerics import gate as numerics_gate
 from sdpagraph.parallel.halo_split import SplitPlan, split_attention
 from sdpagraph.parallel.load_balance import device_chunks
 from sdpagraph.parallel.ring import OFFSETS, with_offsets
@@ -314,17 +315,17 @@ def _case_cudnn(plan: HaloPlan, case, q_start, q, k, v, arrays: Mapping[str, Any
         hl = case[0]
         return split_attention(split, q, (k[:, hl:], v[:, hl:]), (k[:, :hl], v[:, :hl]), arrays, sinks)
     if split is not None:  # no halo: the block's own call, as on one device (chunks run as documents there)
-        inputs = RuntimeInputs(mod_scalars=dict(plan.scalars), mod_arrays=arrays)
-        if sinks is None:
-            return registry.primary().attention(split.local, q, k, v, inputs, plan.score_mod, training=True)
-        return registry.primary().attention_with_sinks(split.local, q, k, v, inputs, plan.score_mod, sinks)
-    if plan.reads_positions:
-        arrays = with_offsets(arrays, q_start, q_start - case[0])
+        spec, ir = split.local, plan.score_mod
+    else:
+        if plan.reads_positions:
+            arrays = with_offsets(arrays, q_start, q_start - case[0])
+        spec, ir = plan.block_spec(case), plan.block_ir
     inputs = RuntimeInputs(mod_scalars=dict(plan.scalars), mod_arrays=arrays)
-    backend, spec = registry.primary(), plan.block_spec(case)
+    # the numerical check, for graphs the call runs in place of the plan's (chunks as documents, sinks)
+    verify, backend = numerics_gate.checked, registry.primary()
     if sinks is None:
-        return backend.attention(spec, q, k, v, inputs, plan.block_ir, training=True)
-    return backend.attention_with_sinks(spec, q, k, v, inputs, plan.block_ir, sinks)
+        return backend.attention(spec, q, k, v, inputs, ir, training=True, verify=verify)
+    return backend.attention_with_sinks(spec, q, k, v, inputs, ir, sinks, verify=verify)
 
 
 def _block_attention(plan: HaloPlan, slot: int, me, q, k, v, arrays, sinks) -> tuple[Any, Any]:

@@ -63,24 +63,23 @@ def _forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks) -> tuple[Any,
     local, halo = plan.statics()
     inputs = RuntimeInputs(mod_arrays=arrays)
     out, lse = primary.block_forward(local, q, *local_kv, primary.block_operands(local, inputs))
-    if halo is not None:  # only the first `rows` rows change
-        hq, hk, hv = _halo_inputs(plan, q, halo_kv)
-        h_out, h_lse = primary.block_forward(halo, hq, hk, hv, primary.block_operands(halo, inputs))
-        if plan.reverse:
-            h_out, h_lse = _flip(h_out), _flip(h_lse, axis=-1)
-        head, head_lse = merge((out[:, :plan.rows], lse[..., :plan.rows]), (h_out, h_lse))
-        # (joined by concatenation: an in-place update of the graph's result made XLA 0.11 report a
-        # cycle in a dynamic-slice fusion on 2 H100s)
-        out = jnp.concatenate([head.astype(out.dtype), out[:, plan.rows:]], axis=1)
-        lse = jnp.concatenate([head_lse, lse[..., plan.rows:]], axis=-1)
-    out = out.astype(q.dtype)
+    hq, hk, hv = _halo_inputs(plan, q, halo_kv)
+    h_out, h_lse = primary.block_forward(halo, hq, hk, hv, primary.block_operands(halo, inputs))
+    if plan.reverse:
+        h_out, h_lse = _flip(h_out), _flip(h_lse, axis=-1)
+    # only the first `rows` rows change (joined by concatenation: an in-place update of the graph's
+    # result made XLA 0.11 report a cycle in a dynamic-slice fusion on 2 H100s)
+    head, head_lse = merge((out[:, :plan.rows], lse[..., :plan.rows]), (h_out, h_lse))
+    out = jnp.concatenate([head.astype(out.dtype), out[:, plan.rows:]], axis=1).astype(q.dtype)
+    lse = jnp.concatenate([head_lse, lse[..., plan.rows:]], axis=-1)
     return (out, lse) if sinks is None else sinks_mod.apply(out, lse, sinks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def split_attention(plan: SplitPlan, q, local_kv, halo_kv, arrays: Mapping[str, Any], sinks) -> tuple[Any, Any]:
     """(output (B, L, N, Hv), logsumexp (B, N, L)) of a block's queries over its halo (`halo_kv`, hl
-    keys before the block) and its own keys (`local_kv`); `arrays` (the score_mod's) are constants."""
+    keys before the block; `plan.halo` set) and its own keys (`local_kv`); `arrays` (the score_mod's)
+    are constants."""
     return _forward(plan, q, local_kv, halo_kv, arrays, sinks)
 
 
@@ -96,22 +95,17 @@ def _split_bwd(plan: SplitPlan, residuals, cotangents):
     local, halo = plan.statics()
     inputs = RuntimeInputs(mod_arrays=arrays)
     dq, dk, dv = primary.block_backward(local, q, *local_kv, primary.block_operands(local, inputs), out, lse, d_o)
-    d_halo = None
-    if halo is not None:
-        hq, hk, hv = _halo_inputs(plan, q, halo_kv)
-        rows = lambda x, axis=1: x[:, :plan.rows] if axis == 1 else x[..., :plan.rows]  # noqa: E731
-        h_out, h_lse, h_do = rows(out), rows(lse, -1), rows(d_o)
-        if plan.reverse:
-            h_out, h_lse, h_do = _flip(h_out), _flip(h_lse, axis=-1), _flip(h_do)
-        h_dq, h_dk, h_dv = primary.block_backward(halo, hq, hk, hv, primary.block_operands(halo, inputs),
-                                                  h_out, h_lse, h_do)
-        if plan.reverse:
-            h_dq, h_dk, h_dv = _flip(h_dq), _flip(h_dk), _flip(h_dv)
-        head = dq[:, :plan.rows].astype(jnp.float32) + h_dq.astype(jnp.float32)
-        dq = jnp.concatenate([head.astype(dq.dtype), dq[:, plan.rows:]], axis=1)
-        d_halo = (h_dk, h_dv)
-    else:
-        d_halo = jax.tree.map(jnp.zeros_like, halo_kv)
+    hq, hk, hv = _halo_inputs(plan, q, halo_kv)
+    h_out, h_lse, h_do = out[:, :plan.rows], lse[..., :plan.rows], d_o[:, :plan.rows]
+    if plan.reverse:
+        h_out, h_lse, h_do = _flip(h_out), _flip(h_lse, axis=-1), _flip(h_do)
+    h_dq, h_dk, h_dv = primary.block_backward(halo, hq, hk, hv, primary.block_operands(halo, inputs),
+                                              h_out, h_lse, h_do)
+    if plan.reverse:
+        h_dq, h_dk, h_dv = _flip(h_dq), _flip(h_dk), _flip(h_dv)
+    head = dq[:, :plan.rows].astype(jnp.float32) + h_dq.astype(jnp.float32)
+    dq = jnp.concatenate([head.astype(dq.dtype), dq[:, plan.rows:]], axis=1)
+    d_halo = (h_dk, h_dv)
     d_sinks = None if sinks is None else sinks_mod.gradient(d_o, out, lse, sinks)
     return dq, (dk, dv), d_halo, jax.tree.map(lambda _: None, arrays), d_sinks
 

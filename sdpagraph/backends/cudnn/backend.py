@@ -23,6 +23,7 @@ import numpy as np
 
 from sdpagraph import ffi
 from sdpagraph.config import NATIVE_SINKS
+from sdpagraph.meshes import varying_like
 from sdpagraph.backends import registry, sinks as sinks_mod
 from sdpagraph.backends.base import Backend, Verify
 from sdpagraph.cache.graph_cache import CacheMissError
@@ -37,6 +38,7 @@ from sdpagraph.backends.cudnn.bins import packed as packed_bins, packer as bin_p
 from sdpagraph.backends.cudnn import paged_decode, sharding
 from sdpagraph.backends.cudnn.call_operands import (SEGMENT_OFFSETS, Validity, attended, bias_operand, call_operands,
                                                    ragged_operands, zero_rows)
+from sdpagraph.graphs.alternatives import alternatives
 from sdpagraph.graphs.chunk_documents import chunk_documents, chunk_ids
 from sdpagraph.graphs.decode_fold import decode_fold
 from sdpagraph.call import RuntimeInputs
@@ -109,25 +111,6 @@ def _checked(static: _Static) -> bool:
         return True
     verify = functools.partial(static.verify, scalars=dict(static.scalars))
     return support(static.spec, static.ir, training=static.training, verify=verify).supported
-
-
-def _varying_axes(x: Any) -> frozenset:
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)
-    return frozenset(manual.varying) if manual is not None else frozenset(getattr(aval, "vma", ()))
-
-
-def varying_like(x: Any, operands: Any) -> Any:
-    """`x` marked as varying over every manual mesh axis some operand varies over. Inside a
-    `shard_map` (context parallelism), an FFI call's results come back invariant whatever its
-    operands are, and a custom_vjp's gradient must carry its primal's manual axes."""
-    axes = frozenset().union(*(_varying_axes(op) for op in operands if op is not None and hasattr(op, "shape")))
-    missing = tuple(sorted(axes - _varying_axes(x)))
-    if not missing:
-        return x
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(x, missing, to="varying")
-    return jax.lax.pvary(x, missing)  # the older name
 
 
 def _call_executor(static: _Static, graph: CachedGraph, operands: Mapping[str, Any],
@@ -239,7 +222,7 @@ def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: Run
               score_mod: ScoreModIR | None, *, training: bool = True,
               verify: Callable[..., Any] | None = None, sinks: Any = None) -> tuple[Any, Any]:
     """Return (output (B, T, N, H_v), logsumexp (B, N, T) or None for the inference graph), with the
-    attention `sinks` (N,) joined when given (the logsumexp then always). `verify`: the numerical
+    attention `sinks` (N,) joined when given. `verify`: the numerical
     check the call's graphs passed (`support`); per-device graphs of a sharded call are checked with
     it too. Where their own graphs build and pass their check here, some calls run as others: packed
     documents on bins (`graphs.binning`), chunked attention as packed documents
@@ -250,7 +233,9 @@ def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: Run
     folded = decode_fold(spec, score_mod)
     if folded is not None and _runs_here(folded, None, True, verify, scalars):
         with_stats = functools.partial(_attention, score_mod=None, training=True, verify=verify)
-        return paged_decode.attention(spec, folded, query, key, value, inputs, with_stats)
+        out, lse = paged_decode.attention(spec, folded, query, key, value, inputs, with_stats)
+        # inference only (paged): the sinks join the merged result, no gradient to keep exact
+        return (out, lse) if sinks is None else sinks_mod.apply(out, lse, sinks)
     documents = chunk_documents(spec, score_mod)
     if documents is not None and _runs_here(documents, None, training, verify, scalars):
         ids = chunk_ids(spec)
@@ -276,8 +261,10 @@ def _runs_here(spec: AttentionSpec, score_mod: ScoreModIR | None, training: bool
 def native_sinks_spec(spec: AttentionSpec, score_mod: ScoreModIR | None, training: bool,
                       verify: Callable[..., Any] | None, inputs: RuntimeInputs) -> AttentionSpec | None:
     """The spec of the call with cuDNN's own sinks in its forward graph (`SDPAGRAPH_NATIVE_SINKS`, on
-    by default) when that graph builds here and passes its check, else None (the sinks are then composed)."""
-    if not NATIVE_SINKS.enabled():
+    by default) when that graph builds here and passes its check, else None (the sinks are then
+    composed). A call that runs as another (`graphs.alternatives`: bins, chunks as documents, a decode
+    fold) composes them there, where cuDNN's own sinks would take it off its faster form."""
+    if not NATIVE_SINKS.enabled() or alternatives(spec, score_mod, training):
         return None
     native = dataclasses.replace(spec, sinks=True)
     return native if _runs_here(native, score_mod, training, verify, inputs.mod_scalars) else None

@@ -3,7 +3,7 @@
 folded rows (B, T*G, K, H) with its logsumexp, and the tail (the last T - 1 keys, which token t sees
 up to its own position) gathered from its pages and attended on XLA (a (T, T - 1) causal band per
 head: tiny), merged by their logsumexps. Sequences must hold at least T keys, as bottom-right
-decoding needs (a shorter one's prefix is empty: its rows see the tail only).
+decoding needs (a shorter one's prefix is empty, and its rows see the tail keys that exist).
 """
 from __future__ import annotations
 
@@ -21,13 +21,14 @@ def _tail(spec: AttentionSpec, q: Any, k_pages: Any, v_pages: Any, table: Any, l
     """(out fp32 (B, T, N, Hv), lse (B, N, T)) of the new tokens over the last T - 1 keys, on XLA."""
     b, t, n, h = q.shape
     page = spec.paged[1]
-    positions = lengths[:, None] - t + 1 + jnp.arange(t - 1, dtype=jnp.int32)[None, :]  # (B, T-1)
+    positions = lengths[:, None] - t + 1 + jnp.arange(t - 1, dtype=jnp.int32)[None, :]  # (B, T-1), < 0: none
     pages = jnp.take_along_axis(table, jnp.clip(positions // page, 0, table.shape[1] - 1), axis=1)
     k, v = (pool[pages, positions % page] for pool in (k_pages, v_pages))  # (B, T-1, K, H)
     group = n // spec.num_kv_heads
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32) * spec.scale
     seen = jnp.arange(t - 1)[None, :] < jnp.arange(t)[:, None]  # token i sees tail keys j < i
+    seen = seen[None, None] & (positions >= 0)[:, None, None, :]  # keys before the sequence's start: none
     logits = jnp.where(seen, logits, -jnp.inf)
     top = jnp.max(logits, axis=-1, keepdims=True)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
@@ -51,6 +52,9 @@ def attention(spec: AttentionSpec, folded: AttentionSpec, q: Any, k_pages: Any, 
     rows = q.reshape(b, t, kh, group, h).transpose(0, 1, 3, 2, 4).reshape(b, t * group, kh, h)
     prefix = dataclasses.replace(inputs, q_lengths=None, kv_lengths=jnp.maximum(lengths - t + 1, 0))
     out, lse = run(folded, rows, k_pages, v_pages, prefix)
+    empty = (lengths < t)[:, None, None]  # no prefix key: whatever cuDNN left in those rows is dropped
+    lse = jnp.where(empty, -jnp.inf, lse)
+    out = jnp.where(empty[..., None], jnp.zeros((), out.dtype), out)
     out = out.reshape(b, t, group, kh, -1).transpose(0, 1, 3, 2, 4).reshape(b, t, n, -1)
     lse = lse.reshape(b, kh, t, group).transpose(0, 1, 3, 2).reshape(b, n, t)
     out, lse = merge((out, lse), _tail(spec, q, k_pages, v_pages, inputs.page_table, lengths))
