@@ -134,9 +134,14 @@ def test_forward_residual_and_gradients_match_the_formula(rng, name, implementat
     shapes, kwargs, allowed = case(name, rng)
     if implementation == "small_seq" and shapes[2] > 32:
         pytest.skip("past the small-sequence regime")
+    check_the_formula(rng, name, implementation, shapes, kwargs, allowed)
+
+
+def check_the_formula(rng, name, implementation, shapes, kwargs, allowed):
+    """`case(name)`'s output, residual and gradients of q, k, v, bias and the sinks (fresh inputs)
+    against the float64 reference, run with `implementation` under jit."""
     x = inputs(rng, shapes, bias=name == "bias")
     d_out = rng.standard_normal(shapes[:2] + (shapes[3], shapes[5]))
-    names = tuple(x)
 
     @jax.jit
     def run(x):
@@ -151,7 +156,7 @@ def test_forward_residual_and_gradients_match_the_formula(rng, name, implementat
                                          bias=x.get("bias"), softcap=CAP if name == "softcap" else None)
     close(out, want_out)
     close(lse, want_lse)
-    for key in names:
+    for key in x:
         close(grads[key], want[key])
 
 
@@ -242,28 +247,12 @@ def test_a_training_call_with_sinks_runs_on_cudnn(rng, name, cudnn_graphs_on_cpu
     """The graph's backward given the output and logsumexp with the sink gives exact gradients of
     q, k, v, bias and the sinks; the graphs are the call's own (no sinks in them)."""
     shapes, kwargs, allowed = case(name, rng)
-    x = inputs(rng, shapes, bias=name == "bias")
-    d_out = rng.standard_normal(shapes[:2] + (shapes[3], shapes[5]))
-
-    @jax.jit
-    def run(x):
-        def loss(x):
-            out, lse = sdpagraph.attention(x["q"], x["k"], x["v"], x.get("bias"), sinks=x["sinks"],
-                                           implementation="cudnn", return_residual=True, **kwargs)
-            return jnp.sum(out * d_out), (out, lse)
-        return jax.grad(loss, has_aux=True)(x)
-
-    grads, (out, lse) = run(x)
-    want_out, want_lse, want = reference(x["q"], x["k"], x["v"], x["sinks"], d_out, allowed=allowed,
-                                         bias=x.get("bias"), softcap=CAP if name == "softcap" else None)
-    close(out, want_out)
-    close(lse, want_lse)
-    for key in x:
-        close(grads[key], want[key])
+    check_the_formula(rng, name, "cudnn", shapes, kwargs, allowed)
     built, native = cudnn_graphs_on_cpu
     # cuDNN's own sinks in the forward graph; the backward graph is the spec's without sinks
     assert {(spec.sinks, d) for spec, _, d in built} >= {(native, "forward"), (False, "backward")}
     assert (True, "backward") not in {(spec.sinks, d) for spec, _, d in built}
+    x = inputs(rng, shapes, bias=name == "bias")
     answer = sdpagraph.check_support(x["q"], x["k"], x["v"], x.get("bias"), sinks=x["sinks"], **kwargs)
     assert answer.supported and answer.backend == "cudnn"
     assert answer.reason.endswith(sinks_mod.NATIVE if native else sinks_mod.COMPOSED), answer.reason
