@@ -12,32 +12,27 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 
+from sdpagraph.backends import registry
+from sdpagraph.backends.masking import TokenLayout
 from sdpagraph.backends.softmax_merge import merge
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.spec import AttentionSpec
 
 
 def _tail(spec: AttentionSpec, q: Any, k_pages: Any, v_pages: Any, table: Any, lengths: Any) -> tuple[Any, Any]:
-    """(out fp32 (B, T, N, Hv), lse (B, N, T)) of the new tokens over the last T - 1 keys, on XLA."""
-    b, t, n, h = q.shape
+    """(out (B, T, N, Hv), lse (B, N, T)) of the new tokens over the last T - 1 keys, read from their
+    pages, on the XLA backend with each token's position in its sequence (token i sees the keys up to
+    its own; a key before the sequence's start is none)."""
+    b, t = q.shape[:2]
     page = spec.paged[1]
     positions = lengths[:, None] - t + 1 + jnp.arange(t - 1, dtype=jnp.int32)[None, :]  # (B, T-1), < 0: none
     pages = jnp.take_along_axis(table, jnp.clip(positions // page, 0, table.shape[1] - 1), axis=1)
     k, v = (pool[pages, positions % page] for pool in (k_pages, v_pages))  # (B, T-1, K, H)
-    group = n // spec.num_kv_heads
-    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-    logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32) * spec.scale
-    seen = jnp.arange(t - 1)[None, :] < jnp.arange(t)[:, None]  # token i sees tail keys j < i
-    seen = seen[None, None] & (positions >= 0)[:, None, None, :]  # keys before the sequence's start: none
-    logits = jnp.where(seen, logits, -jnp.inf)
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    weights = jnp.exp(logits - top)
-    total = jnp.sum(weights, axis=-1, keepdims=True)
-    out = jnp.einsum("bnts,bsnh->btnh", weights / jnp.where(total > 0, total, 1.0), v.astype(jnp.float32))
-    lse = jnp.where(total[..., 0] > 0, top[..., 0] + jnp.log(jnp.where(total[..., 0] > 0, total[..., 0], 1.0)),
-                    -jnp.inf)
-    return out, lse
+    q_pos = lengths[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
+    layout = TokenLayout(q_pos, positions, jnp.ones((b, t), bool), positions >= 0, None, None, 0)
+    tail = dataclasses.replace(spec, q_len=t, kv_len=t - 1, paged=None, causal_alignment="top_left",
+                               has_q_lengths=False, has_kv_lengths=False)
+    return registry.reference().block_attention(tail, q, k, v, RuntimeInputs(), None, layout)
 
 
 def attention(spec: AttentionSpec, folded: AttentionSpec, q: Any, k_pages: Any, v_pages: Any,
