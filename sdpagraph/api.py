@@ -26,7 +26,7 @@ from sdpagraph.dispatch import rule as dispatch
 from sdpagraph.call import PreparedCall, as_4d, notify_trace_listeners, prepare_call
 from sdpagraph.logs import log_once, logger
 from sdpagraph.numerics import gate as numerics_gate
-from sdpagraph import paged
+from sdpagraph import dropout as dropout_mod, paged
 from sdpagraph.spec import AttentionSpec
 
 
@@ -62,6 +62,19 @@ def _with_determinism(call: PreparedCall, deterministic: Any) -> PreparedCall:
     if not deterministic:
         return call
     return dataclasses.replace(call, spec=dataclasses.replace(call.spec, deterministic=True))
+
+
+def _check_dropout_use(call: PreparedCall, page_table: Any, context_parallel_axis: Any) -> None:
+    """ValueError for dropout where it has no meaning here: paged K/V (serving, inference only), and
+    context parallelism (each device's blocks would draw masks of their own positions)."""
+    if not call.spec.dropout:
+        return
+    if page_table is not None:
+        raise ValueError("dropout_rate applies to training; paged K/V (page_table) is inference-only: pass "
+                         "dropout_rate=0")
+    if context_parallel_axis is not None:
+        raise ValueError("dropout_rate cannot be combined with context_parallel_axis yet: pass dropout_rate=0, or "
+                         "shard the batch or heads instead of the sequence")
 
 
 def _check_implementation(implementation: Any) -> None:
@@ -174,6 +187,8 @@ def attention(
     max_seqlen_kv: int | None = None,
     page_table: Any = None,
     deterministic: bool | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Any = None,
     context_parallel_axis: str | None = None,
     load_balanced: bool = False,
     context_parallel_strategy: str = "ring",
@@ -263,6 +278,11 @@ def attention(
       deterministic: run cuDNN's deterministic backward algorithm (bitwise-reproducible gradients,
         usually slower); None (default): when XLA runs with `--xla_gpu_deterministic_ops=true`
         (`XLA_FLAGS`), as XLA's own ops then are.
+      dropout_rate: attention dropout: each attention weight is kept with probability
+        1 - dropout_rate and scaled by 1 / (1 - dropout_rate) (docs/dropout.md); static, in [0, 1).
+        The logsumexp residual is the softmax's before dropout. On cuDNN (Philox) and XLA alike.
+      dropout_rng: a jax PRNG key (`jax.random.key(seed)`), needed when `dropout_rate > 0`; the
+        same key and shapes draw the same mask, so pass a new key each step.
       page_table: paged K/V for serving (docs/paged.md): `key` and `value` are then page pools
         `(num_pages, page_size, K, H)`, `page_table` `(B, max_pages)` int32 lists each
         sequence's pages in order, and `key_value_seq_lengths` its key count; T = 1 is
@@ -327,7 +347,8 @@ def attention(
         score_mod_tensors=score_mod_tensors, score_mod_bprop=score_mod_bprop, mask_mod=mask_mod,
         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
     )
-    call = _with_determinism(call, deterministic)
+    call = dropout_mod.with_dropout(_with_determinism(call, deterministic), dropout_rate, dropout_rng)
+    _check_dropout_use(call, page_table, context_parallel_axis)
     if page_table is not None:  # inference only: the inference graph, and no gradient
         training = False
         query, key, value = paged.inference_only(query, key, value)
@@ -385,7 +406,10 @@ def check_support(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
     if axis is not None and kwargs.get("segment_ids") is not None:
         kwargs["segment_ids"] = context_parallel.natural_order(kwargs["segment_ids"], axis, parallel.get("mesh"),
                                                                parallel.get("load_balanced", False))
+    dropout = {name: kwargs.pop(name, default) for name, default in (("dropout_rate", 0.0), ("dropout_rng", None))}
     call = _with_determinism(_prepare(query, key, value, bias, mask, **kwargs), deterministic)
+    call = dropout_mod.with_dropout(call, dropout["dropout_rate"], dropout["dropout_rng"], draw=False)
+    _check_dropout_use(call, call.inputs.page_table, axis)
     if call.spec.paged is not None:  # inference only
         training = False
     if sinks is not None:

@@ -53,6 +53,7 @@ class RuntimeInputs:
     mod_arrays: Mapping[str, Any] | None = None
     python_mods: PythonMods | None = None  # jax.numpy mods the IR cannot express (XLA runs them)
     page_table: Any = None  # (B, max_pages) int32 with paged K/V (`sdpagraph.paged`)
+    dropout_seeds: Any = None  # (B, N) int32 with dropout (`sdpagraph.dropout.seeds`)
 
 
 @dataclass(frozen=True)

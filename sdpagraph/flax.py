@@ -33,13 +33,15 @@ def attention_fn(**attention_kwargs: Any) -> Callable[..., Any]:
     is_causal, local_window_size, implementation, ...). Several leading batch dims are folded into
     one and unfolded after; inputs without a batch dim are passed as unbatched.
 
-    Flax arguments that sdpagraph does not have:
-    - dropout: `dropout_rate > 0` with `deterministic=False` raises ValueError (no attention dropout
-      here; use `deterministic=True`, or Flax's default attention_fn when you need dropout);
+    How Flax's other arguments are taken:
+    - dropout: with `dropout_rate > 0` and `deterministic=False`, Flax's `dropout_rng` and
+      `dropout_rate` go to `sdpagraph.attention` (docs/dropout.md); `broadcast_dropout` is not honoured:
+      every (batch row, head) draws its own mask, as cuDNN does (Flax's default shares one mask over
+      the batch and heads; the expectation is the same);
     - `module` (Flax's `sow_weights=True`) raises ValueError: the attention weights are never
       materialized, so they cannot be sown;
-    - `dtype` casts query, key and value to it (as Flax's promote_dtype does); `precision` and
-      `broadcast_dropout` are ignored (cuDNN and XLA's attention choose their own precision).
+    - `dtype` casts query, key and value to it (as Flax's promote_dtype does); `precision` is ignored
+      (cuDNN and XLA's attention choose their own precision).
     nnx's `is_causal=True` (from `MultiHeadAttention.__call__`) is or-ed with `attention_kwargs`'.
     """
     clash = sorted(set(attention_kwargs) & set(_FLAX_ARGUMENTS))
@@ -50,7 +52,7 @@ def attention_fn(**attention_kwargs: Any) -> Callable[..., Any]:
                             broadcast_dropout: bool = True, dropout_rng: Any = None, dropout_rate: float = 0.0,
                             deterministic: bool = False, dtype: Any = None, precision: Any = None,
                             module: Any = None, is_causal: bool = False) -> Any:
-        del broadcast_dropout, dropout_rng, precision
+        del broadcast_dropout, precision
         if dtype is not None:
             query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
         kwargs = dict(attention_kwargs)
@@ -62,10 +64,7 @@ def attention_fn(**attention_kwargs: Any) -> Callable[..., Any]:
         # Shapes and dtypes first: a wrong array is the error to read, before what the adapter lacks.
         normalize_arguments(query, key, value, bias, mask)
         if dropout_rate > 0.0 and not deterministic:
-            raise ValueError(
-                f"sdpagraph.flax.attention_fn does not implement attention dropout (dropout_rate={dropout_rate}, "
-                "deterministic=False); set deterministic=True (or dropout_rate=0), or use Flax's default "
-                "attention_fn for dropout")
+            kwargs.update(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
         if module is not None:
             raise ValueError("sdpagraph.flax.attention_fn cannot sow attention weights (sow_weights=True): "
                              "sdpagraph never materializes them")

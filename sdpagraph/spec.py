@@ -48,7 +48,7 @@ def directions_for(training: bool, spec: "AttentionSpec | None" = None) -> tuple
 
 # name -> default (see AttentionSpec.to_dict)
 _FIELDS_ADDED_LATER = {"segment_mask": False, "max_seqlen_q": None, "max_seqlen_kv": None, "sinks": False,
-                       "paged": None, "deterministic": False}
+                       "paged": None, "deterministic": False, "dropout": 0.0}
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,9 @@ class AttentionSpec:
     # cuDNN's deterministic backward algorithm (`attention(..., deterministic=)`); forward graphs are
     # the same either way (keyed without it: `graphs.builder.graph_identity`).
     deterministic: bool = False
+    # Attention dropout's rate (`sdpagraph.dropout`), 0 for none: static, part of the graph; the seeds
+    # are runtime inputs.
+    dropout: float = 0.0
 
     @property
     def has_window(self) -> bool:
@@ -155,6 +158,8 @@ class AttentionSpec:
             parts.append(f"paged({self.paged[0]}x{self.paged[1]})")
         if self.deterministic:
             parts.append("deterministic")
+        if self.dropout:
+            parts.append(f"dropout{self.dropout:g}")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:

@@ -87,12 +87,16 @@ def test_extra_batch_dims_with_bias_and_mask_broadcast():
     np.testing.assert_allclose(np.asarray(fn(q, k, v, bias=bias, mask=mask)), np.asarray(ref), rtol=2e-5, atol=2e-5)
 
 
-def test_dropout_and_sow_weights_are_refused():
+def test_dropout_runs_and_sow_weights_are_refused():
     fn = sdpagraph.flax.attention_fn(implementation="xla")
-    q = jnp.ones((1, L, HEADS, 8))
-    with pytest.raises(ValueError, match="dropout"):
-        fn(q, q, q, dropout_rate=0.1, deterministic=False, dropout_rng=jax.random.key(0))
-    fn(q, q, q, dropout_rate=0.1, deterministic=True)  # deterministic: no dropout to apply
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((1, L, HEADS, 8)), jnp.float32)
+    dropped = fn(q, q, q, dropout_rate=0.3, deterministic=False, dropout_rng=jax.random.key(0))
+    want = sdpagraph.attention(q, q, q, dropout_rate=0.3, dropout_rng=jax.random.key(0), implementation="xla")
+    np.testing.assert_array_equal(np.asarray(dropped), np.asarray(want))
+    assert not np.allclose(dropped, fn(q, q, q))
+    # deterministic: no dropout to apply
+    np.testing.assert_array_equal(np.asarray(fn(q, q, q, dropout_rate=0.1, deterministic=True)), np.asarray(fn(q, q, q)))
     with pytest.raises(ValueError, match="sow"):
         fn(q, q, q, module=object())
     # A wrong array is reported before what the adapter lacks.
@@ -103,9 +107,12 @@ def test_dropout_and_sow_weights_are_refused():
         fn(q, jnp.ones((2, 1, L, HEADS, 8)), q, module=object())
     with pytest.raises(ValueError, match="bias"):
         fn(q, q, q, bias=jnp.ones((3, HEADS, L, L)), dropout_rate=0.1, deterministic=False)
+    with pytest.raises(ValueError, match="needs dropout_rng"):
+        fn(q, q, q, dropout_rate=0.1, deterministic=False)
     with pytest.raises(TypeError, match="Flax passes"):
         sdpagraph.flax.attention_fn(mask=None)
     layer = nnx.MultiHeadAttention(num_heads=HEADS, in_features=F, decode=False, dropout_rate=0.5,
                                    rngs=nnx.Rngs(0, dropout=1), attention_fn=fn)
-    with pytest.raises(ValueError, match="dropout"):
-        layer(inputs(), deterministic=False)
+    x = inputs()
+    first, second = layer(x, deterministic=False), layer(x, deterministic=False)  # a new key each call
+    assert not np.allclose(first, second) and not np.allclose(first, layer(x, deterministic=True))

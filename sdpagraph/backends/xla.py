@@ -6,6 +6,7 @@ the backend on machines without a GPU. Semantics, shared with the cuDNN lowering
     logits = score_mod(scale * q . k) + bias      (fp32; fp64 for float64 inputs)
     masked where any mask says no (user mask, padding, segments, causal, window, chunk)
     out    = softmax(logits) . v                  (fp32 softmax; fully masked rows give 0)
+             (with dropout, the softmax's weights times `dropout.multiplier`: kept / (1 - rate))
 
 Which positions attend which (padding, segments, causal, windows, chunks) is `backends.masking`.
 Short calls form all scores at once; long ones run `xla_blocks`, an online softmax over key blocks
@@ -24,7 +25,7 @@ import numpy as np
 from sdpagraph.backends.base import Backend, Verify
 from sdpagraph.backends.masking import TokenLayout, key_slice, positions_and_mask, token_layout
 from sdpagraph.backends.xla_blocks import accumulation_dtype, blockwise_attention, raw_scores, weighted_values
-from sdpagraph import paged
+from sdpagraph import dropout, paged
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.graphs.support import Support
 from sdpagraph.scoremod.ir import ScoreModIR
@@ -176,9 +177,13 @@ def xla_attention(
     scores, params = _scores(spec, inputs, score_mod, layout, acc)
     if not _runs_direct(query, key, block):
         return blockwise_attention(scores, query, key, value, inputs.bias, params, scale=spec.scale,
-                                   block=block or KEY_BLOCK)
+                                   block=block or KEY_BLOCK, dropout_rate=spec.dropout,
+                                   dropout_seeds=inputs.dropout_seeds)
     logits, allowed = scores(raw_scores(query, key, spec.scale), inputs.bias, 0, params)
     probs, lse = _masked_softmax(logits, allowed)
+    if spec.dropout:
+        t, s = probs.shape[2], probs.shape[3]
+        probs = probs * dropout.multiplier(inputs.dropout_seeds, spec.dropout, jnp.arange(t), jnp.arange(s), probs.dtype)
     return weighted_values(probs, value).astype(value.dtype), lse
 
 

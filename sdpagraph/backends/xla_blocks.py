@@ -12,6 +12,10 @@ differentiated here); what `scores` closes over is a constant for differentiatio
 
 When the block does not divide the key length, the last block starts at S - block and skips the
 keys the one before it already took, so every block has one static shape.
+
+Dropout (`sdpagraph.dropout`, `rate` > 0 with the call's seeds) multiplies each block's probabilities
+by its slice of the mask, which `dropout.multiplier` computes from positions: the backward regenerates
+the forward's mask block by block. The row sums (and the logsumexp) are the softmax's, before dropout.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from sdpagraph import dropout
 from sdpagraph.backends.masking import key_slice
 
 Scores = Callable[[Any, Any, Any, Any], tuple[Any, Any]]
@@ -91,13 +96,22 @@ def _block(scores: Scores, scale: float, block: int, q, k, v, bias, params, i) -
     return start, k_blk, v_blk, bias_blk, raw_scores(q, k_blk, scale), logits
 
 
-def _forward(scores: Scores, scale: float, block: int, q, k, v, bias, params) -> tuple[Any, Any]:
+def _dropped(probs: Any, rate: float, seeds: Any, start: Any) -> Any:
+    """`probs` (B, N, T, block) of the keys from `start` on, times their dropout mask (as given for rate 0)."""
+    if not rate:
+        return probs
+    t, size = probs.shape[2], probs.shape[3]
+    return probs * dropout.multiplier(seeds, rate, jnp.arange(t), start + jnp.arange(size), probs.dtype)
+
+
+def _forward(scores: Scores, scale: float, block: int, rate: float, q, k, v, bias, params,
+             seeds) -> tuple[Any, Any]:
     b, t, n, _ = q.shape
     acc = accumulation_dtype(q.dtype)
 
     def step(carry, i):
         row_max, row_sum, out = carry
-        _, _, v_blk, bias_blk, raw, logits_of = _block(scores, scale, block, q, k, v, bias, params, i)
+        start, _, v_blk, bias_blk, raw, logits_of = _block(scores, scale, block, q, k, v, bias, params, i)
         logits, allowed = logits_of(raw, bias_blk, params)
         masked = jnp.where(allowed, logits, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(masked, axis=-1))
@@ -105,7 +119,7 @@ def _forward(scores: Scores, scale: float, block: int, q, k, v, bias, params) ->
         probs = jnp.exp(masked - shift[..., None])
         rescale = jnp.exp(row_max - shift)
         row_sum = row_sum * rescale + jnp.sum(probs, axis=-1)
-        out = out * _rows(rescale) + weighted_values(probs, v_blk)
+        out = out * _rows(rescale) + weighted_values(_dropped(probs, rate, seeds, start), v_blk)
         return (new_max, row_sum, out), None
 
     start = (jnp.full((b, n, t), -jnp.inf, acc), jnp.zeros((b, n, t), acc),
@@ -117,25 +131,25 @@ def _forward(scores: Scores, scale: float, block: int, q, k, v, bias, params) ->
     return out.astype(v.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _attention(scores: Scores, scale: float, block: int, q, k, v, bias, params) -> tuple[Any, Any]:
-    return _forward(scores, scale, block, q, k, v, bias, params)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _attention(scores: Scores, scale: float, block: int, rate: float, q, k, v, bias, params, seeds) -> tuple[Any, Any]:
+    return _forward(scores, scale, block, rate, q, k, v, bias, params, seeds)
 
 
-def _attention_fwd(scores, scale, block, q, k, v, bias, params):
-    out, lse = _forward(scores, scale, block, q, k, v, bias, params)
-    return (out, lse), (q, k, v, bias, params, out, lse)
+def _attention_fwd(scores, scale, block, rate, q, k, v, bias, params, seeds):
+    out, lse = _forward(scores, scale, block, rate, q, k, v, bias, params, seeds)
+    return (out, lse), (q, k, v, bias, params, seeds, out, lse)
 
 
-def _attention_bwd(scores, scale, block, residuals, cotangents):
-    q, k, v, bias, params, out, lse = residuals
+def _attention_bwd(scores, scale, block, rate, residuals, cotangents):
+    q, k, v, bias, params, seeds, out, lse = residuals
     d_out, d_lse = cotangents
     acc = accumulation_dtype(q.dtype)
     b, t, n, h = q.shape
     groups = n // k.shape[2]
     precision = dot_precision(q.dtype)
     d_out_io = d_out.astype(v.dtype)
-    # d logits = p · (dP - <dO, O> + d lse) per row, with dP = dO · v.
+    # d logits = p · (dP - <dO, O> + d lse) per row, with dP = dO · v (times the mask with dropout).
     row_term = d_lse.astype(acc) - jnp.swapaxes(jnp.sum(d_out.astype(acc) * out.astype(acc), axis=-1), 1, 2)
     lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)  # such rows allow nothing: p = 0
     q_grouped = q.reshape(b, t, k.shape[2], groups, h)
@@ -149,13 +163,14 @@ def _attention_bwd(scores, scale, block, residuals, cotangents):
         shape = (b, k.shape[2], groups, t, block)
         d_probs = jnp.einsum("btkgh,bskh->bkgts", d_out_grouped, v_blk, precision=precision,
                              preferred_element_type=acc).reshape(probs.shape)
-        d_logits = probs * (d_probs + row_term[..., None])
+        d_logits = probs * (_dropped(d_probs, rate, seeds, start) + row_term[..., None])
         d_raw, d_bias_blk, d_params_blk = pullback(d_logits)
         d_raw = (d_raw * jnp.asarray(scale, acc)).astype(q.dtype).reshape(shape)
         dq = dq + jnp.einsum("bkgts,bskh->btkgh", d_raw, k_blk, precision=precision, preferred_element_type=acc)
         dk = _add_at(dk, jnp.einsum("bkgts,btkgh->bskh", d_raw, q_grouped, precision=precision,
                                     preferred_element_type=acc), start, 1)
-        dv = _add_at(dv, jnp.einsum("bkgts,btkgh->bskh", probs.astype(v.dtype).reshape(shape), d_out_grouped,
+        kept = _dropped(probs, rate, seeds, start)
+        dv = _add_at(dv, jnp.einsum("bkgts,btkgh->bskh", kept.astype(v.dtype).reshape(shape), d_out_grouped,
                                     precision=precision, preferred_element_type=acc), start, 1)
         if bias is not None:
             d_bias = _add_at(d_bias, d_bias_blk.astype(acc), start, -1)
@@ -167,14 +182,16 @@ def _attention_bwd(scores, scale, block, residuals, cotangents):
              jax.tree.map(lambda p: zeros(p, p.dtype), params))
     (dq, dk, dv, d_bias, d_params), _ = jax.lax.scan(step, start, jnp.arange(-(-k.shape[1] // block)))
     return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-            None if bias is None else d_bias.astype(bias.dtype), d_params)
+            None if bias is None else d_bias.astype(bias.dtype), d_params, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def blockwise_attention(scores: Scores, query: Any, key: Any, value: Any, bias: Any, params: Any, *,
-                        scale: float, block: int) -> tuple[Any, Any]:
+                        scale: float, block: int, dropout_rate: float = 0.0, dropout_seeds: Any = None
+                        ) -> tuple[Any, Any]:
     """(output (B, T, N, Hv) in the input dtype, logsumexp (B, N, T) in the accumulation dtype) over
-    key blocks of `block` keys (block <= S). `bias`: None or broadcastable to (B, N, T, S)."""
-    return _attention(scores, scale, block, query, key, value, bias, params)
+    key blocks of `block` keys (block <= S). `bias`: None or broadcastable to (B, N, T, S); with
+    `dropout_rate` > 0, `dropout_seeds` (B, N) int32 (`dropout.seeds`)."""
+    return _attention(scores, scale, block, dropout_rate, query, key, value, bias, params, dropout_seeds)

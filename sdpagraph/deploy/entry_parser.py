@@ -103,9 +103,11 @@ def _check_runtime_makes(spec: AttentionSpec) -> None:
         raise ValueError(f"paged={list(spec.paged)} needs [num_pages >= 1, page_size >= 1] with the key length "
                          f"S={spec.kv_len} a multiple of page_size (S = max_pages * page_size)")
     # What the runtime sets on a prepared call's spec: paged K/V (`paged.prepare_paged_call`), cuDNN's
-    # own sinks (`backends.cudnn`), the deterministic backward (`attention(..., deterministic=)`)
+    # own sinks (`backends.cudnn`), the deterministic backward (`attention(..., deterministic=)`), dropout
+    if not (isinstance(spec.dropout, (int, float)) and 0.0 <= spec.dropout < 1.0):
+        raise ValueError(f"dropout must be a rate in [0, 1), got {spec.dropout!r}")
     made = dataclasses.replace(_trace_call(_arguments_of(spec)).spec, paged=spec.paged, sinks=spec.sinks,
-                               deterministic=spec.deterministic)
+                               deterministic=spec.deterministic, dropout=spec.dropout)
     if made.canonical() != spec.canonical():
         given, expected = spec.to_dict(), made.to_dict()
         different = [name for name in given if json.dumps(given[name]) != json.dumps(expected.get(name))]

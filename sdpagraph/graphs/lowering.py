@@ -43,6 +43,7 @@ from sdpagraph.graphs.mod_lowering import (
 )
 from sdpagraph.graphs.operands import (
     ARRAY_PREFIX,
+    DROPOUT,
     PAGE_TABLES,
     SINK_TOKEN,
     TensorDesc,
@@ -149,6 +150,8 @@ def _sdpa_options(spec: AttentionSpec, tensors: dict[str, Any], emitter: ModEmit
         options["bias"] = tensors["bias"]
     if SINK_TOKEN in tensors:
         options["sink_token"] = tensors[SINK_TOKEN]
+    if spec.dropout:  # the forward and the backward draw the same mask from the same seed and offset
+        options["dropout"] = (spec.dropout, *(tensors[role] for role in DROPOUT))
     if emitter is not None:
         options["score_mod"] = emitter.forward
         if direction == "backward":

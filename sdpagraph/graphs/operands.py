@@ -9,7 +9,9 @@ Roles name the buffers: "q", "k", "v", "o", "dO", "stats", "bias",
 "seq_len_q", "seq_len_kv", "ragged_offset_q", "ragged_offset_kv",
 "ragged_offset_stats", "segment_start", "segment_end" (`masks.segment_ir`), "sink_token"
 (attention sinks, (1, N, 1, 1) float32), "page_table_k", "page_table_v" (paged K/V: the same
-(B, 1, max_pages, 1) int32 table, once per pool; k and v are then the pools), "array:<name>"
+(B, 1, max_pages, 1) int32 table, once per pool; k and v are then the pools), "dropout_seed",
+"dropout_offset" (dropout's Philox seed and offset, int32 scalars cuDNN reads from device memory: the
+JAX side passes the (B, N) seeds, whose first element is the block's seed, and a zero offset), "array:<name>"
 (score_mod aux arrays), and the results
 "o", "stats", "dq", "dk", "dv", "dbias". Pass-by-value scalars are named
 "scalar:<name>" and "const:<i>"; they are not device operands.
@@ -35,6 +37,7 @@ CONST_PREFIX = "const:"
 BACKWARD_INPUTS = ("o", "dO", "stats")
 SINK_TOKEN = "sink_token"  # attention sinks' logits (forward and inference graphs)
 PAGE_TABLES = ("page_table_k", "page_table_v")  # paged K/V: each sequence's pages, for k and for v
+DROPOUT = ("dropout_seed", "dropout_offset")  # dropout's Philox seed and offset (every direction)
 ARRAY_TYPES = {FLOAT: "float32", INT: "int32"}  # IR array dtype -> storage
 
 
@@ -156,6 +159,8 @@ def graph_io(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> tupl
         operands += list(segment_arrays(spec))
     if spec.sinks:
         operands.append(SINK_TOKEN)
+    if spec.dropout:
+        operands += list(DROPOUT)
     operands += [ARRAY_PREFIX + name for name in used_names(ir, "array", direction)]
 
     if direction == "backward":
@@ -233,6 +238,8 @@ def _describe_role(spec: AttentionSpec, ir: ScoreModIR | None, role: str) -> Ten
         return _row_major(bias_operand_shape(spec, ir), "io")
     if role == SINK_TOKEN:
         return _row_major((1, n, 1, 1), "float32")
+    if role in DROPOUT:
+        return _row_major((1, 1, 1, 1), "int32")
     if role in ("seq_len_q", "seq_len_kv"):
         return _row_major((b, 1, 1, 1), "int32")
     if role.startswith("ragged_offset_"):

@@ -263,8 +263,9 @@ def native_sinks_spec(spec: AttentionSpec, score_mod: ScoreModIR | None, trainin
     """The spec of the call with cuDNN's own sinks in its forward graph (`SDPAGRAPH_NATIVE_SINKS`, on
     by default) when that graph builds here and passes its check, else None (the sinks are then
     composed). A call that runs as another (`graphs.alternatives`: bins, chunks as documents, a decode
-    fold) composes them there, where cuDNN's own sinks would take it off its faster form."""
-    if not NATIVE_SINKS.enabled() or alternatives(spec, score_mod, training):
+    fold) composes them there, where cuDNN's own sinks would take it off its faster form. With dropout they
+    are composed too: a forward with cuDNN's sinks and a backward without them need not draw one mask."""
+    if not NATIVE_SINKS.enabled() or alternatives(spec, score_mod, training) or spec.dropout:
         return None
     native = dataclasses.replace(spec, sinks=True)
     return native if _runs_here(native, score_mod, training, verify, inputs.mod_scalars) else None

@@ -1,6 +1,6 @@
 """The device operands of one cuDNN call, by graph role, made from the call's runtime inputs: sequence
 lengths, packed segments' lengths and ragged offsets, the dense twin's segment bounds, paged K/V's
-page tables, the bias operand (the user's bias with masks and folded padding in it), and which rows
+page tables, dropout's seeds, the bias operand (the user's bias with masks and folded padding in it), and which rows
 hold results (`Validity`: rows cuDNN leaves unwritten are zeroed after the call)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from sdpagraph.backends.masking import attended_rows
 from sdpagraph.call import RuntimeInputs
-from sdpagraph.graphs.operands import ARRAY_PREFIX, MASKED_BIAS, PAGE_TABLES, LayoutPlan
+from sdpagraph.graphs.operands import ARRAY_PREFIX, DROPOUT, MASKED_BIAS, PAGE_TABLES, LayoutPlan
 from sdpagraph.scoremod.masks import SEGMENT_ARRAYS
 from sdpagraph.segments.metadata import segment_metadata, segment_positions, segment_run_ids
 from sdpagraph.spec import AttentionSpec
@@ -64,6 +64,8 @@ def call_operands(spec: AttentionSpec, inputs: RuntimeInputs, max_segments: int)
     b, t, s = spec.batch, spec.q_len, spec.kv_len
     for name, value in (inputs.mod_arrays or {}).items():
         operands[ARRAY_PREFIX + name] = value
+    if spec.dropout:  # (B, N) seeds: a shard of a partitioned call reads its own first one
+        operands.update(zip(DROPOUT, (inputs.dropout_seeds, jnp.zeros((1,), jnp.int32))))
     if spec.segments:
         operands.update(packed_operands(spec, inputs))
         q_run, kv_run = segment_run_ids(inputs.q_segment_ids), segment_run_ids(inputs.kv_segment_ids)

@@ -13,7 +13,9 @@ the same operands, so nothing upstream changes:
 - the dense twin's segment bounds through its extra mod stage (`masks.segment_ir`);
 - the score_mod's arrays and scalars;
 - paged K/V: the pools gathered by the page table into each sequence's keys;
-- cuDNN's attention sinks (`sink_token`, composed as `backends.sinks` composes them).
+- cuDNN's attention sinks (`sink_token`, composed as `backends.sinks` composes them);
+- dropout: the graph's one seed (the first of the seeds operand) spread over (B, N) by
+  `dropout.keep_mask`; a different mask from cuDNN's Philox, the same in the forward and the backward.
 The forward gives o and the stats in the graph's layout; the backward recomputes the forward and
 differentiates it with the cotangent dO (the o and stats it is given are not read).
 """
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 from sdpagraph.scoremod.ir_eval import evaluate
 from sdpagraph.scoremod.masks import segment_ir
 from sdpagraph import paged
-from sdpagraph.graphs.operands import ARRAY_PREFIX, PAGE_TABLES, SINK_TOKEN
+from sdpagraph.graphs.operands import ARRAY_PREFIX, DROPOUT, PAGE_TABLES, SINK_TOKEN
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.backends import registry, sinks
 
@@ -68,6 +70,9 @@ def graph_forward_without_sinks(static: Any, operands: Mapping[str, Any]) -> Cal
     spec = static.graph_spec
     arrays = {name[len(ARRAY_PREFIX):]: x for name, x in operands.items() if name.startswith(ARRAY_PREFIX)}
     scalars = dict(static.scalars)
+    seeds = None
+    if spec.dropout:  # as cuDNN: the block's first seed
+        seeds = jnp.broadcast_to(operands[DROPOUT[0]].reshape(-1)[0], (spec.batch, spec.num_heads))
 
     def forward(q, k, v, bias):
         if spec.paged:
@@ -81,7 +86,8 @@ def graph_forward_without_sinks(static: Any, operands: Mapping[str, Any]) -> Cal
             stats_ids = packed_ids(operands["seq_len_q"], operands["ragged_offset_stats"], spec.batch, spec.q_len,
                                    spec.max_segments, spec.num_heads)
             ids_q = jnp.where(stats_ids == ids_q, ids_q, -1)  # the stats offsets must agree
-            inputs = RuntimeInputs(q_segment_ids=ids_q, kv_segment_ids=ids_kv, mod_scalars=scalars, mod_arrays=arrays)
+            inputs = RuntimeInputs(q_segment_ids=ids_q, kv_segment_ids=ids_kv, mod_scalars=scalars, mod_arrays=arrays,
+                                   dropout_seeds=seeds)
             out, lse = registry.reference().attention(spec, q, k, v, inputs, static.ir)
             return out, jnp.swapaxes(lse, 1, 2)
         mask = None
@@ -96,7 +102,8 @@ def graph_forward_without_sinks(static: Any, operands: Mapping[str, Any]) -> Cal
                                     mask_shape=None if mask is None else mask.shape,
                                     bias_shape=None if bias is None else bias.shape)
         inputs = RuntimeInputs(bias=bias, mask=mask, q_lengths=operands.get("seq_len_q"),
-                               kv_lengths=operands.get("seq_len_kv"), mod_scalars=scalars, mod_arrays=arrays)
+                               kv_lengths=operands.get("seq_len_kv"), mod_scalars=scalars, mod_arrays=arrays,
+                               dropout_seeds=seeds)
         return registry.reference().attention(plain, q, k, v, inputs, static.ir)
 
     return forward

@@ -51,7 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from sdpagraph.cache import CacheMissError
 from sdpagraph.config import PARTITION
-from sdpagraph.graphs.operands import PAGE_TABLES
+from sdpagraph.graphs.operands import DROPOUT, PAGE_TABLES
 from sdpagraph.meshes import explicit_axes
 from sdpagraph.logs import log_once, logger
 from sdpagraph.scoremod.ir import Node, ScoreModIR
@@ -140,6 +140,10 @@ def labels(role: str, shape: tuple[int, ...], spec: AttentionSpec) -> tuple[str 
         return (None, None, KV_HEADS, HEAD_DIM if role == "k" else HEAD_DIM_V)
     if role in PAGE_TABLES:
         return (BATCH, None, None, None)
+    if role == DROPOUT[0]:  # one seed per (batch row, head): each shard's graph reads its first
+        return (BATCH, HEADS)
+    if role == DROPOUT[1]:
+        return (None,)
     if role in ("q", "dq"):
         return (BATCH, Q_LEN, HEADS, HEAD_DIM)
     if role in ("k", "dk"):

@@ -76,6 +76,8 @@ def small_seq_reason(spec: AttentionSpec) -> str | None:
         return "the small-sequence backend computes in float32; float64 runs on the XLA backend"
     if spec.paged is not None:
         return "the small-sequence backend takes dense keys, not paged ones"
+    if spec.dropout:
+        return "the small-sequence backend has no dropout; cuDNN and XLA have"
     lengths = _lengths_in_regime(spec)
     if isinstance(lengths, str):
         return lengths
