@@ -3,9 +3,10 @@ Needs a GPU and torch (for buffers and CUDA events).
 
     python bench/plans.py [--out DIR] [--shape B,T,N,H]
 
-Answers two questions for softcap(30)+causal at bf16 B4 T4096 N16 H128: does the heuristic's
+Answers three questions for softcap(30)+causal at bf16 B4 T4096 N16 H128: does the heuristic's
 first plan (what `graphs.builder` keeps) win, and which formulation of the mod (mask in the
-bprop or not, divide or multiply by the cap, -inf or a finite mask value) runs fastest? The
+bprop or not, divide or multiply by the cap, -inf or a finite mask value) runs fastest? Does any plan
+of a causal graph with dropout come near the plain causal graph? The
 baselines are causal with cuDNN's native flag and the causal mask lowered into a mod.
 Each graph is lowered by `graphs.lowering` exactly as the runtime does, then every plan
 of heuristics A, B and FALLBACK is built and timed (CUDA events, mean of 20 runs).
@@ -13,6 +14,7 @@ of heuristics A, B and FALLBACK is built and timed (CUDA events, mean of 20 runs
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -114,6 +116,7 @@ def cases():
     identity = lambda g, s, t: s  # noqa: E731 - the spec's causal mask is then lowered into the mod
     table = {
         "causal, native flag": dict(is_causal=True),
+        "causal, dropout 0.1": dict(is_causal=True, dropout=0.1),
         "causal in the mod (-inf, scoremod.masks)": dict(is_causal=True, score_mod=identity),
         "mods.causal() (-1e30)": dict(score_mod=mods.causal()),
         "softcap, no mask": dict(score_mod=mods.softcap(CAP)),
@@ -213,7 +216,9 @@ def main() -> int:
             continue
         kwargs = dict(kwargs)
         emitter = kwargs.pop("emitter", ModEmitter)
+        dropout = kwargs.pop("dropout", 0.0)  # the graph's rate (its seed and offset buffers hold any value)
         call = prepare_call(shape, shape, shape, **kwargs)
+        call = dataclasses.replace(call, spec=dataclasses.replace(call.spec, dropout=dropout))
         for direction in ("forward", "backward"):
             extra = {}
             if direction == "backward":  # o and stats from the forward graph's first plan

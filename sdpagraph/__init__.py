@@ -1,6 +1,7 @@
 """sdpagraph: flex attention for JAX on cuDNN, with compiled graphs cached and shipped.
 
 Public API: `attention`, `check_support`, `load_balance` / `unload_balance`, `precompile`, `record`, `Support`, `mods`,
+`fp8` (FP8 attention with per-tensor scales),
 `SdpagraphError` (the base class of sdpagraph's errors), the `sdpagraph` CLI. The names are loaded on
 first use, so `import sdpagraph` (and the command line's cache and version commands) does not import jax.
 """
@@ -12,7 +13,7 @@ from typing import Any
 from sdpagraph.errors import SdpagraphError  # imports nothing, so it is not loaded lazily
 
 __all__ = ["attention", "check_support", "load_balance", "unload_balance", "precompile", "record", "Support",
-           "mods", "SdpagraphError"]
+           "mods", "fp8", "SdpagraphError"]
 __version__ = "0.1.0"
 
 # name -> module that defines it. `attention` and `check_support` also load the deployment layer,
@@ -26,6 +27,7 @@ _PUBLIC = {
     "record": "sdpagraph.deploy",
     "Support": "sdpagraph.graphs.support",
     "mods": "sdpagraph.mods",
+    "fp8": "sdpagraph.fp8",
 }
 
 
@@ -34,7 +36,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'sdpagraph' has no attribute {name!r}")
     importlib.import_module("sdpagraph.deploy")  # registers the spec recorder with the runtime
     module = importlib.import_module(_PUBLIC[name])
-    value = module if name == "mods" else getattr(module, name)
+    value = module if name in ("mods", "fp8") else getattr(module, name)
     globals()[name] = value
     return value
 

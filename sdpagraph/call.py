@@ -54,6 +54,7 @@ class RuntimeInputs:
     python_mods: PythonMods | None = None  # jax.numpy mods the IR cannot express (XLA runs them)
     page_table: Any = None  # (B, max_pages) int32 with paged K/V (`sdpagraph.paged`)
     dropout_seeds: Any = None  # (B, N) int32 with dropout (`sdpagraph.dropout.seeds`)
+    fp8_scales: Mapping[str, Any] | None = None  # an FP8 call's descale_q/k/v and scale_o, float32 (`sdpagraph.fp8`)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ from sdpagraph.segments.rules import check_segment_count, check_segment_lengths,
 # float64 exists only with jax_enable_x64 (otherwise jax converts it to float32, as here); cuDNN
 # computes in bfloat16/float16, so float64 calls run on the XLA backend.
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+# FP8 inputs with per-tensor scales run through `sdpagraph.fp8` (cuDNN's sdpa_fp8), not `attention`.
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 UNBOUNDED = -1  # a window side that does not limit attention
 # The graphs one spec compiles to: forward (output + softmax stats), backward, and inference
@@ -41,6 +43,8 @@ def directions_for(training: bool, spec: "AttentionSpec | None" = None) -> tuple
     without a backward graph "train" with the forward graph alone, which keeps the softmax stats: paged
     K/V (inference only; a multi-token decode merges by its stats) and cuDNN's own sinks (a call with
     them runs the backward graph of its spec without sinks, given the output and stats with the sink)."""
+    if spec is not None and spec.is_fp8:  # forward only (`sdpagraph.fp8`)
+        return INFERENCE_DIRECTIONS
     if spec is not None and (spec.paged is not None or spec.sinks):
         return STATS_DIRECTIONS if training else INFERENCE_DIRECTIONS
     return TRAINING_DIRECTIONS if training else INFERENCE_DIRECTIONS
@@ -102,6 +106,11 @@ class AttentionSpec:
     # Attention dropout's rate (`sdpagraph.dropout`), 0 for none: static, part of the graph; the seeds
     # are runtime inputs.
     dropout: float = 0.0
+
+    @property
+    def is_fp8(self) -> bool:
+        """FP8 inputs and output with per-tensor scales (`sdpagraph.fp8`): cuDNN's sdpa_fp8 graph."""
+        return self.dtype in FP8_DTYPES
 
     @property
     def has_window(self) -> bool:
@@ -371,6 +380,9 @@ def normalize_arguments(
     if len(set(dtypes.values())) != 1:
         raise TypeError(f"query, key and value must share one dtype, got {dtypes}")
     dtype = dtypes["query"]
+    if dtype in FP8_DTYPES:
+        raise TypeError(f"query dtype {dtype} is FP8: FP8 attention takes per-tensor scales, use sdpagraph.fp8.attention "
+                        "(or sdpagraph.fp8.quantized_attention for bfloat16 inputs)")
     if dtype not in DTYPES:
         raise TypeError(f"query dtype must be one of {DTYPES}, got {dtype}")
 

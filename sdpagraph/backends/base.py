@@ -3,6 +3,7 @@
     backend.support(spec, score_mod, training=..., verify=...) -> Support   can it run this call here?
     backend.attention(spec, q, k, v, inputs, score_mod, training=..., verify=...) -> (out, lse)
     backend.attention_with_sinks(spec, q, k, v, inputs, score_mod, sinks, verify=...) -> (out, lse)
+    backend.fp8_attention(spec, q8, k8, v8, inputs, verify=...) -> (out8, amax)   FP8 specs, where supported
 
 Every backend computes the same function (`sdpagraph.attention`'s docstring; the masks are
 `backends.masking`'s): `out` is (B, T, N, H_v) in the input dtype and `lse` the logsumexp (B, N, T)
@@ -63,6 +64,13 @@ class Backend(abc.ABC):
                    training: bool, verify: Verify | None = None) -> str:
         """How `attention_with_sinks` joins the sinks to this call (`check_support`'s words)."""
         return sinks_mod.COMPOSED
+
+    def fp8_attention(self, spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: RuntimeInputs, *,
+                      verify: Verify | None = None) -> tuple[Any, Any]:
+        """(output (B, T, N, H_v) in the inputs' FP8 dtype, amax of the output before `scale_o`, a float32
+        scalar) of an FP8 spec (`spec.is_fp8`; the scales in `inputs.fp8_scales`), for a backend whose
+        `support` takes FP8 specs; `sdpagraph.fp8` runs the others dequantized in bfloat16."""
+        raise NotImplementedError(f"the {self.name} backend has no FP8 attention")
 
     def __repr__(self) -> str:
         return f"<sdpagraph backend {self.name!r}>"

@@ -44,6 +44,8 @@ from sdpagraph.graphs.mod_lowering import (
 from sdpagraph.graphs.operands import (
     ARRAY_PREFIX,
     DROPOUT,
+    FP8_AMAX,
+    FP8_SCALES,
     PAGE_TABLES,
     SINK_TOKEN,
     TensorDesc,
@@ -55,7 +57,7 @@ from sdpagraph.graphs.operands import (
 )
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
 
-IO_TYPES = {"bfloat16": "BFLOAT16", "float16": "HALF"}
+IO_TYPES = {"bfloat16": "BFLOAT16", "float16": "HALF", "float8_e4m3fn": "FP8_E4M3", "float8_e5m2": "FP8_E5M2"}
 SCALAR_DIMS = [1, 1, 1, 1]
 INT32_LIMIT = 2**31 - 1  # cuDNN ragged offsets are int32 element counts
 
@@ -108,7 +110,12 @@ def lower(graph: Any, spec: AttentionSpec, ir: ScoreModIR | None, direction: str
     emitter = ModEmitter(stages, plan, tensors, cudnn_type_map(cudnn)) if stages else None
     options = _sdpa_options(spec, tensors, emitter, direction, cudnn)
 
-    if direction == "backward":
+    if spec.is_fp8:
+        scales = {role: tensors[role] for role in FP8_SCALES}
+        o, stats, *amax = graph.sdpa_fp8(name="sdpa_fp8", q=tensors["q"], k=tensors["k"], v=tensors["v"], **scales,
+                                         generate_stats=direction == "forward", **_fp8_options(spec, tensors))
+        outputs = {"o": o, "stats": stats, **dict(zip(FP8_AMAX, amax))}
+    elif direction == "backward":
         if spec.bias_shape is not None:
             options["dBias"] = graph.tensor(name="dbias", dim=list(descs["dbias"].dims),
                                             stride=list(descs["dbias"].strides), data_type=types["io"])
@@ -177,6 +184,14 @@ def _sdpa_options(spec: AttentionSpec, tensors: dict[str, Any], emitter: ModEmit
     return options
 
 
+def _fp8_options(spec: AttentionSpec, tensors: dict[str, Any]) -> dict[str, Any]:
+    """sdpa_fp8's options: the scale, top-left causal, padding (`_check_fp8` declines the rest)."""
+    options: dict[str, Any] = {"attn_scale": spec.scale, "use_causal_mask": spec.is_causal}
+    if spec.has_padding:
+        options.update(use_padding_mask=True, seq_len_q=tensors["seq_len_q"], seq_len_kv=tensors["seq_len_kv"])
+    return options
+
+
 def native_band(spec: AttentionSpec) -> tuple[int | None, int | None]:
     """(diagonal_band_left_bound, diagonal_band_right_bound) for the spec's causal mask and window.
 
@@ -219,7 +234,34 @@ _PACKED_WITH_MOD = {
 }
 
 
+# What cuDNN 9.19's FP8 forward takes on Hopper (and what sdpagraph lowers of it), by spec feature.
+_FP8_DECLINES = (
+    (lambda spec, ir: ir is not None, "a score_mod"),
+    (lambda spec, ir: spec.bias_shape is not None or spec.mask_shape is not None,
+     "a bias or mask (cuDNN's FP8 forward takes no bias on Hopper)"),
+    (lambda spec, ir: spec.is_causal and spec.causal_alignment == "bottom_right",
+     "bottom-right causal alignment (Hopper's FP8 forward is top-left only)"),
+    (lambda spec, ir: spec.has_window or spec.chunk_size is not None, "a sliding window or chunks"),
+    (lambda spec, ir: spec.segments is not None, "packed segments"),
+    (lambda spec, ir: spec.sinks or spec.dropout or spec.paged is not None, "sinks, dropout or paged K/V"),
+    (lambda spec, ir: spec.head_dim != spec.head_dim_v, "differing query/key and value head dims"),
+    (lambda spec, ir: spec.head_dim % 16 or spec.head_dim > 256, "a head dim that is not a multiple of 16 up to 256"),
+)
+
+
+def _check_fp8(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> None:
+    if direction == "backward":
+        raise Unsupported("sdpagraph runs cuDNN's FP8 attention forward only (no FP8 backward graph)")
+    for declines, what in _FP8_DECLINES:
+        if declines(spec, ir):
+            raise Unsupported(f"cuDNN's FP8 attention (sdpa_fp8) is not lowered with {what}: it runs dequantized "
+                              "in bfloat16 instead")
+
+
 def _check_lowerable(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> None:
+    if spec.is_fp8:
+        _check_fp8(spec, ir, direction)
+        return
     if spec.paged and direction == "backward":
         raise Unsupported("paged K/V is inference-only: there is no backward graph")
     if spec.paged and (needs_mod(spec, ir) or bias_operand_shape(spec, ir) is not None):

@@ -11,9 +11,12 @@ Roles name the buffers: "q", "k", "v", "o", "dO", "stats", "bias",
 (attention sinks, (1, N, 1, 1) float32), "page_table_k", "page_table_v" (paged K/V: the same
 (B, 1, max_pages, 1) int32 table, once per pool; k and v are then the pools), "dropout_seed",
 "dropout_offset" (dropout's Philox seed and offset, int32 scalars cuDNN reads from device memory: the
-JAX side passes the (B, N) seeds, whose first element is the block's seed, and a zero offset), "array:<name>"
+JAX side passes the (B, N) seeds, whose first element is the block's seed, and a zero offset),
+"descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o" (an FP8 graph's per-tensor
+scales, float32 (1, 1, 1, 1)), "array:<name>"
 (score_mod aux arrays), and the results
-"o", "stats", "dq", "dk", "dv", "dbias". Pass-by-value scalars are named
+"o", "stats", "dq", "dk", "dv", "dbias", "amax_s", "amax_o" (an FP8 graph's absolute maxima of the
+softmax and of the output before its scale). Pass-by-value scalars are named
 "scalar:<name>" and "const:<i>"; they are not device operands.
 
 UIDs are positions in one fixed list (operands, then results, then pass-by-value
@@ -38,6 +41,8 @@ BACKWARD_INPUTS = ("o", "dO", "stats")
 SINK_TOKEN = "sink_token"  # attention sinks' logits (forward and inference graphs)
 PAGE_TABLES = ("page_table_k", "page_table_v")  # paged K/V: each sequence's pages, for k and for v
 DROPOUT = ("dropout_seed", "dropout_offset")  # dropout's Philox seed and offset (every direction)
+FP8_SCALES = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")  # an FP8 graph's scales
+FP8_AMAX = ("amax_s", "amax_o")  # an FP8 graph's results besides o (and stats)
 ARRAY_TYPES = {FLOAT: "float32", INT: "int32"}  # IR array dtype -> storage
 
 
@@ -142,6 +147,8 @@ def plan_layout(spec: AttentionSpec, ir: ScoreModIR | None) -> LayoutPlan:
 def graph_io(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(operand roles in FFI order, result roles in FFI order) for one graph."""
     _check_direction(direction)
+    if spec.is_fp8:
+        return _fp8_io(spec, direction)
     operands = ["q", "k", "v"]
     if direction == "backward":
         operands += BACKWARD_INPUTS
@@ -168,6 +175,15 @@ def graph_io(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> tupl
     else:
         results = ["o", "stats"] if direction == "forward" else ["o"]
     return tuple(operands), tuple(results)
+
+
+def _fp8_io(spec: AttentionSpec, direction: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """An FP8 (sdpa_fp8) graph's operands and results: forward only, no bias, mask or score_mod."""
+    operands = ["q", "k", "v", *FP8_SCALES]
+    if spec.has_padding:
+        operands += ["seq_len_q", "seq_len_kv"]
+    results = ["o", "stats"] if direction == "forward" else ["o"]
+    return tuple(operands), tuple(results) + FP8_AMAX
 
 
 def used_names(ir: ScoreModIR | None, kind: str, direction: str) -> tuple[str, ...]:
@@ -240,6 +256,8 @@ def _describe_role(spec: AttentionSpec, ir: ScoreModIR | None, role: str) -> Ten
         return _row_major((1, n, 1, 1), "float32")
     if role in DROPOUT:
         return _row_major((1, 1, 1, 1), "int32")
+    if role in FP8_SCALES or role in FP8_AMAX:
+        return _row_major((1, 1, 1, 1), "float32")
     if role in ("seq_len_q", "seq_len_kv"):
         return _row_major((b, 1, 1, 1), "int32")
     if role.startswith("ragged_offset_"):

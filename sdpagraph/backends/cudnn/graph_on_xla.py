@@ -14,6 +14,9 @@ the same operands, so nothing upstream changes:
 - the score_mod's arrays and scalars;
 - paged K/V: the pools gathered by the page table into each sequence's keys;
 - cuDNN's attention sinks (`sink_token`, composed as `backends.sinks` composes them);
+- FP8 (sdpa_fp8): the inputs dequantized by their descales, attention in float32, the output's amax,
+  the output scaled by scale_o and saturated into the FP8 dtype; the softmax's amax is not computed
+  (reported as 1: nothing reads it);
 - dropout: the graph's one seed (the first of the seeds operand) spread over (B, N) by
   `dropout.keep_mask`; a different mask from cuDNN's Philox, the same in the forward and the backward.
 The forward gives o and the stats in the graph's layout; the backward recomputes the forward and
@@ -38,6 +41,8 @@ from sdpagraph.backends import registry, sinks
 def run_on_xla(static: Any, operands: Mapping[str, Any], results: Mapping[str, Any]) -> dict[str, Any]:
     """The `results` (role -> shape struct) one graph call of `static` (`cudnn._Static`) gives for
     `operands` (role -> array, as the executor takes them)."""
+    if static.graph_spec.is_fp8:
+        return _fp8_forward(static.graph_spec, operands)
     forward = graph_forward(static, operands)
     q, k, v, bias, sink = (operands.get(role) for role in ("q", "k", "v", "bias", SINK_TOKEN))
     if "dq" not in results:
@@ -47,6 +52,20 @@ def run_on_xla(static: Any, operands: Mapping[str, Any], results: Mapping[str, A
     dq, dk, dv, dbias = pullback(operands["dO"].astype(out.dtype))
     grads = {"dq": dq, "dk": dk, "dv": dv, "dbias": dbias}
     return {role: grads[role].astype(results[role].dtype) for role in results}
+
+
+def _fp8_forward(spec: Any, operands: Mapping[str, Any]) -> dict[str, Any]:
+    """What an FP8 (sdpa_fp8) inference graph gives: o in the FP8 dtype, amax_s, amax_o."""
+    scale = {role: operands[role].reshape(()) for role in ("descale_q", "descale_k", "descale_v", "scale_o")}
+    q, k, v = (operands[role].astype(jnp.float32) * scale[f"descale_{role}"] for role in ("q", "k", "v"))
+    plain = dataclasses.replace(spec, dtype="float32")
+    inputs = RuntimeInputs(q_lengths=operands.get("seq_len_q"), kv_lengths=operands.get("seq_len_kv"))
+    out, _ = registry.reference().attention(plain, q, k, v, inputs, None)
+    fp8 = operands["q"].dtype
+    largest = float(jnp.finfo(fp8).max)
+    o = jnp.clip(out * scale["scale_o"], -largest, largest).astype(fp8)
+    return {"o": o, "amax_s": jnp.ones((1, 1, 1, 1), jnp.float32),
+            "amax_o": jnp.max(jnp.abs(out)).reshape(1, 1, 1, 1)}
 
 
 def graph_forward(static: Any, operands: Mapping[str, Any]) -> Callable[..., tuple[Any, Any]]:

@@ -51,7 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from sdpagraph.cache import CacheMissError
 from sdpagraph.config import PARTITION
-from sdpagraph.graphs.operands import DROPOUT, PAGE_TABLES
+from sdpagraph.graphs.operands import DROPOUT, FP8_AMAX, PAGE_TABLES
 from sdpagraph.meshes import explicit_axes
 from sdpagraph.logs import log_once, logger
 from sdpagraph.scoremod.ir import Node, ScoreModIR
@@ -332,7 +332,7 @@ def _sum_broadcast_grad(role: str, shape: tuple[int, ...], x: Any, call: _GraphC
     """Gradients of an operand that is whole on every device while the call is split: each device
     holds the sum over its shard only, the gradient is the sum over every shard. The bias (and its
     gradient) broadcast over a split batch or heads, and key/value with one head (MQA) under split
-    query heads. `shape`: the global shape of `x`."""
+    query heads. An FP8 graph's amax results are the maximum over the shards. `shape`: the global shape of `x`."""
     spec = call.static.graph_spec
     axes: tuple[str, ...] = ()
     if role == "dbias":
@@ -342,6 +342,9 @@ def _sum_broadcast_grad(role: str, shape: tuple[int, ...], x: Any, call: _GraphC
             axes += split.head_axes
     elif role in ("dk", "dv") and split.heads > 1 and split.kv_heads == 1:
         axes = split.head_axes
+    elif role in FP8_AMAX:  # an FP8 graph's absolute maximum is the largest over every shard
+        axes = split.batch_axes + split.head_axes
+        return jax.lax.pmax(x, axes) if axes else x
     return jax.lax.psum(x, axes) if axes else x
 
 
