@@ -145,6 +145,11 @@ def target_rows(row):
     return out
 
 
+# Times within this share of each other are a tie: rows of ~0.1 ms moved by 30-60% between runs on one
+# H100 (B1 T2048 N16 bf16: 0.077 ms in one run, 0.126 ms in the next).
+TIE = 0.10
+
+
 def sweep_row(row):
     """Part 2: a measured row with quantized_attention(None)'s pick and whether it was the faster."""
     picks_fp8 = row["scores"] >= fp8.FP8_MIN_SCORES and row["keys"] >= fp8.FP8_MIN_KV_LEN  # quantized_attention's rule
@@ -154,8 +159,9 @@ def sweep_row(row):
     out["None picks"] = "fp8" if picks_fp8 else "bf16"
     if isinstance(row["quantized ms"], float):
         fp8_faster = row["quantized ms"] < row["bf16 ms"]
-        out["faster"] = "fp8" if fp8_faster else "bf16"
-        out["pick is the faster"] = "yes" if picks_fp8 == fp8_faster else "no"
+        tie = abs(row["quantized ms"] - row["bf16 ms"]) < TIE * min(row["quantized ms"], row["bf16 ms"])
+        out["faster"] = "tie" if tie else "fp8" if fp8_faster else "bf16"
+        out["pick is the faster"] = "yes (tie)" if tie else "yes" if picks_fp8 == fp8_faster else "no"
     else:
         out["faster"] = "bf16 (fp8 failed)"
         out["pick is the faster"] = "no" if picks_fp8 else "yes"
@@ -164,7 +170,7 @@ def sweep_row(row):
 
 def threshold_lines(rows):
     """Where FP8 wins: the smallest winning scores value, the largest losing one, per FP8 call."""
-    slower = [r["shape"] for r in rows if r["pick is the faster"] != "yes"]
+    slower = [r["shape"] for r in rows if not r["pick is the faster"].startswith("yes")]
     verdict = "slower picks: " + ", ".join(slower) if slower else "dispatch never picked the slower one"
     lines = [f"fp8.FP8_MIN_SCORES = {fp8.FP8_MIN_SCORES} (2^{fp8.FP8_MIN_SCORES.bit_length() - 1}), "
              f"fp8.FP8_MIN_KV_LEN = {fp8.FP8_MIN_KV_LEN}: the pick of "

@@ -11,7 +11,8 @@ Rows (bf16, inference; every array, page table and lengths included, a jit argum
   call on dense keys (sdpagraph, cuDNN);
 - 1000 decode steps with growing lengths and a changing batch of tables: traces and graph builds;
 - a fresh process with the graph cache and JAX's compilation cache this run filled: its first decode
-  step (trace, compile from the cache, run) and its builds.
+  step (trace, compile from the cache, run) and its builds; `sdpagraph.attention` is imported before
+  it (timed apart), as a model module's `from sdpagraph import attention` does at import.
 Writes paged.md / paged.json to --out.
 """
 from __future__ import annotations
@@ -176,6 +177,14 @@ rng = np.random.default_rng(0)
 kp, vp, table, lengths = pools(rng)
 q = jnp.asarray(rng.standard_normal((B, 1, N, H)), jnp.bfloat16)
 jax.block_until_ready((q, kp, vp, table, lengths))
+imported = time.perf_counter()
+sdpagraph.attention  # what a model module's `from sdpagraph import attention` loads when it is imported
+imports = time.perf_counter() - imported
+profile_path = {profile_path!r}
+if profile_path:
+    import cProfile, pstats
+    profiler = cProfile.Profile()
+    profiler.enable()
 ready = time.perf_counter()
 lowered = ours(1).lower(q, kp, vp, table, lengths)  # traces attention: the graph found in the cache
 traced = time.perf_counter()
@@ -183,18 +192,31 @@ compiled = lowered.compile()  # XLA's executable, from JAX's compilation cache
 built = time.perf_counter()
 jax.block_until_ready(compiled(q, kp, vp, table, lengths))
 first = time.perf_counter()
-print(json.dumps({{"first decode step s": first - ready, "trace s": traced - ready, "compile s": built - traced,
+if profile_path:
+    profiler.disable()
+    with open(profile_path, "w") as f:
+        pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(80)
+print(json.dumps({{"first decode step s": first - ready, "sdpagraph.attention import s (before)": imports,
+                  "trace s": traced - ready, "compile s": built - traced,
                   "first run s": first - built, "process start to first step s": first - start,
                   "graph builds": default_cache().stats()["builds"]}}))
 """
 
 
-def fresh_process_row():
-    child = subprocess.run([sys.executable, "-c", CHILD.format(bench=os.path.dirname(os.path.abspath(__file__)))],
-                           capture_output=True, text=True, timeout=300, env=dict(os.environ))
-    if child.returncode:
-        return {"row": "fresh process, cache filled", "error": child.stderr.strip().splitlines()[-1][:200]}
-    return {"row": "fresh process, cache filled", **json.loads(child.stdout.strip().splitlines()[-1])}
+def fresh_process_row(profile_path=None):
+    """The first decode step of a fresh process whose caches this run filled; with `profile_path`, a
+    second fresh process writes where its first step's time goes (cProfile, cumulative) there."""
+    rows = []
+    for path in (None, profile_path) if profile_path else (None,):
+        code = CHILD.format(bench=os.path.dirname(os.path.abspath(__file__)), profile_path=path)
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                               env=dict(os.environ))
+        label = "fresh process, cache filled" + (" (under cProfile)" if path else "")
+        if child.returncode:
+            rows.append({"row": label, "error": child.stderr.strip().splitlines()[-1][:200]})
+        else:
+            rows.append({"row": label, **json.loads(child.stdout.strip().splitlines()[-1])})
+    return rows
 
 
 def table_md(rows):
@@ -229,7 +251,7 @@ def main():
     save()
     parts["steps"] = [steps_row(rng, 200 if args.quick else 1000)]
     save()
-    parts["fresh"] = [fresh_process_row()]
+    parts["fresh"] = fresh_process_row(os.path.join(args.out, "fresh_profile.txt") if args.out else None)
     save()
     for rows in parts.values():
         print(table_md(rows), flush=True)

@@ -27,7 +27,6 @@ from sdpagraph.graph_store import graph_key
 from sdpagraph.graphs import builder
 from sdpagraph.graphs.support import Support, graph_answer
 from sdpagraph.logs import log_once, numerics_logger
-from sdpagraph.numerics import check
 from sdpagraph.numerics.record import check_error_reason, failure_reason, meta_update, read_record, record_passed
 from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.spec import AttentionSpec, directions_for
@@ -79,6 +78,7 @@ def checked(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, cache: G
         if cache.mode == "strict":
             raise UncheckedGraphError(_unchecked_message(spec, keys, cache))
         try:
+            from sdpagraph.numerics import check  # only a graph without a record needs it (not a warm serving start)
             record = check.check_numerics(spec, ir, training, cache, scalars=scalars).to_record()
         except Exception as error:  # noqa: BLE001 - a check that cannot run must not break the call
             return _refused(spec, keys, "error", check_error_reason(error))
