@@ -22,7 +22,12 @@ backend `implementation=None` picks: the one `quantized_attention`'s bfloat16 br
    output `out8 / scale_o`, e4m3 (target <= 4e-2) and e5m2, with scale_o = 1 / descale_v and with the
    delayed scale_o = max / amax_o of a first call; |amax_o - max|ref|| / max|ref|; and
    `quantized_attention`'s output against the reference on the bf16 inputs themselves.
-4. `fp8.check_support` for the target shape, printed under the tables.
+4. Training through FP8 (`quantized_attention(training=True, implementation="cudnn")`: cuDNN's FP8 forward
+   and backward, gradients in e5m2) against bf16 `sdpagraph.attention`, B1 N16 H128 at T16384 and T8192
+   without and with causal, and T4096: fwd+bwd and backward-alone times (the backward runs on the pullback of a
+   jitted forward), what `training=True` with implementation=None picks (`fp8.fp8_training_pays`), and
+   the target: the FP8 backward >= 1.15x bf16's where it is used.
+5. `fp8.check_support` for the target shape, printed under the tables.
 Writes fp8.md / fp8.json to --out.
 """
 from __future__ import annotations
@@ -129,6 +134,52 @@ def measure(shape, quick):
     for label in ("fp8", "quantized"):
         if isinstance(row[f"{label} ms"], float):
             row[f"bf16 / {label}"] = row["bf16 ms"] / row[f"{label} ms"]
+    return row
+
+
+TRAINING = [((1, 16384, 16, 16, 128), False), ((1, 16384, 16, 16, 128), True), ((1, 8192, 16, 16, 128), False),
+            ((1, 8192, 16, 16, 128), True), ((1, 4096, 16, 16, 128), False)]
+TRAINING_TARGET = 1.15  # the FP8 backward's speedup where it is used (B1 T16384 N16 H128, not causal)
+
+
+def _steps(causal, fp8_path):
+    """(fwd+bwd step, forward returning the pullback, backward from the pullback), jitted; the bf16 call
+    (`sdpagraph.attention`) or quantized_attention(training=True, implementation="cudnn")."""
+    if fp8_path:
+        attend = lambda q, k, v: fp8.quantized_attention(q, k, v, is_causal=causal, training=True,  # noqa: E731
+                                                         implementation="cudnn")
+    else:
+        attend = lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=causal)  # noqa: E731
+    step = jax.jit(lambda q, k, v, d_o: jax.vjp(attend, q, k, v)[1](d_o))
+    forward = jax.jit(lambda q, k, v: jax.vjp(attend, q, k, v)[1])
+    backward = jax.jit(lambda pullback, d_o: pullback(d_o))
+    return step, forward, backward
+
+
+def training_row(shape, causal, quick):
+    """FP8 training (forward and backward) against bf16 at `shape`: fwd+bwd and backward-alone times."""
+    timing = dict(repeats=5, rounds=3) if quick else dict(repeats=10, rounds=5)
+    q, k, v = arrays(shape)
+    d_o = jax.random.normal(jax.random.key(5), q.shape, jnp.bfloat16)
+    row = {"shape": name_of(shape) + (" causal" if causal else ""),
+           "None picks": "fp8" if fp8.fp8_training_pays(shape[1], shape[4]) else "bf16"}
+    for label, fp8_path in (("bf16", False), ("fp8", True)):
+        step, forward, backward = _steps(causal, fp8_path)
+        row[f"{label} fwd+bwd ms"] = attempt(time_ms, step, q, k, v, d_o, **timing)
+        pullback = attempt(forward, q, k, v)
+        row[f"{label} bwd ms"] = (pullback if isinstance(pullback, str)
+                                  else attempt(time_ms, backward, pullback, d_o, **timing))
+        del pullback
+    for part in ("fwd+bwd", "bwd"):
+        bf16_ms, fp8_ms = row[f"bf16 {part} ms"], row[f"fp8 {part} ms"]
+        if isinstance(bf16_ms, float) and isinstance(fp8_ms, float):
+            row[f"bf16 / fp8 {part}"] = bf16_ms / fp8_ms
+    ratio = row.get("bf16 / fp8 bwd")
+    if isinstance(ratio, float):
+        row["pick is the faster"] = "yes" if (row["None picks"] == "fp8") == (ratio > 1) else "no"
+        if (shape, causal) == TRAINING[0]:
+            row["target"] = f"bwd >= {TRAINING_TARGET}"
+            row["met"] = "yes" if ratio >= TRAINING_TARGET else "no"
     return row
 
 
@@ -317,9 +368,9 @@ def main():
               f"FP8_MIN_KV_LEN {fp8.FP8_MIN_KV_LEN}; "
               f"{'quick' if args.quick else 'full'} run")
     print(header, flush=True)
-    results = {"header": header, "target": [], "sweep": [], "threshold": [], "accuracy": [], "support": [],
-               "notes": []}
-    parts = ("target", "sweep", "accuracy")
+    results = {"header": header, "target": [], "sweep": [], "threshold": [], "accuracy": [], "training": [],
+               "support": [], "notes": []}
+    parts = ("target", "sweep", "accuracy", "training")
 
     def text():
         tables = "\n\n".join(table(results[part]) for part in parts if results[part])
@@ -353,6 +404,10 @@ def main():
         results["accuracy"] += rows
         results["notes"] += notes
         print(table(rows), flush=True)
+        save()
+    for shape, causal in TRAINING:
+        results["training"].append(training_row(shape, causal, args.quick))
+        print(table(results["training"][-1:]), flush=True)
         save()
     lines, results["support"] = support_lines()
     results["notes"] += lines

@@ -19,7 +19,8 @@ dequantized and run by `sdpagraph.attention` in bfloat16, and `check_support` sa
 by their current absolute maxima into FP8 (the output's scale from v's: |out| <= max |v|), runs
 `attention` and returns the dequantized output in the inputs' dtype. It uses FP8 only where FP8 is
 measured faster than the bfloat16 call (`FP8_MIN_KV_LEN`, `FP8_MIN_SCORES`): shorter calls run in bfloat16.
-Both are inference only: a gradient raises `FP8GradientError`.
+`attention` is inference only (a gradient raises `FP8GradientError`); `quantized_attention(...,
+training=True)` trains through cuDNN's FP8 forward and backward (gradients in e5m2) where that is faster.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ from sdpagraph.logs import log_once, logger
 from sdpagraph.numerics import gate as numerics_gate
 from sdpagraph.spec import FP8_DTYPES
 
-__all__ = ["attention", "check_support", "quantized_attention", "FP8GradientError", "FP8_MIN_KV_LEN", "FP8_MIN_SCORES"]
+__all__ = ["attention", "check_support", "quantized_attention", "fp8_training_pays", "FP8GradientError",
+           "FP8_MIN_KV_LEN", "FP8_MIN_SCORES", "FP8_TRAIN_MIN_KV_LEN"]
 
 SCALES = ("descale_q", "descale_k", "descale_v", "scale_o")
 IMPLEMENTATIONS = (None, "cudnn", "bf16")
@@ -53,6 +55,10 @@ IMPLEMENTATIONS = (None, "cudnn", "bf16")
 # N16) and 0.77x at T2048.
 FP8_MIN_KV_LEN = 8192
 FP8_MIN_SCORES = 2**30
+# quantized_attention(training=True) runs FP8 from this many keys on, at head dim 128 (cuDNN's FP8
+# backward on Hopper takes no other). On an H100 (bench/fp8.py) FP8 training ran 1.24x bf16's fwd+bwd
+# (backward 1.21x) at B1 T16384 N16 without a mask, 1.18x (1.15x) with causal, 1.19x (1.10x) at T8192.
+FP8_TRAIN_MIN_KV_LEN = 8192
 
 
 class FP8GradientError(SdpagraphError, NotImplementedError):
@@ -111,14 +117,20 @@ def check_support(query: Any, key: Any, value: Any, *, scale: float | None = Non
 
 def quantized_attention(query: Any, key: Any, value: Any, *, scale: float | None = None, is_causal: bool = False,
                         query_seq_lengths: Any = None, key_value_seq_lengths: Any = None,
-                        fp8_dtype: Any = jnp.float8_e4m3fn, implementation: str | None = None) -> Any:
-    """Inference attention through FP8 with current scaling: q, k, v (bfloat16, float16 or float32)
-    quantized by their absolute maxima, `fp8.attention`, the output dequantized to the inputs' dtype.
+                        fp8_dtype: Any = jnp.float8_e4m3fn, implementation: str | None = None,
+                        training: bool = False) -> Any:
+    """Attention through FP8 with current scaling: q, k, v (bfloat16, float16 or float32) quantized by
+    their absolute maxima, cuDNN's FP8 graphs, the output dequantized to the inputs' dtype.
 
-    `implementation`: None (FP8 where it is measured faster: from `FP8_MIN_KV_LEN` keys and
-    `FP8_MIN_SCORES` scores on, else the bfloat16 `sdpagraph.attention`), "cudnn" (always FP8), or
-    "bf16" (never). Accuracy with e4m3 (relative L2 on an H100): 3.3e-2 against float32 attention on
-    the dequantized inputs, 5-9e-2 against attention on the inputs as given (their rounding included).
+    `training=False` (inference; `fp8.attention` on the quantized inputs): FP8 where it is measured
+    faster, from `FP8_MIN_KV_LEN` keys and `FP8_MIN_SCORES` scores on. Accuracy with e4m3 (relative L2
+    on an H100): 3.3e-2 against float32 attention on the dequantized inputs, 5-9e-2 against attention
+    on the inputs as given (their rounding included).
+    `training=True`: differentiable (straight through the quantization), cuDNN's FP8 forward and
+    backward, the gradients through e5m2 (~10% relative error); FP8 where it is measured faster
+    (`fp8_training_pays`: head dim 128, from `FP8_TRAIN_MIN_KV_LEN` keys on).
+    `implementation`: None (FP8 where it pays, else the bfloat16 `sdpagraph.attention`), "cudnn"
+    (always FP8; ValueError where cuDNN's FP8 graphs do not run the call), or "bf16" (never).
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
@@ -126,6 +138,11 @@ def quantized_attention(query: Any, key: Any, value: Any, *, scale: float | None
     arguments = dict(scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
                      key_value_seq_lengths=key_value_seq_lengths)
     q_shape, k_shape = query.shape, key.shape
+    if training:
+        pays = fp8_training_pays(k_shape[-3], q_shape[-1])
+        if implementation == "bf16" or (implementation is None and not pays):
+            return bf16_attention(query, key, value, **arguments)
+        return _quantized_training(query, key, value, fp8, implementation, arguments)
     scores = int(np.prod(q_shape[:-1])) * int(k_shape[-3])  # B * T * N * S
     pays = scores >= FP8_MIN_SCORES and k_shape[-3] >= FP8_MIN_KV_LEN
     if implementation == "bf16" or (implementation is None and not pays):
@@ -138,7 +155,35 @@ def quantized_attention(query: Any, key: Any, value: Any, *, scale: float | None
     return (out8.astype(jnp.float32) * descales[2]).astype(query.dtype)
 
 
+def fp8_training_pays(kv_len: int, head_dim: int) -> bool:
+    """Whether FP8 training (forward and backward) is measured faster than bf16 for such a call."""
+    return head_dim == 128 and kv_len >= FP8_TRAIN_MIN_KV_LEN
+
+
 # ----------------------------------------------------------------------------- pieces
+
+def _quantized_training(query: Any, key: Any, value: Any, fp8: Any, implementation: str | None,
+                        arguments: dict[str, Any]) -> Any:
+    """The differentiable FP8 call (`backends.cudnn.fp8.training`) where cuDNN runs it, else bf16."""
+    structs = [jax.ShapeDtypeStruct(x.shape, fp8) for x in (query, key, value)]
+    call, _ = _prepare(*structs, arguments["scale"], arguments["is_causal"], arguments["query_seq_lengths"],
+                       arguments["key_value_seq_lengths"], implementation)
+    answer = registry.primary().support(call.spec, None, training=True, verify=numerics_gate.checked)
+    if not answer.supported:
+        if implementation == "cudnn":
+            raise ValueError(f"implementation='cudnn' cannot train FP8 attention {call.spec.summary()}: "
+                             f"{answer.reason}")
+        log_once(logger, logging.INFO, f"sdpagraph: FP8 training {call.spec.summary()} runs in bfloat16: "
+                                       f"{answer.reason}")
+        return bf16_attention(query, key, value, **arguments)
+    largest = float(jnp.finfo(fp8).max)
+    descales = {f"descale_{name}": jax.lax.stop_gradient(_descale(x, largest)) for name, x in zip("qkv", (query, key, value))}
+    q, k, v = (as_4d(x, call.unbatched) for x in (query, key, value))
+    inputs = dataclasses.replace(call.inputs, fp8_scales=descales)
+    out, _ = registry.primary().attention(call.spec, q, k, v, inputs, None, training=True,
+                                          verify=numerics_gate.checked)
+    return out[0] if call.unbatched else out
+
 
 def _fp8_dtype(dtype: Any) -> Any:
     try:
@@ -198,10 +243,15 @@ def _dequantized(q: Any, k: Any, v: Any, scales: dict[str, Any], fp8: Any, **arg
     return jnp.clip(out * scales["scale_o"], -largest, largest).astype(fp8), jnp.max(jnp.abs(out))
 
 
-def _quantize(x: Any, fp8: Any, largest: float) -> tuple[Any, Any]:
-    """(x scaled by largest / amax(x) into `fp8`, the descale amax(x) / largest); all-zero x: descale 1."""
+def _descale(x: Any, largest: float) -> Any:
+    """amax(x) / largest: the descale that maps x's largest magnitude onto the FP8 dtype's; 1 for all-zero x."""
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
-    descale = jnp.where(amax > 0, amax / largest, 1.0)
+    return jnp.where(amax > 0, amax / largest, 1.0)
+
+
+def _quantize(x: Any, fp8: Any, largest: float) -> tuple[Any, Any]:
+    """(x scaled by its descale (`_descale`) into `fp8`, the descale)."""
+    descale = _descale(x, largest)
     return jnp.clip(x.astype(jnp.float32) / descale, -largest, largest).astype(fp8), descale
 
 

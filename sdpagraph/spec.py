@@ -43,8 +43,6 @@ def directions_for(training: bool, spec: "AttentionSpec | None" = None) -> tuple
     without a backward graph "train" with the forward graph alone, which keeps the softmax stats: paged
     K/V (inference only; a multi-token decode merges by its stats) and cuDNN's own sinks (a call with
     them runs the backward graph of its spec without sinks, given the output and stats with the sink)."""
-    if spec is not None and spec.is_fp8:  # forward only (`sdpagraph.fp8`)
-        return INFERENCE_DIRECTIONS
     if spec is not None and (spec.paged is not None or spec.sinks):
         return STATS_DIRECTIONS if training else INFERENCE_DIRECTIONS
     return TRAINING_DIRECTIONS if training else INFERENCE_DIRECTIONS

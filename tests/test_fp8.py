@@ -126,8 +126,6 @@ def test_the_lowering_emits_sdpa_fp8_with_its_scales():
                           (dict(window=(16, 0)), "window"), (dict(head_dim=72, head_dim_v=72), "multiple of 16")):
         with pytest.raises(Unsupported, match=words):
             lower(FP8Graph(), dataclasses.replace(spec, **change), None, "inference", cudnn)
-    with pytest.raises(Unsupported, match="forward only"):
-        lower(FP8Graph(), spec, None, "backward", cudnn)
 
 
 def test_quantized_attention_scales_by_the_current_amax_and_picks_fp8_by_size(rng, built, monkeypatch):
@@ -176,3 +174,90 @@ def test_bad_arguments_name_themselves(rng):
         fp8.quantized_attention(x, x, x, fp8_dtype=jnp.bfloat16)
     with pytest.raises(fp8.FP8GradientError, match="inference"):
         jax.grad(lambda q: fp8.attention(q.astype(E4M3), x8, x8)[0].astype(jnp.float32).sum())(x)
+
+
+# ----------------------------------------------------------------------------- FP8 training
+
+def _reference_grads(q, k, v, d_o, causal):
+    """float64 (out, dq, dk, dv) of attention, by differentiating `_reference` in jax with float64 on."""
+    with jax.enable_x64(True):
+        def loss(q, k, v):
+            groups = q.shape[2] // k.shape[2]
+            kk, vv = (jnp.repeat(x, groups, axis=2) for x in (k, v))
+            logits = jnp.einsum("btnh,bsnh->bnts", q, kk) / np.sqrt(q.shape[-1])
+            if causal:
+                logits = jnp.where(jnp.tril(jnp.ones(logits.shape[-2:], bool)), logits, -jnp.inf)
+            out = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1), vv)
+            return jnp.sum(out * d_o), out
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+            *(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
+        return (np.asarray(out), *(np.asarray(g) for g in grads))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_training_gives_gradients_through_e5m2(rng, built, causal):
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 32, 4, 128)) * s, jnp.bfloat16) for s in (1.0, 0.5, 2.0))
+    d_o = rng.standard_normal((2, 32, 4, 128))
+    out, pullback = jax.vjp(lambda q, k, v: fp8.quantized_attention(q, k, v, is_causal=causal, training=True,
+                                                                   implementation="cudnn"), q, k, v)
+    grads = pullback(jnp.asarray(d_o, jnp.bfloat16))
+    want = _reference_grads(*(np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v)), d_o, causal)
+    assert _relative(out.astype(jnp.float32), want[0]) < 8e-2
+    for got, expected in zip(grads, want[1:]):
+        assert got.dtype == jnp.bfloat16 and _relative(got.astype(jnp.float32), expected) < 0.2
+    assert {(spec.dtype, direction) for spec, _, direction in built} == {("float8_e4m3fn", "forward"),
+                                                                       ("float8_e4m3fn", "backward")}
+
+
+def test_fp8_training_runs_where_it_pays_and_bf16_elsewhere(rng, built, monkeypatch):
+    q = jnp.asarray(rng.standard_normal((1, 64, 2, 128)), jnp.bfloat16)
+    loss = lambda q, **kw: fp8.quantized_attention(q, q, q, training=True, **kw).astype(jnp.float32).sum()  # noqa: E731
+    jax.grad(loss)(q)  # 64 keys: bf16
+    assert not any(spec.is_fp8 for spec, _, _ in built)
+    monkeypatch.setattr(fp8, "FP8_TRAIN_MIN_KV_LEN", 64)
+    jax.grad(loss)(q)
+    assert any(spec.is_fp8 and direction == "backward" for spec, _, direction in built)
+    assert not fp8.fp8_training_pays(8192, 64) and fp8.fp8_training_pays(8192, 128)
+    jax.grad(lambda q: loss(q, implementation="bf16"))(q)  # never FP8
+
+
+def test_the_backward_lowering_takes_e5m2_gradients():
+    class FP8Graph(FakeGraph):
+        def sdpa_fp8_backward(self, **kwargs):
+            return self._record("sdpa_fp8_backward", kwargs, [FakeTensor(n) for n in
+                                                             ("dq", "dk", "dv", "adq", "adk", "adv", "adp")])
+
+    from sdpagraph.graphs.operands import FP8_BACKWARD_AMAX, FP8_BACKWARD_SCALES
+    spec = AttentionSpec(1, 64, 64, 4, 2, 128, 128, "float8_e4m3fn", 0.1)
+    operands, results = graph_io(spec, None, "backward")
+    assert operands == ("q", "k", "v", "o", "dO", "stats", *FP8_BACKWARD_SCALES)
+    assert results == ("dq", "dk", "dv", *FP8_BACKWARD_AMAX)
+    graph = FP8Graph()
+    lower(graph, spec, None, "backward", cudnn)
+    (op, options), = graph.nodes
+    assert op == "sdpa_fp8_backward" and all(options[role] is graph.tensors[role] for role in FP8_BACKWARD_SCALES)
+    assert graph.tensors["dO"].attrs["data_type"] == cudnn.data_type.FP8_E5M2
+    assert graph.tensors["q"].attrs["data_type"] == cudnn.data_type.FP8_E4M3
+    with pytest.raises(Unsupported, match="head dim 128 only"):
+        lower(FP8Graph(), dataclasses.replace(spec, head_dim=64, head_dim_v=64), None, "backward", cudnn)
+
+
+def test_the_numerical_check_covers_the_fp8_backward(built):
+    from sdpagraph.backends.cudnn import backend as cudnn_backend
+    spec = AttentionSpec(1, 64, 64, 4, 2, 128, 128, "float8_e4m3fn", 128 ** -0.5)
+    result = check_numerics(spec, None, True, candidate=cudnn_backend.attention)
+    assert result.passed and {"o", "lse", "dq", "dk", "dv"} <= set(result.errors), result.summary()
+
+
+@pytest.mark.parametrize("guess", [1e-30, 1e30])
+def test_a_gradient_scale_guessed_wrong_runs_the_backward_again_with_exact_scales(rng, built, monkeypatch, guess):
+    from sdpagraph.backends.cudnn import fp8 as cudnn_fp8
+    monkeypatch.setattr(cudnn_fp8, "_gradient_scales", lambda *args: {n: jnp.float32(guess) for n in ("dP", "dQ", "dK", "dV")})
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 32, 2, 128)), jnp.bfloat16) for _ in range(3))
+    d_o = rng.standard_normal((1, 32, 2, 128))
+    _, pullback = jax.vjp(lambda q, k, v: fp8.quantized_attention(q, k, v, training=True, implementation="cudnn"),
+                          q, k, v)
+    grads = pullback(jnp.asarray(d_o, jnp.bfloat16))
+    want = _reference_grads(*(np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v)), d_o, False)
+    for got, expected in zip(grads, want[1:]):  # underflowed (1e-30) or saturated (1e30) without the rerun
+        assert _relative(got.astype(jnp.float32), expected) < 0.2

@@ -45,6 +45,9 @@ from sdpagraph.graphs.operands import (
     ARRAY_PREFIX,
     DROPOUT,
     FP8_AMAX,
+    FP8_BACKWARD_AMAX,
+    FP8_BACKWARD_SCALES,
+    FP8_GRADIENT,
     FP8_SCALES,
     PAGE_TABLES,
     SINK_TOKEN,
@@ -110,7 +113,13 @@ def lower(graph: Any, spec: AttentionSpec, ir: ScoreModIR | None, direction: str
     emitter = ModEmitter(stages, plan, tensors, cudnn_type_map(cudnn)) if stages else None
     options = _sdpa_options(spec, tensors, emitter, direction, cudnn)
 
-    if spec.is_fp8:
+    if spec.is_fp8 and direction == "backward":
+        scales = {role: tensors[role] for role in FP8_BACKWARD_SCALES}
+        dq, dk, dv, *amax = graph.sdpa_fp8_backward(
+            name="sdpa_fp8_backward", q=tensors["q"], k=tensors["k"], v=tensors["v"], o=tensors["o"],
+            dO=tensors["dO"], stats=tensors["stats"], **scales, **_fp8_options(spec, tensors))
+        outputs = {"dq": dq, "dk": dk, "dv": dv, **dict(zip(FP8_BACKWARD_AMAX, amax))}
+    elif spec.is_fp8:
         scales = {role: tensors[role] for role in FP8_SCALES}
         o, stats, *amax = graph.sdpa_fp8(name="sdpa_fp8", q=tensors["q"], k=tensors["k"], v=tensors["v"], **scales,
                                          generate_stats=direction == "forward", **_fp8_options(spec, tensors))
@@ -221,7 +230,8 @@ def _io_type(spec: AttentionSpec, cudnn: Any) -> Any:
 
 def _storage_types(spec: AttentionSpec, cudnn: Any) -> dict[str, Any]:
     data_type = cudnn.data_type
-    return {"io": _io_type(spec, cudnn), "float32": data_type.FLOAT, "int32": data_type.INT32}
+    return {"io": _io_type(spec, cudnn), "fp8_gradient": getattr(data_type, IO_TYPES[FP8_GRADIENT]),
+            "float32": data_type.FLOAT, "int32": data_type.INT32}
 
 
 # Why a packed call with a mod is declined, by whether the segments are self-attention's.
@@ -250,8 +260,8 @@ _FP8_DECLINES = (
 
 
 def _check_fp8(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> None:
-    if direction == "backward":
-        raise Unsupported("sdpagraph runs cuDNN's FP8 attention forward only (no FP8 backward graph)")
+    if direction == "backward" and (spec.head_dim != 128 or spec.head_dim_v != 128):
+        raise Unsupported(f"cuDNN's FP8 backward on Hopper takes head dim 128 only, not {spec.head_dim}")
     for declines, what in _FP8_DECLINES:
         if declines(spec, ir):
             raise Unsupported(f"cuDNN's FP8 attention (sdpa_fp8) is not lowered with {what}: it runs dequantized "

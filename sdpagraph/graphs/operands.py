@@ -41,8 +41,14 @@ BACKWARD_INPUTS = ("o", "dO", "stats")
 SINK_TOKEN = "sink_token"  # attention sinks' logits (forward and inference graphs)
 PAGE_TABLES = ("page_table_k", "page_table_v")  # paged K/V: each sequence's pages, for k and for v
 DROPOUT = ("dropout_seed", "dropout_offset")  # dropout's Philox seed and offset (every direction)
-FP8_SCALES = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")  # an FP8 graph's scales
-FP8_AMAX = ("amax_s", "amax_o")  # an FP8 graph's results besides o (and stats)
+FP8_SCALES = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")  # an FP8 forward's scales
+FP8_AMAX = ("amax_s", "amax_o")  # an FP8 forward's results besides o (and stats)
+# An FP8 backward's scales and its results besides dq, dk, dv. Its dO, dq, dk and dv are e5m2 (FP8_GRADIENT),
+# whose range takes gradient scales chosen before the gradients are known (`backends.cudnn.fp8`).
+FP8_BACKWARD_SCALES = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s", "descale_dP",
+                       "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP")
+FP8_BACKWARD_AMAX = ("amax_dq", "amax_dk", "amax_dv", "amax_dp")
+FP8_GRADIENT = "float8_e5m2"
 ARRAY_TYPES = {FLOAT: "float32", INT: "int32"}  # IR array dtype -> storage
 
 
@@ -50,7 +56,8 @@ ARRAY_TYPES = {FLOAT: "float32", INT: "int32"}  # IR array dtype -> storage
 class TensorDesc:
     """How cuDNN sees one buffer: logical dims and element strides, storage type, ragged offsets.
 
-    `dtype` is "io" (the spec's bfloat16/float16), "float32" or "int32".
+    `dtype` is "io" (the spec's bfloat16/float16/FP8), "fp8_gradient" (an FP8 backward's dO and gradients:
+    FP8_GRADIENT), "float32" or "int32".
     `ragged_offset` names the role holding this tensor's per-sequence start offsets (THD).
     """
 
@@ -178,12 +185,13 @@ def graph_io(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -> tupl
 
 
 def _fp8_io(spec: AttentionSpec, direction: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """An FP8 (sdpa_fp8) graph's operands and results: forward only, no bias, mask or score_mod."""
-    operands = ["q", "k", "v", *FP8_SCALES]
-    if spec.has_padding:
-        operands += ["seq_len_q", "seq_len_kv"]
+    """An FP8 (sdpa_fp8 / sdpa_fp8_backward) graph's operands and results: no bias, mask or score_mod."""
+    lengths = ["seq_len_q", "seq_len_kv"] if spec.has_padding else []
+    if direction == "backward":
+        operands = ["q", "k", "v", *BACKWARD_INPUTS, *FP8_BACKWARD_SCALES, *lengths]
+        return tuple(operands), ("dq", "dk", "dv") + FP8_BACKWARD_AMAX
     results = ["o", "stats"] if direction == "forward" else ["o"]
-    return tuple(operands), tuple(results) + FP8_AMAX
+    return ("q", "k", "v", *FP8_SCALES, *lengths), tuple(results) + FP8_AMAX
 
 
 def used_names(ir: ScoreModIR | None, kind: str, direction: str) -> tuple[str, ...]:
@@ -243,8 +251,9 @@ def _describe_role(spec: AttentionSpec, ir: ScoreModIR | None, role: str) -> Ten
         return _row_major((b, 1, page_count(spec), 1), "int32")
     if role in token_major:
         heads, length, dim, offset = token_major[role]
+        dtype = "fp8_gradient" if spec.is_fp8 and role in ("dO", "dq", "dk", "dv") else "io"
         # BSHD memory described as [B, heads, length, dim]: no transposes.
-        return TensorDesc((b, heads, length, dim), (length * heads * dim, dim, heads * dim, 1), "io",
+        return TensorDesc((b, heads, length, dim), (length * heads * dim, dim, heads * dim, 1), dtype,
                           offset if packed else None)
     if role == "stats":
         if packed:  # one fp32 per (token, head), tokens major, like q's rows
@@ -256,7 +265,7 @@ def _describe_role(spec: AttentionSpec, ir: ScoreModIR | None, role: str) -> Ten
         return _row_major((1, n, 1, 1), "float32")
     if role in DROPOUT:
         return _row_major((1, 1, 1, 1), "int32")
-    if role in FP8_SCALES or role in FP8_AMAX:
+    if role in FP8_SCALES or role in FP8_AMAX or role in FP8_BACKWARD_SCALES or role in FP8_BACKWARD_AMAX:
         return _row_major((1, 1, 1, 1), "float32")
     if role in ("seq_len_q", "seq_len_kv"):
         return _row_major((b, 1, 1, 1), "int32")

@@ -70,9 +70,12 @@ FORWARD_TOLERANCE = 1e-2
 BACKWARD_TOLERANCE = 2e-2
 TOLERANCES = {dtype: {"forward": FORWARD_TOLERANCE, "backward": BACKWARD_TOLERANCE}
               for dtype in ("bfloat16", "float16", "float32")}
-# FP8 graphs (forward only) round their output to 3 (e4m3) or 2 (e5m2) mantissa bits: a raw sdpa_fp8 on
-# an H100 gave 3.3e-2 (e4m3); a wrong graph gives 1e-1 and more.
-TOLERANCES.update({"float8_e4m3fn": {"forward": 5e-2}, "float8_e5m2": {"forward": 1e-1}})
+# FP8 graphs round their output to 3 (e4m3) or 2 (e5m2) mantissa bits: a raw sdpa_fp8 on an H100 gave
+# 3.3e-2 (e4m3); a wrong graph (a wrong scale, mask or gradient) gives far more.
+# FP8 training's forward measured 6e-2 (e4m3, the graph with stats), its e5m2 gradients ~1e-1 (2 mantissa
+# bits); a wrong gradient gives 1 and more (H100, docs/results/h100-2026-11-26-fp8.md).
+TOLERANCES.update({"float8_e4m3fn": {"forward": 8e-2, "backward": 2.5e-1},
+                   "float8_e5m2": {"forward": 1.2e-1, "backward": 2.5e-1}})
 # (spec, q, k, v, inputs, ir, training=..., sinks=... for a spec with sinks) -> (out, lse or None); a
 # paged spec's k and v are the pools, its table `inputs.page_table` (as `attention` calls a backend)
 Candidate = Callable[..., tuple[Any, Any]]
@@ -109,7 +112,7 @@ def check_numerics(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, c
 
     A spec with dropout is checked as its graphs without dropout: no reference can know the mask
     cuDNN's Philox draws (the GPU tests recover it and check the dropout graphs themselves). An FP8
-    spec's graph runs in the jitted program with unit scales, on inputs drawn in its FP8 dtype."""
+    spec's graphs run in the jitted program with unit input scales, on inputs drawn on its FP8 grid."""
     spec = dataclasses.replace(spec, dropout=0.0)
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else int(seed)
     started = time.perf_counter()
@@ -177,15 +180,19 @@ def _compile(lowered: Any) -> Any:
 # ----------------------------------------------------------------------------- random inputs on the device
 
 def _device_inputs(spec: AttentionSpec, ir: ScoreModIR | None, key: Any, host: Mapping[str, Any],
-                   scalars: Mapping[str, Any]) -> tuple[Any, Any, Any, RuntimeInputs, Any]:
+                   scalars: Mapping[str, Any], training: bool) -> tuple[Any, Any, Any, RuntimeInputs, Any]:
     """q, k, v (paged: the pools), the runtime inputs and a cotangent for o, drawn on the device
-    (inside the jit)."""
+    (inside the jit). An FP8 spec's inputs are FP8 (its inference graph) or, when training, bfloat16
+    holding values of the FP8 grid (its differentiable path quantizes them exactly)."""
     dtype = jnp.dtype(spec.dtype)
     b, t, s, n = spec.batch, spec.q_len, spec.kv_len, spec.num_heads
     keys = iter(jax.random.split(key, 8 + (0 if ir is None else len(ir.array_names))))
 
     def normal(shape, kind=dtype):
-        return jax.random.normal(next(keys), shape, jnp.float32).astype(kind)
+        drawn = jax.random.normal(next(keys), shape, jnp.float32)
+        if spec.is_fp8 and training and kind == dtype:  # FP8 training takes bf16: values on the FP8 grid
+            return drawn.astype(dtype).astype(jnp.bfloat16)
+        return drawn.astype(kind)
 
     k_shape, v_shape = kv_shapes(spec)
     q, k, v = normal((b, t, n, spec.head_dim)), normal(k_shape), normal(v_shape)
@@ -239,7 +246,7 @@ def _candidate_program(spec: AttentionSpec, ir: ScoreModIR | None, training: boo
 
     def program(key, host, picks):
         rows, heads, queries = picks["rows"][:, None, None], picks["heads"][None, :, None], picks["queries"]
-        q, k, v, inputs, cotangent = _device_inputs(spec, ir, key, host, scalars)
+        q, k, v, inputs, cotangent = _device_inputs(spec, ir, key, host, scalars, training)
         # Only the slice sends gradients back (see the module docstring).
         cotangent = jnp.zeros_like(cotangent).at[rows, queries, heads].set(cotangent[rows, queries, heads])
         sinks = host.get("sinks")

@@ -98,3 +98,32 @@ def test_check_support_names_what_the_fp8_graph_does_not_take():
     assert not answer.supported and answer.backend == "bf16" and "multiple of 16" in answer.reason
     out8, _ = fp8.attention(x, x, x)  # dequantized in bfloat16, still an FP8 result
     assert out8.dtype == E4M3
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_training_gradients_match_float64(causal):
+    rng = np.random.default_rng(10)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape) * s, jnp.bfloat16)
+               for shape, s in (((2, 512, 8, 128), 1.0), ((2, 512, 2, 128), 0.5), ((2, 512, 2, 128), 2.0)))
+    d_o = jnp.asarray(rng.standard_normal((2, 512, 8, 128)), jnp.bfloat16)
+    out, pullback = jax.vjp(lambda q, k, v: fp8.quantized_attention(q, k, v, is_causal=causal, training=True,
+                                                                   implementation="cudnn"), q, k, v)
+    grads = pullback(d_o)
+
+    def loss(q, k, v):
+        groups = q.shape[2] // k.shape[2]
+        kk, vv = (jnp.repeat(x, groups, axis=2) for x in (k, v))
+        logits = jnp.einsum("btnh,bsnh->bnts", q, kk) / np.sqrt(q.shape[-1])
+        if causal:
+            logits = jnp.where(jnp.tril(jnp.ones(logits.shape[-2:], bool)), logits, -jnp.inf)
+        result = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1), vv)
+        return jnp.sum(result * d_o.astype(jnp.float32)), result
+
+    with jax.default_matmul_precision("highest"):
+        (_, want), want_grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+            *(x.astype(jnp.float32) for x in (q, k, v)))
+    assert _relative(out.astype(jnp.float32), np.asarray(want, np.float64)) < 8e-2
+    for got, expected in zip(grads, want_grads):
+        assert got.dtype == jnp.bfloat16
+        error = _relative(got.astype(jnp.float32), np.asarray(expected, np.float64))
+        assert error < 0.2, error

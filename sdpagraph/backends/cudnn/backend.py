@@ -32,10 +32,10 @@ from sdpagraph.graphs.binning import bin_plan
 from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.scoremod.masks import SEGMENT_ARRAYS
 from sdpagraph.graphs.compiled import scalar_bits
-from sdpagraph.graphs.operands import ARRAY_PREFIX, FP8_AMAX, SINK_TOKEN, graph_io, plan_layout, stats_shape
+from sdpagraph.graphs.operands import ARRAY_PREFIX, SINK_TOKEN, graph_io, plan_layout, stats_shape
 from sdpagraph.graphs.support import Support, environment_reason, graph_answer
 from sdpagraph.backends.cudnn.bins import packed as packed_bins, packer as bin_packer
-from sdpagraph.backends.cudnn import paged_decode, sharding
+from sdpagraph.backends.cudnn import fp8, paged_decode, sharding
 from sdpagraph.backends.cudnn.call_operands import (SEGMENT_OFFSETS, Validity, attended, bias_operand, call_operands,
                                                    ragged_operands, zero_rows)
 from sdpagraph.graphs.alternatives import alternatives
@@ -228,8 +228,10 @@ def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: Run
     documents on bins (`graphs.binning`), chunked attention as packed documents
     (`graphs.chunk_documents`), a multi-token decode as a folded prefix and a tail
     (`graphs.decode_fold`)."""
-    if spec.is_fp8:  # forward only, with the scales `inputs.fp8_scales` gives (unit ones by default)
-        return fp8_attention(spec, query, key, value, inputs, verify=verify)[0], None
+    if spec.is_fp8:  # FP8 inputs: the inference graph; others: quantized, differentiable (`backends.cudnn.fp8`)
+        if jnp.dtype(query.dtype).name == spec.dtype:
+            return fp8_attention(spec, query, key, value, inputs, verify=verify)[0], None
+        return fp8.training(spec, query, key, value, inputs, _graph_run(spec, True, verify))
     run = functools.partial(_attention, score_mod=score_mod, training=training, verify=verify, sinks=sinks)
     scalars = inputs.mod_scalars
     folded = decode_fold(spec, score_mod)
@@ -248,24 +250,16 @@ def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: Run
     return run(spec, query, key, value, inputs)
 
 
-# The softmax's FP8 scale: probabilities in [0, 1] span e4m3's range (largest finite 448).
-FP8_SOFTMAX_SCALE = 448.0
-
-
 def fp8_attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: RuntimeInputs, *,
                   verify: Callable[..., Any] | None = None) -> tuple[Any, Any]:
-    """(o (B, T, N, H_v) in the inputs' FP8 dtype, amax of o before scale_o) of an FP8 spec: cuDNN's
-    sdpa_fp8 forward, given q, k, v's descales and the output's scale (`inputs.fp8_scales`, float32
-    scalars; 1 when not given) and the softmax's fixed FP8_SOFTMAX_SCALE."""
-    static = _Static(spec, spec, None, (), False, verify)
-    aux, validity = call_operands(spec, inputs, 0)
-    scales = {"descale_q": 1.0, "descale_k": 1.0, "descale_v": 1.0, "scale_o": 1.0, **(inputs.fp8_scales or {}),
-              "descale_s": 1.0 / FP8_SOFTMAX_SCALE, "scale_s": FP8_SOFTMAX_SCALE}
-    aux.update({role: jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1) for role, x in scales.items()})
-    results = {"o": jax.ShapeDtypeStruct(query.shape[:3] + value.shape[3:], query.dtype),
-               **{role: jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32) for role in FP8_AMAX}}
-    out = _run_graph(static, "inference", {"q": query, "k": key, "v": value, **aux}, results)
-    return zero_rows(out["o"], validity.q), out["amax_o"].reshape(())
+    """(o in the inputs' FP8 dtype, amax of o before scale_o) of an FP8 spec: cuDNN's sdpa_fp8 inference
+    graph with the scales of `inputs.fp8_scales` (`backends.cudnn.fp8.inference`)."""
+    return fp8.inference(spec, query, key, value, inputs, _graph_run(spec, False, verify))
+
+
+def _graph_run(spec: AttentionSpec, training: bool, verify: Callable[..., Any] | None) -> fp8.Run:
+    """run(direction, operands, results): one graph call of `spec` (no score_mod), as `_run_graph`."""
+    return functools.partial(_run_graph, _Static(spec, spec, None, (), training, verify))
 
 
 def _runs_here(spec: AttentionSpec, score_mod: ScoreModIR | None, training: bool,

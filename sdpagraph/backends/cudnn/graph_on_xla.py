@@ -14,9 +14,10 @@ the same operands, so nothing upstream changes:
 - the score_mod's arrays and scalars;
 - paged K/V: the pools gathered by the page table into each sequence's keys;
 - cuDNN's attention sinks (`sink_token`, composed as `backends.sinks` composes them);
-- FP8 (sdpa_fp8): the inputs dequantized by their descales, attention in float32, the output's amax,
-  the output scaled by scale_o and saturated into the FP8 dtype; the softmax's amax is not computed
-  (reported as 1: nothing reads it);
+- FP8 (sdpa_fp8, sdpa_fp8_backward): the inputs (and dO) dequantized by their descales, attention
+  and its gradients in float32 (the o and stats given to a backward are not read), results scaled and
+  saturated into their FP8 dtypes, with their amaxes; the softmax's and dP's amaxes are not computed
+  (reported as 1: nothing reads them);
 - dropout: the graph's one seed (the first of the seeds operand) spread over (B, N) by
   `dropout.keep_mask`; a different mask from cuDNN's Philox, the same in the forward and the backward.
 The forward gives o and the stats in the graph's layout; the backward recomputes the forward and
@@ -42,7 +43,7 @@ def run_on_xla(static: Any, operands: Mapping[str, Any], results: Mapping[str, A
     """The `results` (role -> shape struct) one graph call of `static` (`cudnn._Static`) gives for
     `operands` (role -> array, as the executor takes them)."""
     if static.graph_spec.is_fp8:
-        return _fp8_forward(static.graph_spec, operands)
+        return _fp8_on_xla(static.graph_spec, operands, results)
     forward = graph_forward(static, operands)
     q, k, v, bias, sink = (operands.get(role) for role in ("q", "k", "v", "bias", SINK_TOKEN))
     if "dq" not in results:
@@ -54,18 +55,34 @@ def run_on_xla(static: Any, operands: Mapping[str, Any], results: Mapping[str, A
     return {role: grads[role].astype(results[role].dtype) for role in results}
 
 
-def _fp8_forward(spec: Any, operands: Mapping[str, Any]) -> dict[str, Any]:
-    """What an FP8 (sdpa_fp8) inference graph gives: o in the FP8 dtype, amax_s, amax_o."""
-    scale = {role: operands[role].reshape(()) for role in ("descale_q", "descale_k", "descale_v", "scale_o")}
+def _fp8_on_xla(spec: Any, operands: Mapping[str, Any], results: Mapping[str, Any]) -> dict[str, Any]:
+    """What an FP8 graph gives: the forward's o (scaled, saturated into the FP8 dtype), stats, amax_s and
+    amax_o; the backward's dq, dk, dv (scaled, saturated into their dtype) and their amaxes."""
+    scale = {role: x.reshape(()) for role, x in operands.items() if role.startswith(("descale_", "scale_"))}
     q, k, v = (operands[role].astype(jnp.float32) * scale[f"descale_{role}"] for role in ("q", "k", "v"))
     plain = dataclasses.replace(spec, dtype="float32")
     inputs = RuntimeInputs(q_lengths=operands.get("seq_len_q"), kv_lengths=operands.get("seq_len_kv"))
-    out, _ = registry.reference().attention(plain, q, k, v, inputs, None)
-    fp8 = operands["q"].dtype
-    largest = float(jnp.finfo(fp8).max)
-    o = jnp.clip(out * scale["scale_o"], -largest, largest).astype(fp8)
-    return {"o": o, "amax_s": jnp.ones((1, 1, 1, 1), jnp.float32),
-            "amax_o": jnp.max(jnp.abs(out)).reshape(1, 1, 1, 1)}
+    attend = lambda q, k, v: registry.reference().attention(plain, q, k, v, inputs, None)  # noqa: E731
+    if "dq" not in results:
+        out, lse = attend(q, k, v)
+        o = _saturated(out * scale["scale_o"], operands["q"].dtype)
+        found = {"o": o, "stats": lse, "amax_s": jnp.ones((1, 1, 1, 1), jnp.float32),
+                 "amax_o": jnp.max(jnp.abs(out)).reshape(1, 1, 1, 1)}
+        return {role: found[role] for role in results}
+    (out, _), pullback = jax.vjp(attend, q, k, v)
+    d_o = operands["dO"].astype(jnp.float32) * scale["descale_dO"]
+    grads = dict(zip(("dq", "dk", "dv"), pullback((d_o, jnp.zeros(out.shape[:1] + out.shape[2:3] + out.shape[1:2])))))
+    found = {}
+    for role, name in (("dq", "dQ"), ("dk", "dK"), ("dv", "dV")):
+        found[role] = _saturated(grads[role] * scale[f"scale_{name}"], results[role].dtype)
+        found[f"amax_{role}"] = jnp.max(jnp.abs(grads[role])).reshape(1, 1, 1, 1)
+    found["amax_dp"] = jnp.ones((1, 1, 1, 1), jnp.float32)
+    return {role: found[role] for role in results}
+
+
+def _saturated(x: Any, dtype: Any) -> Any:
+    largest = float(jnp.finfo(dtype).max)
+    return jnp.clip(x, -largest, largest).astype(dtype)
 
 
 def graph_forward(static: Any, operands: Mapping[str, Any]) -> Callable[..., tuple[Any, Any]]:
