@@ -29,6 +29,10 @@ from sdpagraph.numerics import gate as numerics_gate
 from sdpagraph import dropout as dropout_mod, paged
 from sdpagraph.spec import AttentionSpec
 
+# The backends load with the API, not inside the first call's trace: a serving process's first step
+# (and a training step's first trace) then runs no imports.
+registry.names()
+
 
 def _notify_listeners(call: PreparedCall, training: bool, sinks: bool = False) -> None:
     """Report the call's graphs (spec recording); with sinks and cuDNN's own sinks on

@@ -25,7 +25,6 @@ training=True)` trains through cuDNN's FP8 forward and backward (gradients in e5
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import numbers
 from typing import Any
@@ -38,6 +37,7 @@ from sdpagraph.api import attention as bf16_attention
 from sdpagraph.backends import registry
 from sdpagraph.call import PreparedCall, as_4d, prepare_call
 from sdpagraph.errors import SdpagraphError
+from sdpagraph.gradients import without_gradient
 from sdpagraph.graphs.support import Support
 from sdpagraph.logs import log_once, logger
 from sdpagraph.numerics import gate as numerics_gate
@@ -89,7 +89,10 @@ def attention(query: Any, key: Any, value: Any, *, descale_q: Any = 1.0, descale
     call, fp8 = _prepare(query, key, value, scale, is_causal, query_seq_lengths, key_value_seq_lengths, implementation)
     scales = {name: _scale(value_, name) for name, value_ in zip(SCALES, (descale_q, descale_k, descale_v, scale_o))}
     answer = _decide(call, implementation)
-    q, k, v = _inference_only(*(as_4d(x, call.unbatched) for x in (query, key, value)))
+    q, k, v = without_gradient(FP8GradientError(
+        "sdpagraph.fp8.attention is forward (inference) only: it has no gradient. Train with "
+        "sdpagraph.fp8.quantized_attention(..., training=True) or sdpagraph.attention in bfloat16"),
+        *(as_4d(x, call.unbatched) for x in (query, key, value)))
     if answer.supported:
         inputs = dataclasses.replace(call.inputs, fp8_scales=scales)
         out, amax = registry.primary().fp8_attention(call.spec, q, k, v, inputs, verify=numerics_gate.checked)
@@ -253,20 +256,3 @@ def _quantize(x: Any, fp8: Any, largest: float) -> tuple[Any, Any]:
     """(x scaled by its descale (`_descale`) into `fp8`, the descale)."""
     descale = _descale(x, largest)
     return jnp.clip(x.astype(jnp.float32) / descale, -largest, largest).astype(fp8), descale
-
-
-@jax.custom_vjp
-def _inference_only(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
-    return q, k, v
-
-
-def _inference_only_fwd(q, k, v):
-    return (q, k, v), None
-
-
-def _inference_only_bwd(_, cotangents):
-    raise FP8GradientError("sdpagraph.fp8 attention is forward (inference) only: it has no gradient. Train with "
-                           "sdpagraph.attention in bfloat16")
-
-
-_inference_only.defvjp(_inference_only_fwd, _inference_only_bwd)

@@ -14,7 +14,6 @@ through a paged call raises `PagedGradientError`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -23,6 +22,7 @@ import numpy as np
 
 from sdpagraph.call import PreparedCall, prepare_call
 from sdpagraph.errors import SdpagraphError
+from sdpagraph.gradients import without_gradient
 
 
 class PagedGradientError(SdpagraphError, NotImplementedError):
@@ -95,19 +95,8 @@ def gather(pages: Any, page_table: Any) -> Any:
     return gathered.reshape((b, m * p) + gathered.shape[3:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=())
 def inference_only(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
     """q, k, v as given; differentiating through them raises `PagedGradientError`."""
-    return q, k, v
-
-
-def _inference_only_fwd(q, k, v):
-    return (q, k, v), None
-
-
-def _inference_only_bwd(_, cotangents):
-    raise PagedGradientError("paged attention (page_table=) is inference-only: it has no gradient. Train on the "
-                             "dense K/V (key/value of shape (B, S, K, H), without page_table)")
-
-
-inference_only.defvjp(_inference_only_fwd, _inference_only_bwd)
+    return without_gradient(PagedGradientError(
+        "paged attention (page_table=) is inference-only: it has no gradient. Train on the dense K/V (key/value "
+        "of shape (B, S, K, H), without page_table)"), q, k, v)
