@@ -35,7 +35,7 @@ import numpy as np
 
 from sdpagraph.api import attention as bf16_attention
 from sdpagraph.backends import registry
-from sdpagraph.call import PreparedCall, as_4d, prepare_call
+from sdpagraph.call import PreparedCall, as_4d, notify_trace_listeners, prepare_call
 from sdpagraph.errors import SdpagraphError
 from sdpagraph.gradients import without_gradient
 from sdpagraph.graphs.support import Support
@@ -89,6 +89,8 @@ def attention(query: Any, key: Any, value: Any, *, descale_q: Any = 1.0, descale
     call, fp8 = _prepare(query, key, value, scale, is_causal, query_seq_lengths, key_value_seq_lengths, implementation)
     scales = {name: _scale(value_, name) for name, value_ in zip(SCALES, (descale_q, descale_k, descale_v, scale_o))}
     answer = _decide(call, implementation)
+    if answer.supported:
+        notify_trace_listeners(call.spec, None, False)  # spec recording: precompile covers FP8 calls
     q, k, v = without_gradient(FP8GradientError(
         "sdpagraph.fp8.attention is forward (inference) only: it has no gradient. Train with "
         "sdpagraph.fp8.quantized_attention(..., training=True) or sdpagraph.attention in bfloat16"),
@@ -172,6 +174,8 @@ def _quantized_training(query: Any, key: Any, value: Any, fp8: Any, implementati
     call, _ = _prepare(*structs, arguments["scale"], arguments["is_causal"], arguments["query_seq_lengths"],
                        arguments["key_value_seq_lengths"], implementation)
     answer = registry.primary().support(call.spec, None, training=True, verify=numerics_gate.checked)
+    if answer.supported:
+        notify_trace_listeners(call.spec, None, True)
     if not answer.supported:
         if implementation == "cudnn":
             raise ValueError(f"implementation='cudnn' cannot train FP8 attention {call.spec.summary()}: "

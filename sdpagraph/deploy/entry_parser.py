@@ -103,11 +103,12 @@ def _check_runtime_makes(spec: AttentionSpec) -> None:
         raise ValueError(f"paged={list(spec.paged)} needs [num_pages >= 1, page_size >= 1] with the key length "
                          f"S={spec.kv_len} a multiple of page_size (S = max_pages * page_size)")
     # What the runtime sets on a prepared call's spec: paged K/V (`paged.prepare_paged_call`), cuDNN's
-    # own sinks (`backends.cudnn`), the deterministic backward (`attention(..., deterministic=)`), dropout
+    # own sinks (`backends.cudnn`), the deterministic backward (`attention(..., deterministic=)`), dropout,
+    # the FP8 dtype (`sdpagraph.fp8`)
     if not (isinstance(spec.dropout, (int, float)) and 0.0 <= spec.dropout < 1.0):
         raise ValueError(f"dropout must be a rate in [0, 1), got {spec.dropout!r}")
     made = dataclasses.replace(_trace_call(_arguments_of(spec)).spec, paged=spec.paged, sinks=spec.sinks,
-                               deterministic=spec.deterministic, dropout=spec.dropout)
+                               deterministic=spec.deterministic, dropout=spec.dropout, dtype=spec.dtype)
     if made.canonical() != spec.canonical():
         given, expected = spec.to_dict(), made.to_dict()
         different = [name for name in given if json.dumps(given[name]) != json.dumps(expected.get(name))]
@@ -117,8 +118,9 @@ def _check_runtime_makes(spec: AttentionSpec) -> None:
 
 
 def _arguments_of(spec: AttentionSpec) -> dict[str, Any]:
-    """`prepare_call` arguments (ShapeDtypeStructs for arrays) that describe `spec`."""
-    dtype = jnp.dtype(spec.dtype)
+    """`prepare_call` arguments (ShapeDtypeStructs for arrays) that describe `spec` (an FP8 spec's as the
+    bfloat16 call `sdpagraph.fp8` validates it as)."""
+    dtype = jnp.dtype("bfloat16" if spec.is_fp8 else spec.dtype)
     batch, q_len, kv_len = spec.batch, spec.q_len, spec.kv_len
     arguments: dict[str, Any] = {
         "query": _struct([batch, q_len, spec.num_heads, spec.head_dim], dtype),
