@@ -36,7 +36,8 @@ from sdpagraph.scoremod.forms import PythonMods
 from sdpagraph.segments.metadata import (check_segment_bound, check_segment_lengths, rows_over_segment_bound,
                                          rows_over_segment_length, segment_check_mode)
 from sdpagraph.segments.rules import seqlen_hint_checks
-from sdpagraph.spec import AttentionSpec, normalize_arguments
+from sdpagraph.arguments import normalize_arguments
+from sdpagraph.spec import AttentionSpec
 
 
 @dataclass(frozen=True)

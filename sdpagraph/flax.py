@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 
 import sdpagraph
-from sdpagraph.spec import normalize_arguments
+from sdpagraph.arguments import normalize_arguments
 
 # Flax's own arguments to an attention_fn; the rest of `attention_kwargs` goes to sdpagraph.attention.
 _FLAX_ARGUMENTS = ("bias", "mask", "broadcast_dropout", "dropout_rng", "dropout_rate", "deterministic",

@@ -18,7 +18,7 @@ from sdpagraph.backends.cudnn import call_operands
 from sdpagraph.call import prepare_call
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.backends.xla import xla_attention
-from sdpagraph.spec import normalize_arguments
+from sdpagraph.arguments import normalize_arguments
 from tests import reference as ref
 
 B, T, S, N, H = 2, 24, 32, 4, 16
