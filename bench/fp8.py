@@ -44,6 +44,7 @@ import sdpagraph
 from sdpagraph import fp8
 
 from jax_timing import time_ms  # bench/ is on sys.path when a script here runs
+from report import markdown_table
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 TARGET = (1, 16384, 64, 8, 128)  # B, T (= S), N, K, H
@@ -339,14 +340,6 @@ def support_lines():
     return lines, data
 
 
-def table(rows):
-    columns = list(dict.fromkeys(key for row in rows for key in row))
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(row.get(c, "")) for c in columns) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def environment():
     from sdpagraph.graphs import builder
 
@@ -373,7 +366,7 @@ def main():
     parts = ("target", "sweep", "accuracy", "training")
 
     def text():
-        tables = "\n\n".join(table(results[part]) for part in parts if results[part])
+        tables = "\n\n".join(markdown_table(results[part]) for part in parts if results[part])
         notes = results["threshold"] + results["notes"]
         return tables + ("\n\n" + "\n".join(f"- {line}" for line in notes) if notes else "")
 
@@ -387,13 +380,13 @@ def main():
 
     target = measure(TARGET, args.quick)
     results["target"] = target_rows(target)
-    print(table(results["target"]), flush=True)
+    print(markdown_table(results["target"]), flush=True)
     save()
     measured = []
     for shape in SWEEP:
         measured.append(sweep_row(measure(shape, args.quick)))
         results["sweep"] = list(measured)
-        print(table(measured[-1:]), flush=True)
+        print(markdown_table(measured[-1:]), flush=True)
         save()
     measured.append(sweep_row(target))
     results["sweep"] = sorted(measured, key=lambda r: r["scores"])
@@ -403,11 +396,11 @@ def main():
         rows, notes = accuracy_rows(shape)
         results["accuracy"] += rows
         results["notes"] += notes
-        print(table(rows), flush=True)
+        print(markdown_table(rows), flush=True)
         save()
     for shape, causal in TRAINING:
         results["training"].append(training_row(shape, causal, args.quick))
-        print(table(results["training"][-1:]), flush=True)
+        print(markdown_table(results["training"][-1:]), flush=True)
         save()
     lines, results["support"] = support_lines()
     results["notes"] += lines

@@ -40,6 +40,7 @@ from sdpagraph import paged
 from sdpagraph.cache.defaults import default_cache
 
 from jax_timing import time_ms  # bench/ is on sys.path when a script here runs
+from report import markdown_table
 
 B, N, K, H, PAGE, MAX_PAGES = 64, 64, 8, 128, 64, 256
 
@@ -219,13 +220,6 @@ def fresh_process_row(profile_path=None):
     return rows
 
 
-def table_md(rows):
-    columns = list(dict.fromkeys(key for row in rows for key in row))
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows])
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
@@ -243,7 +237,7 @@ def main():
             with open(os.path.join(args.out, "paged.json"), "w") as f:
                 json.dump({"header": header, **parts}, f, indent=1)
             with open(os.path.join(args.out, "paged.md"), "w") as f:
-                f.write(header + "\n\n" + "\n\n".join(table_md(rows) for rows in parts.values()) + "\n")
+                f.write(header + "\n\n" + "\n\n".join(markdown_table(rows) for rows in parts.values()) + "\n")
 
     parts["decode"] = decode_rows(rng, args.quick)
     save()
@@ -254,7 +248,7 @@ def main():
     parts["fresh"] = fresh_process_row(os.path.join(args.out, "fresh_profile.txt") if args.out else None)
     save()
     for rows in parts.values():
-        print(table_md(rows), flush=True)
+        print(markdown_table(rows), flush=True)
 
 
 if __name__ == "__main__":

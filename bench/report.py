@@ -18,6 +18,16 @@ def gpu_missing(script: str) -> bool:
     return True
 
 
+def markdown_table(rows: list[dict]) -> str:
+    """A markdown table of dict rows: the columns in first-seen order, floats to 4 significant digits,
+    a cell a row lacks left empty."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 def write(out: str, stem: str, setup: str, text: str, data: Any) -> None:
     """Print the table and write OUT/STEM.md (device, jax, date, `setup`, then the table) and
     OUT/STEM.json (`data`)."""

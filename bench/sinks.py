@@ -27,6 +27,7 @@ from sdpagraph import mods
 from sdpagraph.config import NATIVE_SINKS
 
 from jax_timing import time_ms  # bench/ is on sys.path when a script here runs
+from report import markdown_table
 from packed import random_docs
 
 GPT_OSS = dict(n=64, k=8, h=64)
@@ -176,14 +177,6 @@ def accuracy_row(name):
     return row
 
 
-def table(rows):
-    columns = list(dict.fromkeys(key for row in rows for key in row))
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(row.get(c, "")) for c in columns) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
@@ -201,20 +194,20 @@ def main():
             with open(os.path.join(args.out, "sinks.json"), "w") as f:
                 json.dump(results, f, indent=1)
             with open(os.path.join(args.out, "sinks.md"), "w") as f:
-                f.write(f"{header}\n\n" + "\n\n".join(table(results[part]) for part in ("times", "alternative",
-                                                                                         "accuracy")
+                f.write(f"{header}\n\n" + "\n\n".join(markdown_table(results[part])
+                                                     for part in ("times", "alternative", "accuracy")
                                                      if results[part]) + "\n")
 
     for name in ROWS:
         results["times"].append(timed_row(name, args.quick))
-        print(table(results["times"][-1:]), flush=True)
+        print(markdown_table(results["times"][-1:]), flush=True)
         save()
     results["alternative"].append(alternative_row(args.quick))
-    print(table(results["alternative"]), flush=True)
+    print(markdown_table(results["alternative"]), flush=True)
     save()
     for name in ROWS:
         results["accuracy"].append(accuracy_row(name))
-        print(table(results["accuracy"][-1:]), flush=True)
+        print(markdown_table(results["accuracy"][-1:]), flush=True)
         save()
 
 

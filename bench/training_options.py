@@ -28,6 +28,7 @@ import numpy as np
 import sdpagraph
 
 from jax_timing import time_ms  # bench/ is on sys.path when a script here runs
+from report import markdown_table
 
 B, T, N, H = 4, 4096, 16, 128
 RATE = 0.1
@@ -112,14 +113,6 @@ def reproducibility_row(x, rng, deterministic):
             f"identical over {RUNS} runs": "yes" if len(distinct) == 1 else "no"}
 
 
-def table(rows):
-    columns = list(dict.fromkeys(key for row in rows for key in row))
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(row.get(c, "")) for c in columns) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="directory for training_options.md / .json")
@@ -137,19 +130,19 @@ def main():
             with open(os.path.join(args.out, "training_options.json"), "w") as f:
                 json.dump(results, f, indent=1)
             with open(os.path.join(args.out, "training_options.md"), "w") as f:
-                f.write(f"{header}\n\n" + "\n\n".join(table(results[part]) for part in ("times", "reproducibility")
-                                                     if results[part]) + "\n")
+                f.write(f"{header}\n\n" + "\n\n".join(markdown_table(results[part])
+                                                     for part in ("times", "reproducibility") if results[part]) + "\n")
 
     x, rng = arrays(), jax.random.key(1)
     for row in time_rows(x, rng, args.quick):
         results["times"].append(row)
-        print(table([row]), flush=True)
+        print(markdown_table([row]), flush=True)
         save()
     for deterministic in (True, False):
         results["reproducibility"].append(reproducibility_row(x, rng, deterministic))
-        print(table(results["reproducibility"][-1:]), flush=True)
+        print(markdown_table(results["reproducibility"][-1:]), flush=True)
         save()
-    print("\n" + "\n\n".join(table(results[part]) for part in ("times", "reproducibility")), flush=True)
+    print("\n" + "\n\n".join(markdown_table(results[part]) for part in ("times", "reproducibility")), flush=True)
 
 
 if __name__ == "__main__":

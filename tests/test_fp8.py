@@ -16,6 +16,7 @@ from sdpagraph.graphs.lowering import lower
 from sdpagraph.graphs.operands import FP8_AMAX, FP8_SCALES, graph_io
 from sdpagraph.numerics.check import check_numerics
 from sdpagraph.spec import AttentionSpec
+from tests.reference import allowed, attention_fwd_bwd, rel_err
 from tests.test_builder_cpu import FakeGraph, FakeTensor, cudnn
 from tests.test_sharding import cudnn_on_cpu  # noqa: F401 (a fixture)
 
@@ -23,23 +24,14 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 ROUNDING = {E4M3: 4e-2, E5M2: 8e-2}  # relative L2 of an output rounded to 3 / 2 mantissa bits
 
 
-def _reference(q, k, v, causal, kv_lengths=None, q_lengths=None):
-    """float64 attention (B, T, N, H) of real-valued q, k, v."""
-    groups = q.shape[2] // k.shape[2]
-    kk, vv = (np.repeat(x, groups, axis=2) for x in (k, v))
-    logits = np.einsum("btnh,bsnh->bnts", q, kk) / np.sqrt(q.shape[-1])
-    t, s = q.shape[1], k.shape[1]
-    allowed = np.ones((q.shape[0], 1, t, s), bool)
-    if causal:
-        allowed &= np.tril(np.ones((t, s), bool))
-    if kv_lengths is not None:
-        allowed &= (np.arange(s)[None, :] < kv_lengths[:, None])[:, None, None, :]
-    logits = np.where(allowed, logits, -np.inf)
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    out = np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), vv)
-    if q_lengths is not None:
-        out = np.where((np.arange(t)[None, :] < q_lengths[:, None])[..., None, None], out, 0.0)
-    return out
+def _reference(q, k, v, causal, kv_lengths=None, q_lengths=None, d_o=None):
+    """float64 (out, (dq, dk, dv)) of attention (B, T, N, H) of real-valued q, k, v, scale H ** -0.5, by
+    tests/reference.py: padded query rows give 0, the gradients are of sum(out * d_o) (0 without d_o)."""
+    (B, T, N, H), S = q.shape, k.shape[1]
+    ok, q_pos, k_pos = allowed(B, T, S, is_causal=causal, q_lengths=q_lengths, kv_lengths=kv_lengths)
+    d_o = np.zeros((B, T, N, v.shape[-1])) if d_o is None else d_o
+    out, (dq, dk, dv, _) = attention_fwd_bwd(q, k, v, d_o, scale=H ** -0.5, ok=ok, q_pos=q_pos, k_pos=k_pos)
+    return out, (dq, dk, dv)
 
 
 def _quantized(rng, shape, dtype, spread):
@@ -48,10 +40,6 @@ def _quantized(rng, shape, dtype, spread):
     descale = float(np.max(np.abs(real)) / float(jnp.finfo(dtype).max))
     x = jnp.asarray(real / descale, jnp.float32).astype(dtype)
     return x, descale, np.asarray(x.astype(jnp.float32), np.float64) * descale
-
-
-def _relative(a, b):
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
 @pytest.fixture
@@ -66,13 +54,13 @@ def test_the_cudnn_path_computes_scaled_fp8_attention(rng, built, dtype, causal,
     (q, dq, q64), (k, dk, k64), (v, dv, v64) = (_quantized(rng, shape, dtype, spread) for shape, spread in
                                                 (((2, 32, 4, 16), 2.0), ((2, 48, 4 // (4 // kv_heads), 16), 0.5),
                                                  ((2, 48, kv_heads, 16), 3.0)))
-    want = _reference(q64, k64, v64, causal)
+    want, _ = _reference(q64, k64, v64, causal)
     scale_o = 100.0 / np.max(np.abs(want))
     run = jax.jit(lambda q, k, v, dq, dk, dv, so: fp8.attention(q, k, v, descale_q=dq, descale_k=dk, descale_v=dv,
                                                                 scale_o=so, is_causal=causal))
     out8, amax = run(q, k, v, dq, dk, dv, scale_o)
     assert out8.dtype == dtype and out8.shape == (2, 32, 4, 16)
-    assert _relative(np.asarray(out8.astype(jnp.float32), np.float64) / scale_o, want) < ROUNDING[dtype]
+    assert rel_err(np.asarray(out8.astype(jnp.float32), np.float64) / scale_o, want) < ROUNDING[dtype]
     np.testing.assert_allclose(float(amax), np.max(np.abs(want)), rtol=1e-4)
     run(q, k, v, dq * 2, dk, dv, scale_o * 3)  # new scales are traced values: no new graph
     assert [(spec.dtype, direction) for spec, _, direction in built] == [(np.dtype(dtype).name, "inference")]
@@ -81,10 +69,10 @@ def test_the_cudnn_path_computes_scaled_fp8_attention(rng, built, dtype, causal,
 def test_padding_lengths_and_saturation(rng, built):
     (q, dq, q64), (k, dk, k64), (v, dv, v64) = (_quantized(rng, (2, 16, 2, 32), E4M3, 1.0) for _ in range(3))
     q_len, kv_len = np.array([16, 9], np.int32), np.array([5, 16], np.int32)
-    want = _reference(q64, k64, v64, False, kv_len, q_len)
+    want, _ = _reference(q64, k64, v64, False, kv_len, q_len)
     out8, _ = fp8.attention(q, k, v, descale_q=dq, descale_k=dk, descale_v=dv, query_seq_lengths=jnp.asarray(q_len),
                             key_value_seq_lengths=jnp.asarray(kv_len))
-    assert _relative(out8.astype(jnp.float32), want) < ROUNDING[E4M3]
+    assert rel_err(out8.astype(jnp.float32), want) < ROUNDING[E4M3]
     assert not np.any(np.asarray(out8.astype(jnp.float32))[1, 9:])  # padded query rows give 0
     huge, _ = fp8.attention(q, k, v, descale_q=dq, descale_k=dk, descale_v=dv, scale_o=1e6)
     assert np.all(np.isfinite(huge.astype(jnp.float32)))  # saturated at 448, never NaN
@@ -97,8 +85,8 @@ def test_calls_the_fp8_graph_cannot_run_are_dequantized(rng):
     assert not answer.supported and answer.backend == "bf16" and "dequantized in bfloat16" in answer.reason
     for implementation in (None, "bf16"):
         out8, amax = fp8.attention(q, q, q, descale_q=dq, descale_k=dq, descale_v=dq, implementation=implementation)
-        want = _reference(q64, q64, q64, False)
-        assert out8.dtype == E4M3 and _relative(out8.astype(jnp.float32), want) < ROUNDING[E4M3]
+        want, _ = _reference(q64, q64, q64, False)
+        assert out8.dtype == E4M3 and rel_err(out8.astype(jnp.float32), want) < ROUNDING[E4M3]
         np.testing.assert_allclose(float(amax), np.max(np.abs(want)), rtol=2e-2)  # from the bfloat16 output
     with pytest.raises(ValueError, match="implementation='cudnn' cannot run FP8 attention"):
         fp8.attention(q, q, q, implementation="cudnn")
@@ -130,15 +118,15 @@ def test_the_lowering_emits_sdpa_fp8_with_its_scales():
 
 def test_quantized_attention_scales_by_the_current_amax_and_picks_fp8_by_size(rng, built, monkeypatch):
     q, k, v = (jnp.asarray(rng.standard_normal((1, 32, 2, 16)) * s, jnp.bfloat16) for s in (1.0, 0.3, 5.0))
-    want = _reference(*(np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v)), True)
+    want, _ = _reference(*(np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v)), True)
     small = fp8.quantized_attention(q, k, v, is_causal=True)  # 2048 scores: the bf16 call
-    assert not any(spec.is_fp8 for spec, _, _ in built) and _relative(small.astype(jnp.float32), want) < 1e-2
+    assert not any(spec.is_fp8 for spec, _, _ in built) and rel_err(small.astype(jnp.float32), want) < 1e-2
     monkeypatch.setattr(fp8, "FP8_MIN_SCORES", 1024)
     assert fp8.quantized_attention(q, k, v).dtype == jnp.bfloat16 and not built[-1][0].is_fp8  # S < FP8_MIN_KV_LEN
     monkeypatch.setattr(fp8, "FP8_MIN_KV_LEN", 32)
     out = fp8.quantized_attention(q, k, v, is_causal=True)
     assert out.dtype == jnp.bfloat16 and built[-1][0].is_fp8
-    assert _relative(out.astype(jnp.float32), want) < 5e-2
+    assert rel_err(out.astype(jnp.float32), want) < 5e-2
     zeros = fp8.quantized_attention(jnp.zeros_like(q), k, jnp.zeros_like(v), implementation="cudnn")
     assert not np.any(np.asarray(zeros.astype(jnp.float32)))  # all-zero tensors: descale 1, no NaN
 
@@ -178,22 +166,6 @@ def test_bad_arguments_name_themselves(rng):
 
 # ----------------------------------------------------------------------------- FP8 training
 
-def _reference_grads(q, k, v, d_o, causal):
-    """float64 (out, dq, dk, dv) of attention, by differentiating `_reference` in jax with float64 on."""
-    with jax.enable_x64(True):
-        def loss(q, k, v):
-            groups = q.shape[2] // k.shape[2]
-            kk, vv = (jnp.repeat(x, groups, axis=2) for x in (k, v))
-            logits = jnp.einsum("btnh,bsnh->bnts", q, kk) / np.sqrt(q.shape[-1])
-            if causal:
-                logits = jnp.where(jnp.tril(jnp.ones(logits.shape[-2:], bool)), logits, -jnp.inf)
-            out = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1), vv)
-            return jnp.sum(out * d_o), out
-        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
-            *(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
-        return (np.asarray(out), *(np.asarray(g) for g in grads))
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp8_training_gives_gradients_through_e5m2(rng, built, causal):
     q, k, v = (jnp.asarray(rng.standard_normal((2, 32, 4, 128)) * s, jnp.bfloat16) for s in (1.0, 0.5, 2.0))
@@ -201,10 +173,11 @@ def test_fp8_training_gives_gradients_through_e5m2(rng, built, causal):
     out, pullback = jax.vjp(lambda q, k, v: fp8.quantized_attention(q, k, v, is_causal=causal, training=True,
                                                                    implementation="cudnn"), q, k, v)
     grads = pullback(jnp.asarray(d_o, jnp.bfloat16))
-    want = _reference_grads(*(np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v)), d_o, causal)
-    assert _relative(out.astype(jnp.float32), want[0]) < 8e-2
-    for got, expected in zip(grads, want[1:]):
-        assert got.dtype == jnp.bfloat16 and _relative(got.astype(jnp.float32), expected) < 0.2
+    want, want_grads = _reference(*(np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v)), causal,
+                                  d_o=d_o)
+    assert rel_err(out.astype(jnp.float32), want) < 8e-2
+    for got, expected in zip(grads, want_grads):
+        assert got.dtype == jnp.bfloat16 and rel_err(got.astype(jnp.float32), expected) < 0.2
     assert {(spec.dtype, direction) for spec, _, direction in built} == {("float8_e4m3fn", "forward"),
                                                                        ("float8_e4m3fn", "backward")}
 
@@ -258,6 +231,6 @@ def test_a_gradient_scale_guessed_wrong_runs_the_backward_again_with_exact_scale
     _, pullback = jax.vjp(lambda q, k, v: fp8.quantized_attention(q, k, v, training=True, implementation="cudnn"),
                           q, k, v)
     grads = pullback(jnp.asarray(d_o, jnp.bfloat16))
-    want = _reference_grads(*(np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v)), d_o, False)
-    for got, expected in zip(grads, want[1:]):  # underflowed (1e-30) or saturated (1e30) without the rerun
-        assert _relative(got.astype(jnp.float32), expected) < 0.2
+    _, want_grads = _reference(*(np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v)), False, d_o=d_o)
+    for got, expected in zip(grads, want_grads):  # underflowed (1e-30) or saturated (1e30) without the rerun
+        assert rel_err(got.astype(jnp.float32), expected) < 0.2

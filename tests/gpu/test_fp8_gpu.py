@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from sdpagraph import fp8
+from tests.reference import allowed, attention_fwd_bwd, rel_err
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # relative L2 of the dequantized output: the issue's bound for e4m3 with amax-based scales; e5m2 keeps
@@ -23,23 +24,14 @@ def _quantize(rng, shape, dtype, spread):
     return x, descale, np.asarray(x.astype(jnp.float32), np.float64) * descale
 
 
-def _reference(q, k, v, causal, kv_lengths=None):
-    groups = q.shape[2] // k.shape[2]
-    kk, vv = (np.repeat(x, groups, axis=2) for x in (k, v))
-    logits = np.einsum("btnh,bsnh->bnts", q, kk) / np.sqrt(q.shape[-1])
-    t, s = q.shape[1], k.shape[1]
-    allowed = np.ones((q.shape[0], 1, t, s), bool)
-    if causal:
-        allowed &= np.tril(np.ones((t, s), bool))
-    if kv_lengths is not None:
-        allowed &= (np.arange(s)[None, :] < kv_lengths[:, None])[:, None, None, :]
-    logits = np.where(allowed, logits, -np.inf)
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    return np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), vv)
-
-
-def _relative(a, b):
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+def _reference(q, k, v, causal, kv_lengths=None, d_o=None):
+    """float64 (out, (dq, dk, dv)) of attention (B, T, N, H) of real-valued q, k, v, scale H ** -0.5, by
+    tests/reference.py: the gradients are of sum(out * d_o) (0 without d_o)."""
+    (B, T, N, H), S = q.shape, k.shape[1]
+    ok, q_pos, k_pos = allowed(B, T, S, is_causal=causal, kv_lengths=kv_lengths)
+    d_o = np.zeros((B, T, N, v.shape[-1])) if d_o is None else d_o
+    out, (dq, dk, dv, _) = attention_fwd_bwd(q, k, v, d_o, scale=H ** -0.5, ok=ok, q_pos=q_pos, k_pos=k_pos)
+    return out, (dq, dk, dv)
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
@@ -51,18 +43,18 @@ def test_fp8_attention_matches_float64_on_the_dequantized_inputs(dtype, causal, 
     (q, dq, q64), (k, dk, k64), (v, dv, v64) = (_quantize(rng, shape, dtype, spread) for shape, spread in (
         ((2, 256, n, 128), 1.5), ((2, 384, k_heads, 128), 1.0), ((2, 384, k_heads, 128), 4.0)))
     assert fp8.check_support(q, k, v, is_causal=causal).supported
-    want = _reference(q64, k64, v64, causal)
+    want, _ = _reference(q64, k64, v64, causal)
     scale_o = float(jnp.finfo(dtype).max) / np.max(np.abs(v64))  # |out| <= max |v|
     run = jax.jit(lambda q, k, v, dq, dk, dv, so: fp8.attention(q, k, v, descale_q=dq, descale_k=dk, descale_v=dv,
                                                                 scale_o=so, is_causal=causal, implementation="cudnn"))
     out8, amax = run(q, k, v, dq, dk, dv, scale_o)
     assert out8.dtype == dtype
-    error = _relative(np.asarray(out8.astype(jnp.float32), np.float64) / scale_o, want)
+    error = rel_err(np.asarray(out8.astype(jnp.float32), np.float64) / scale_o, want)
     assert error < BOUND[dtype], error
     np.testing.assert_allclose(float(amax), np.max(np.abs(want)), rtol=3e-2)
     # New scales are traced values: the same graph, a rescaled output.
     out8_half, _ = run(q, k, v, dq, dk, dv, scale_o / 2)
-    assert _relative(np.asarray(out8_half.astype(jnp.float32), np.float64) * 2 / scale_o, want) < BOUND[dtype]
+    assert rel_err(np.asarray(out8_half.astype(jnp.float32), np.float64) * 2 / scale_o, want) < BOUND[dtype]
 
 
 def test_padding_rows_are_zero_and_keys_past_the_length_are_ignored():
@@ -73,9 +65,9 @@ def test_padding_rows_are_zero_and_keys_past_the_length_are_ignored():
                             query_seq_lengths=jnp.asarray(q_len), key_value_seq_lengths=jnp.asarray(kv_len),
                             implementation="cudnn")
     out = np.asarray(out8.astype(jnp.float32), np.float64) * dv
-    want = _reference(q64, k64, v64, False, kv_len)
+    want, _ = _reference(q64, k64, v64, False, kv_len)
     assert not np.any(out[1, 70:])
-    assert _relative(out[0], want[0]) < BOUND[E4M3] and _relative(out[1, :70], want[1, :70]) < BOUND[E4M3]
+    assert rel_err(out[0], want[0]) < BOUND[E4M3] and rel_err(out[1, :70], want[1, :70]) < BOUND[E4M3]
 
 
 def test_quantized_attention_runs_fp8_and_stays_close_to_bf16():
@@ -88,8 +80,8 @@ def test_quantized_attention_runs_fp8_and_stays_close_to_bf16():
                    for r, x in zip(rounded, given)]
     out = fp8.quantized_attention(q, k, v, is_causal=True, implementation="cudnn")
     assert out.dtype == jnp.bfloat16
-    assert _relative(out.astype(jnp.float32), _reference(*dequantized, True)) < BOUND[E4M3]
-    assert _relative(out.astype(jnp.float32), _reference(*given, True)) < 0.1  # the inputs' rounding too
+    assert rel_err(out.astype(jnp.float32), _reference(*dequantized, True)[0]) < BOUND[E4M3]
+    assert rel_err(out.astype(jnp.float32), _reference(*given, True)[0]) < 0.1  # the inputs' rounding too
 
 
 def test_check_support_names_what_the_fp8_graph_does_not_take():
@@ -109,21 +101,10 @@ def test_fp8_training_gradients_match_float64(causal):
     out, pullback = jax.vjp(lambda q, k, v: fp8.quantized_attention(q, k, v, is_causal=causal, training=True,
                                                                    implementation="cudnn"), q, k, v)
     grads = pullback(d_o)
-
-    def loss(q, k, v):
-        groups = q.shape[2] // k.shape[2]
-        kk, vv = (jnp.repeat(x, groups, axis=2) for x in (k, v))
-        logits = jnp.einsum("btnh,bsnh->bnts", q, kk) / np.sqrt(q.shape[-1])
-        if causal:
-            logits = jnp.where(jnp.tril(jnp.ones(logits.shape[-2:], bool)), logits, -jnp.inf)
-        result = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1), vv)
-        return jnp.sum(result * d_o.astype(jnp.float32)), result
-
-    with jax.default_matmul_precision("highest"):
-        (_, want), want_grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
-            *(x.astype(jnp.float32) for x in (q, k, v)))
-    assert _relative(out.astype(jnp.float32), np.asarray(want, np.float64)) < 8e-2
+    want, want_grads = _reference(*(np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v)), causal,
+                                  d_o=np.asarray(d_o.astype(jnp.float32), np.float64))
+    assert rel_err(out.astype(jnp.float32), want) < 8e-2
     for got, expected in zip(grads, want_grads):
         assert got.dtype == jnp.bfloat16
-        error = _relative(got.astype(jnp.float32), np.asarray(expected, np.float64))
+        error = rel_err(got.astype(jnp.float32), expected)
         assert error < 0.2, error
