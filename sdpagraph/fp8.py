@@ -37,7 +37,7 @@ from sdpagraph.api import attention as bf16_attention
 from sdpagraph.backends import registry
 from sdpagraph.call import PreparedCall, as_4d, notify_trace_listeners, prepare_call
 from sdpagraph.errors import SdpagraphError
-from sdpagraph.gradients import without_gradient
+from sdpagraph.gradients import call_without_gradient, without_gradient
 from sdpagraph.graphs.support import Support
 from sdpagraph.logs import log_once, logger
 from sdpagraph.numerics import gate as numerics_gate
@@ -62,7 +62,7 @@ FP8_TRAIN_MIN_KV_LEN = 8192
 
 
 class FP8GradientError(SdpagraphError, NotImplementedError):
-    """An FP8 call was differentiated: sdpagraph's FP8 attention is forward (inference) only."""
+    """An FP8 inference call (`attention`, `quantized_attention(training=False)`) was differentiated."""
 
 
 def attention(query: Any, key: Any, value: Any, *, descale_q: Any = 1.0, descale_k: Any = 1.0, descale_v: Any = 1.0,
@@ -88,23 +88,31 @@ def attention(query: Any, key: Any, value: Any, *, descale_q: Any = 1.0, descale
     """
     call, fp8 = _prepare(query, key, value, scale, is_causal, query_seq_lengths, key_value_seq_lengths, implementation)
     scales = {name: _scale(value_, name) for name, value_ in zip(SCALES, (descale_q, descale_k, descale_v, scale_o))}
+    if implementation != "bf16":  # spec recording (before the support answer: a spec file from any machine)
+        notify_trace_listeners(call.spec, None, False)
     answer = _decide(call, implementation)
+    q, k, v = (as_4d(x, call.unbatched) for x in (query, key, value))
+    arguments = dict(scale=call.spec.scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+                     key_value_seq_lengths=key_value_seq_lengths)
     if answer.supported:
-        notify_trace_listeners(call.spec, None, False)  # spec recording: precompile covers FP8 calls
-    q, k, v = without_gradient(FP8GradientError(
-        "sdpagraph.fp8.attention is forward (inference) only: it has no gradient. Train with "
-        "sdpagraph.fp8.quantized_attention(..., training=True) or sdpagraph.attention in bfloat16"),
-        *(as_4d(x, call.unbatched) for x in (query, key, value)))
-    if answer.supported:
-        inputs = dataclasses.replace(call.inputs, fp8_scales=scales)
-        out, amax = registry.primary().fp8_attention(call.spec, q, k, v, inputs, verify=numerics_gate.checked)
+        def run(arrays):
+            q, k, v, scales, inputs = arrays
+            inputs = dataclasses.replace(call.inputs, fp8_scales=scales, **inputs)
+            return registry.primary().fp8_attention(call.spec, q, k, v, inputs, verify=numerics_gate.checked)
+        traced = {"q_lengths": call.inputs.q_lengths, "kv_lengths": call.inputs.kv_lengths}
+        out, amax = call_without_gradient(_no_gradient(), run, (q, k, v, scales, traced))
     else:
         if implementation is None:
             log_once(logger, logging.INFO, f"sdpagraph: FP8 attention {call.spec.summary()} runs dequantized in "
                                            f"bfloat16: {answer.reason}")
-        out, amax = _dequantized(q, k, v, scales, fp8, scale=call.spec.scale, is_causal=is_causal,
-                                 query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths)
+        out, amax = _dequantized(*without_gradient(_no_gradient(), q, k, v), scales, fp8, **arguments)
     return (out[0] if call.unbatched else out), amax
+
+
+def _no_gradient() -> FP8GradientError:
+    return FP8GradientError("sdpagraph.fp8.attention (and quantized_attention with training=False) has no "
+                            "gradient: train with sdpagraph.fp8.quantized_attention(..., training=True) or "
+                            "sdpagraph.attention in bfloat16")
 
 
 def check_support(query: Any, key: Any, value: Any, *, scale: float | None = None, is_causal: bool = False,
@@ -150,8 +158,8 @@ def quantized_attention(query: Any, key: Any, value: Any, *, scale: float | None
         return _quantized_training(query, key, value, fp8, implementation, arguments)
     scores = int(np.prod(q_shape[:-1])) * int(k_shape[-3])  # B * T * N * S
     pays = scores >= FP8_MIN_SCORES and k_shape[-3] >= FP8_MIN_KV_LEN
-    if implementation == "bf16" or (implementation is None and not pays):
-        return bf16_attention(query, key, value, training=False, **arguments)
+    if implementation == "bf16" or (implementation is None and not pays):  # no gradient at any size
+        return bf16_attention(*without_gradient(_no_gradient(), query, key, value), training=False, **arguments)
     largest = float(jnp.finfo(fp8).max)
     quantized, descales = zip(*(_quantize(x, fp8, largest) for x in (query, key, value)))
     scale_o = 1.0 / descales[2]  # |out| <= max |v|: v's scale keeps the output in range
@@ -173,9 +181,8 @@ def _quantized_training(query: Any, key: Any, value: Any, fp8: Any, implementati
     structs = [jax.ShapeDtypeStruct(x.shape, fp8) for x in (query, key, value)]
     call, _ = _prepare(*structs, arguments["scale"], arguments["is_causal"], arguments["query_seq_lengths"],
                        arguments["key_value_seq_lengths"], implementation)
+    notify_trace_listeners(call.spec, None, True)  # before the support answer: a spec file from any machine
     answer = registry.primary().support(call.spec, None, training=True, verify=numerics_gate.checked)
-    if answer.supported:
-        notify_trace_listeners(call.spec, None, True)
     if not answer.supported:
         if implementation == "cudnn":
             raise ValueError(f"implementation='cudnn' cannot train FP8 attention {call.spec.summary()}: "

@@ -160,8 +160,17 @@ def test_bad_arguments_name_themselves(rng):
         fp8.attention(x8, x8, x8, implementation="xla")
     with pytest.raises(TypeError, match="fp8_dtype must be one of"):
         fp8.quantized_attention(x, x, x, fp8_dtype=jnp.bfloat16)
-    with pytest.raises(fp8.FP8GradientError, match="inference"):
+    with pytest.raises(fp8.FP8GradientError, match="has no gradient"):
         jax.grad(lambda q: fp8.attention(q.astype(E4M3), x8, x8)[0].astype(jnp.float32).sum())(x)
+    with pytest.raises(fp8.FP8GradientError, match="training=True"):  # the bf16 branch of a small call too
+        jax.grad(lambda q: fp8.quantized_attention(q, x, x).astype(jnp.float32).sum())(x)
+
+
+def test_the_cudnn_fp8_call_is_never_differentiated(rng, built):
+    x8 = jnp.asarray(rng.standard_normal((1, 16, 2, 16)), jnp.float32).astype(E4M3)
+    with pytest.raises(fp8.FP8GradientError, match="has no gradient"):
+        jax.grad(lambda q: fp8.attention(q.astype(E4M3), x8, x8)[0].astype(jnp.float32).sum())(
+            x8.astype(jnp.float32))
 
 
 # ----------------------------------------------------------------------------- FP8 training

@@ -447,3 +447,32 @@ def test_per_device_graphs_that_pass_their_check_run_on_the_executor(cudnn_on_cp
     (value, grads), reference, _, _ = run_case("causal", "cudnn", np.random.default_rng(6))
     assert_same((value, grads), reference)
     assert B // 4 in executed  # the per-device graphs reached the executor
+
+
+@needs_devices
+@pytest.mark.parametrize("guess", [None, 1e30])
+def test_fp8_training_split_over_the_query_heads_of_one_kv_head(cudnn_on_cpu, monkeypatch, guess):
+    """MQA split over query heads: each device's dk, dv are partial sums, added in float32 and the
+    amaxes the rerun decision reads are the largest over the devices (a forced rerun too)."""
+    from sdpagraph import fp8
+    from sdpagraph.backends.cudnn import fp8 as cudnn_fp8
+    if guess is not None:
+        monkeypatch.setattr(cudnn_fp8, "_gradient_scales",
+                            lambda *args: {name: jnp.float32(guess) for name in ("dP", "dQ", "dK", "dV")})
+    rng = np.random.default_rng(0)
+    scale = np.array([1, 1, 8, 8])[None, None, :, None]  # shards of unlike magnitudes
+    q = jnp.asarray(rng.standard_normal((2, 32, 4, 128)) * scale, jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((2, 32, 1, 128)), jnp.bfloat16) for _ in range(2))
+    d_o = jnp.asarray(rng.standard_normal((2, 32, 4, 128)) * scale, jnp.bfloat16)
+
+    def grads(q, k, v, d_o):
+        f = lambda q, k, v: fp8.quantized_attention(q, k, v, training=True, implementation="cudnn")  # noqa: E731
+        return jax.vjp(f, q, k, v)[1](d_o)
+
+    whole = jax.jit(grads)(q, k, v, d_o)
+    mesh = make_mesh((2,), ("model",), "auto")
+    heads, kv = NamedSharding(mesh, P(None, None, "model", None)), NamedSharding(mesh, P())
+    split = jax.jit(grads)(*(jax.device_put(x, s) for x, s in ((q, heads), (k, kv), (v, kv), (d_o, heads))))
+    for a, b in zip(whole, split):  # each within e5m2's rounding (~10%) of the truth: 0.15 of each other
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.all(np.isfinite(b)) and np.linalg.norm(a - b) <= 0.15 * np.linalg.norm(a)

@@ -108,13 +108,32 @@ def _check_runtime_makes(spec: AttentionSpec) -> None:
     if not (isinstance(spec.dropout, (int, float)) and 0.0 <= spec.dropout < 1.0):
         raise ValueError(f"dropout must be a rate in [0, 1), got {spec.dropout!r}")
     made = dataclasses.replace(_trace_call(_arguments_of(spec)).spec, paged=spec.paged, sinks=spec.sinks,
-                               deterministic=spec.deterministic, dropout=spec.dropout, dtype=spec.dtype)
+                               deterministic=spec.deterministic, dropout=spec.dropout)
+    if spec.is_fp8:
+        _check_fp8_spec(spec)
+        made = dataclasses.replace(made, dtype=spec.dtype)
     if made.canonical() != spec.canonical():
         given, expected = spec.to_dict(), made.to_dict()
         different = [name for name in given if json.dumps(given[name]) != json.dumps(expected.get(name))]
         raise ValueError("not what the runtime makes of these arguments: "
                          + ", ".join(f"{name} is {given[name]!r}, the runtime has {expected[name]!r}"
                                      for name in different))
+
+
+# What `sdpagraph.fp8` sets on an FP8 spec besides its shapes, dtype and scale: the rest keeps its default.
+_FP8_ARGUMENTS = {"is_causal", "has_q_lengths", "has_kv_lengths"}
+_SHAPE_FIELDS = {"batch", "q_len", "kv_len", "num_heads", "num_kv_heads", "head_dim", "head_dim_v", "dtype", "scale"}
+
+
+def _check_fp8_spec(spec: AttentionSpec) -> None:
+    """ValueError for an FP8 spec `sdpagraph.fp8` never makes (it takes scale, causal and lengths only)."""
+    defaults = AttentionSpec(1, 1, 1, 1, 1, 1, 1, spec.dtype, 1.0)
+    others = [field.name for field in dataclasses.fields(AttentionSpec)
+              if field.name not in _SHAPE_FIELDS | _FP8_ARGUMENTS
+              and getattr(spec, field.name) != getattr(defaults, field.name)]
+    if others:
+        raise ValueError(f"an FP8 spec ({spec.dtype}) takes causal and sequence lengths only (sdpagraph.fp8 makes no "
+                         f"other); this one sets {', '.join(others)}")
 
 
 def _arguments_of(spec: AttentionSpec) -> dict[str, Any]:

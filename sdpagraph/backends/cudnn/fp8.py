@@ -120,10 +120,15 @@ def _core_bwd(spec, run, dtype, residuals, cotangents):
     guessed = _gradient_scales(spec, descales, amax_do, q8, k8, v8)
     first, amax = backward(guessed)
     # A gradient scaled past e5m2's largest value saturated, one scaled below RESOLVED lost bits to
-    # subnormals: run once more with the scales its amaxes give (exact: cuDNN reports them before scaling).
-    scaled = [amax[name] * guessed[name] for name in guessed]
+    # subnormals: run once more with the scales its amaxes give (cuDNN reports them before scaling). dP's
+    # scale is its bound, which holds. Under SPMD a device's dk, dv of an MQA split over query heads are
+    # partial sums that add up to at most G times the largest one: room for G.
+    scaled = [amax[name] * guessed[name] for name in ("dQ", "dK", "dV")]
     redo = jnp.any(jnp.stack([(x > _largest(gradient)) | ((x > 0) & (x < RESOLVED)) for x in scaled]))
-    exact = {name: _largest(gradient) / jnp.maximum(amax[name], jnp.finfo(jnp.float32).tiny) for name in guessed}
+    room = {"dQ": 1, "dK": spec.num_heads // spec.num_kv_heads, "dV": spec.num_heads // spec.num_kv_heads}
+    exact = {"dP": guessed["dP"], **{name: _largest(gradient) / jnp.maximum(amax[name] * room[name],
+                                                                            jnp.finfo(jnp.float32).tiny)
+                                     for name in room}}
     dq, dk, dv = jax.lax.cond(redo, lambda: backward(exact)[0], lambda: first)
     return None, None, zero_rows(dq, validity.q), zero_rows(dk, validity.kv), zero_rows(dv, validity.kv), None
 

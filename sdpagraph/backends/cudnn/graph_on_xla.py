@@ -17,7 +17,7 @@ the same operands, so nothing upstream changes:
 - FP8 (sdpa_fp8, sdpa_fp8_backward): the inputs (and dO) dequantized by their descales, attention
   and its gradients in float32 (the o and stats given to a backward are not read), results scaled and
   saturated into their FP8 dtypes, with their amaxes; the softmax's and dP's amaxes are not computed
-  (reported as 1: nothing reads them);
+  (reported as 1: nothing reads them; the FP8 backward's rerun decision reads dq's, dk's and dv's);
 - dropout: the graph's one seed (the first of the seeds operand) spread over (B, N) by
   `dropout.keep_mask`; a different mask from cuDNN's Philox, the same in the forward and the backward.
 The forward gives o and the stats in the graph's layout; the backward recomputes the forward and

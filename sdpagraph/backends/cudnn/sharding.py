@@ -45,13 +45,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sdpagraph.cache import CacheMissError
 from sdpagraph.config import PARTITION
-from sdpagraph.graphs.operands import DROPOUT, FP8_AMAX, PAGE_TABLES
+from sdpagraph.graphs.operands import DROPOUT, FP8_AMAX, FP8_BACKWARD_AMAX, PAGE_TABLES
 from sdpagraph.meshes import explicit_axes
 from sdpagraph.logs import log_once, logger
 from sdpagraph.scoremod.ir import Node, ScoreModIR
@@ -332,7 +333,8 @@ def _sum_broadcast_grad(role: str, shape: tuple[int, ...], x: Any, call: _GraphC
     """Gradients of an operand that is whole on every device while the call is split: each device
     holds the sum over its shard only, the gradient is the sum over every shard. The bias (and its
     gradient) broadcast over a split batch or heads, and key/value with one head (MQA) under split
-    query heads. An FP8 graph's amax results are the maximum over the shards. `shape`: the global shape of `x`."""
+    query heads (FP8 gradients summed in float32, saturated back). An FP8 graph's amax results are the
+    maximum over the shards. `shape`: the global shape of `x`."""
     spec = call.static.graph_spec
     axes: tuple[str, ...] = ()
     if role == "dbias":
@@ -342,10 +344,15 @@ def _sum_broadcast_grad(role: str, shape: tuple[int, ...], x: Any, call: _GraphC
             axes += split.head_axes
     elif role in ("dk", "dv") and split.heads > 1 and split.kv_heads == 1:
         axes = split.head_axes
-    elif role in FP8_AMAX:  # an FP8 graph's absolute maximum is the largest over every shard
+    elif role in FP8_AMAX or role in FP8_BACKWARD_AMAX:  # an FP8 graph's amax: the largest over every shard
         axes = split.batch_axes + split.head_axes
         return jax.lax.pmax(x, axes) if axes else x
-    return jax.lax.psum(x, axes) if axes else x
+    if not axes:
+        return x
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits == 8:  # FP8 gradients: sum in float32
+        largest = float(jnp.finfo(x.dtype).max)
+        return jnp.clip(jax.lax.psum(x.astype(jnp.float32), axes), -largest, largest).astype(x.dtype)
+    return jax.lax.psum(x, axes)
 
 
 def _infer(call: _GraphCall, mesh: Any, arg_shapes: tuple[Any, ...], result_shape: tuple[Any, ...]):
