@@ -192,8 +192,11 @@ def gathers(compiled_text):
 
 
 def assert_same(ours, reference, tol=2e-5):
+    """Every leaf within `tol`; the loss (the one scalar) within 10 `tol`: a sum of thousands of products,
+    whose float32 rounding follows the summation order, which a sharded run changes (4e-5 seen)."""
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+        bound = tol * 10 if np.ndim(a) == 0 else tol
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=bound, atol=bound)
 
 
 def run_case(name, impl, rng, qkv_spec=P("data", None, "model"), axis_type="auto"):
