@@ -43,6 +43,8 @@ from sdpagraph.config import PARTITION
 
 B, T, N, H = 8, 4096, 16, 128
 CP_T, CP_SHORT_T = 65536, 16384  # context parallelism: B1 N16 H128
+# GPUs the context-parallel rows of `--part cp-long` split the sequence over (CP_DEVICES=4 on a 4-GPU machine).
+CP_DEVICES = int(os.environ.get("CP_DEVICES", "2"))
 GATHER = re.compile(r"\ball-gather(?:-start)?\(")
 ALL_TO_ALL = re.compile(r"\ball-to-all(?:-start)?\(")
 PERMUTE = re.compile(r"\bcollective-permute(?:-start)?\(")
@@ -161,7 +163,7 @@ def cp_inputs(length, heads, head_dim, docs, strategy, load_balanced):
     values are random, so their (load-balanced or not) order does not matter for timing; the ids
     are in the order the row's call reads them."""
     devices = jax.devices()
-    mesh = None if strategy is None else Mesh(np.array(devices[:2]), ("cp",))
+    mesh = None if strategy is None else Mesh(np.array(devices[:CP_DEVICES]), ("cp",))
     placement = jax.sharding.SingleDeviceSharding(devices[0]) if mesh is None else NamedSharding(mesh, P(None, "cp"))
     rng = np.random.default_rng(0)
     qkv = [jax.device_put(jnp.asarray(rng.standard_normal((1, length, heads, head_dim)), jnp.bfloat16), placement)
@@ -172,7 +174,7 @@ def cp_inputs(length, heads, head_dim, docs, strategy, load_balanced):
 
         ids = random_docs(1, length, *docs)
         if strategy is not None and load_balanced:
-            ids = sdpagraph.load_balance(ids, 2)
+            ids = sdpagraph.load_balance(ids, CP_DEVICES)
         ids = jax.device_put(jnp.asarray(ids), placement)
     return qkv + [ids], mesh
 
@@ -203,7 +205,7 @@ def measure_cp(length, heads, head_dim, attn_kwargs, strategy, load_balanced, im
         ms = time_ms(compiled, args, repeats, rounds)
     result = {"ms": ms, "permutes": len(PERMUTE.findall(text)), "all_gathers": len(GATHER.findall(text)),
               "all_to_alls": len(ALL_TO_ALL.findall(text)),
-              "peak_bytes": peak_bytes(jax.devices()[:1 if mesh is None else 2])}
+              "peak_bytes": peak_bytes(jax.devices()[:1 if mesh is None else CP_DEVICES])}
     if mesh is not None:
         result["plan"] = cp_plan(args, mesh, attn_kwargs, strategy, load_balanced, impl)
     return result
@@ -330,7 +332,8 @@ def run_cp_long(quick, cpu, record, only):
             else:
                 result = measure_long(**request)
             name = f"{label} T{length}, " + ("1 GPU" if strategy is None else
-                                             f"{strategy}{', load-balanced' if load_balanced else ''}, 2 GPUs")
+                                             f"{strategy}{', load-balanced' if load_balanced else ''}, "
+                                             f"{CP_DEVICES} GPUs")
             heads, head_dim = (4, 16) if cpu else (N, H)
             result.update(name=name, shape=f"B1 T{length} N{heads} H{head_dim}", strategy=strategy or "1 GPU",
                           part="cp-long")
