@@ -242,3 +242,23 @@ def test_a_recorded_dropout_call_reads_back(rng, tmp_path):
     path.write_text(text)
     with pytest.raises(Exception, match="dropout must be a rate"):
         load_specs(path)
+
+
+def test_calls_that_run_as_packed_documents_keep_their_dropout(rng, cudnn_standin):
+    """Chunked attention runs as packed documents, packed ids on the THD graph: both graphs carry the
+    rate, and the identity-value output shows a mask kept at ~1 - p."""
+    key = jax.random.key(int(rng.integers(2**31)))
+    q = jnp.asarray(rng.standard_normal((2, 64, 4, 16)), jnp.float32)
+    ids = jnp.asarray(np.repeat(np.arange(1, 5), 16)[None].repeat(2, 0), jnp.int32)
+    for kwargs in (dict(chunk_size=16), dict(segment_ids=ids)):
+        loss = lambda q: sdpagraph.attention(q, q, q, is_causal=True, dropout_rate=0.25, dropout_rng=key,  # noqa: E731
+                                             implementation="cudnn", **kwargs).sum()
+        assert np.all(np.isfinite(jax.grad(loss)(q)))
+    assert {(spec.segments, spec.dropout, direction) for spec, _, direction in cudnn_standin} == {
+        ("self", 0.25, "forward"), ("self", 0.25, "backward")}
+    value = jnp.broadcast_to(jnp.eye(16, dtype=jnp.float32)[None, :, None, :], (2, 16, 4, 16))
+    out = sdpagraph.attention(q[:, :16], q[:, :16], value, chunk_size=8, dropout_rate=0.25, dropout_rng=key,
+                              implementation="cudnn")
+    allowed = np.kron(np.eye(2, dtype=bool), np.ones((8, 8), bool))  # (T, S): the chunks
+    kept = (np.swapaxes(np.asarray(out), 1, 2) != 0)[:, :, allowed]
+    assert 0.6 < kept.mean() < 0.9
