@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 import sdpagraph
-from sdpagraph import fp8
+from sdpagraph import fp8, fp8_values
 
 from jax_timing import time_ms  # bench/ is on sys.path when a script here runs
 from report import markdown_table
@@ -81,15 +81,10 @@ def _amax(x):
 
 
 @functools.partial(jax.jit, static_argnames="dtype")
-def _scaled(x, descale, dtype):
-    largest = float(jnp.finfo(dtype).max)
-    return jnp.clip(x.astype(jnp.float32) / descale, -largest, largest).astype(dtype)
-
-
 def quantize(x, dtype):
-    """(x in `dtype` scaled by max / amax(x), its descale amax(x) / max) as `quantized_attention` does."""
-    descale = jnp.maximum(_amax(x), 1e-30) / float(jnp.finfo(dtype).max)
-    return _scaled(x, descale, dtype=jnp.dtype(dtype)), descale
+    """(x in `dtype` scaled by max / amax(x), its descale amax(x) / max), as `quantized_attention` does."""
+    descale = fp8_values.amax_descale(x, dtype)
+    return fp8_values.quantize(x, descale, dtype), descale
 
 
 def bf16_forward():
@@ -128,7 +123,7 @@ def measure(shape, quick):
     row = {"shape": name_of(shape), "scores": scores_of(shape), "keys": shape[1],
            "bf16 backend": bf16_backend(q, k, v)}
     row["bf16 ms"] = time_ms(bf16_forward(), q, k, v, **timing)
-    (q8, dq), (k8, dk), (v8, dv) = (quantize(x, E4M3) for x in (q, k, v))
+    (q8, dq), (k8, dk), (v8, dv) = (quantize(x, dtype=jnp.dtype(E4M3)) for x in (q, k, v))
     row["fp8 ms"] = attempt(time_ms, fp8_forward(), q8, k8, v8, dq, dk, dv, 1.0 / dv, **timing)
     del q8, k8, v8
     row["quantized ms"] = attempt(time_ms, quantized_forward(), q, k, v, **timing)
@@ -290,7 +285,7 @@ def accuracy_rows(shape):
     rows, notes = [], []
     dequantized = jax.jit(lambda x, d: x.astype(jnp.float32) * d)
     for label, dtype in DTYPES.items():
-        quantized = [quantize(x, dtype) for x in (q, k, v)]
+        quantized = [quantize(x, dtype=jnp.dtype(dtype)) for x in (q, k, v)]
         answer = attempt(reference, shape, *(dequantized(x, d) for x, d in quantized))
         if isinstance(answer, str):
             rows.append({"shape": name_of(shape), "dtype": label, "reference": answer})

@@ -37,6 +37,7 @@ from sdpagraph.api import attention as bf16_attention
 from sdpagraph.backends import registry
 from sdpagraph.call import PreparedCall, as_4d, notify_trace_listeners, prepare_call
 from sdpagraph.errors import SdpagraphError
+from sdpagraph.fp8_values import amax_descale, quantize, saturate
 from sdpagraph.gradients import call_without_gradient, without_gradient
 from sdpagraph.graphs.support import Support
 from sdpagraph.logs import log_once, logger
@@ -160,8 +161,8 @@ def quantized_attention(query: Any, key: Any, value: Any, *, scale: float | None
     pays = scores >= FP8_MIN_SCORES and k_shape[-3] >= FP8_MIN_KV_LEN
     if implementation == "bf16" or (implementation is None and not pays):  # no gradient at any size
         return bf16_attention(*without_gradient(_no_gradient(), query, key, value), training=False, **arguments)
-    largest = float(jnp.finfo(fp8).max)
-    quantized, descales = zip(*(_quantize(x, fp8, largest) for x in (query, key, value)))
+    descales = [amax_descale(x, fp8) for x in (query, key, value)]
+    quantized = [quantize(x, descale, fp8) for x, descale in zip((query, key, value), descales)]
     scale_o = 1.0 / descales[2]  # |out| <= max |v|: v's scale keeps the output in range
     out8, _ = attention(*quantized, descale_q=descales[0], descale_k=descales[1], descale_v=descales[2],
                         scale_o=scale_o, implementation=None if implementation is None else "cudnn", **arguments)
@@ -190,8 +191,8 @@ def _quantized_training(query: Any, key: Any, value: Any, fp8: Any, implementati
         log_once(logger, logging.INFO, f"sdpagraph: FP8 training {call.spec.summary()} runs in bfloat16: "
                                        f"{answer.reason}")
         return bf16_attention(query, key, value, **arguments)
-    largest = float(jnp.finfo(fp8).max)
-    descales = {f"descale_{name}": jax.lax.stop_gradient(_descale(x, largest)) for name, x in zip("qkv", (query, key, value))}
+    descales = {f"descale_{name}": jax.lax.stop_gradient(amax_descale(x, fp8))
+                for name, x in zip("qkv", (query, key, value))}
     q, k, v = (as_4d(x, call.unbatched) for x in (query, key, value))
     inputs = dataclasses.replace(call.inputs, fp8_scales=descales)
     out, _ = registry.primary().attention(call.spec, q, k, v, inputs, None, training=True,
@@ -253,17 +254,4 @@ def _dequantized(q: Any, k: Any, v: Any, scales: dict[str, Any], fp8: Any, **arg
     real = [(x.astype(jnp.float32) * scales[f"descale_{name}"]).astype(jnp.bfloat16)
             for name, x in zip("qkv", (q, k, v))]
     out = bf16_attention(*real, training=False, **arguments).astype(jnp.float32)
-    largest = float(jnp.finfo(fp8).max)
-    return jnp.clip(out * scales["scale_o"], -largest, largest).astype(fp8), jnp.max(jnp.abs(out))
-
-
-def _descale(x: Any, largest: float) -> Any:
-    """amax(x) / largest: the descale that maps x's largest magnitude onto the FP8 dtype's; 1 for all-zero x."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
-    return jnp.where(amax > 0, amax / largest, 1.0)
-
-
-def _quantize(x: Any, fp8: Any, largest: float) -> tuple[Any, Any]:
-    """(x scaled by its descale (`_descale`) into `fp8`, the descale)."""
-    descale = _descale(x, largest)
-    return jnp.clip(x.astype(jnp.float32) / descale, -largest, largest).astype(fp8), descale
+    return saturate(out * scales["scale_o"], fp8), jnp.max(jnp.abs(out))

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from sdpagraph.backends.cudnn.call_operands import call_operands, zero_rows
 from sdpagraph.call import RuntimeInputs
+from sdpagraph.fp8_values import largest, quantize
 from sdpagraph.graphs.operands import FP8_AMAX, FP8_BACKWARD_AMAX, FP8_GRADIENT, stats_shape
 from sdpagraph.spec import AttentionSpec
 
@@ -34,10 +35,6 @@ Run = Callable[[str, Mapping[str, Any], Mapping[str, jax.ShapeDtypeStruct]], dic
 
 def _scalar(x: Any) -> Any:
     return jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)
-
-
-def _largest(dtype: Any) -> float:
-    return float(jnp.finfo(dtype).max)
 
 
 def _amax_structs(roles: tuple[str, ...]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -80,9 +77,9 @@ def _core(spec, run, dtype, aux, validity, query, key, value, descales):
 
 def _core_fwd(spec, run, dtype, aux, validity, query, key, value, descales):
     fp8 = jnp.dtype(spec.dtype)
-    q8, k8, v8 = (_quantize(x, d, fp8) for x, d in zip((query, key, value), descales))
+    q8, k8, v8 = (quantize(x, d, fp8) for x, d in zip((query, key, value), descales))
     amax_v = jnp.max(jnp.abs(v8.astype(jnp.float32))) * descales[2]
-    scale_o = _largest(fp8) / jnp.maximum(amax_v, jnp.finfo(jnp.float32).tiny)
+    scale_o = largest(fp8) / jnp.maximum(amax_v, jnp.finfo(jnp.float32).tiny)
     given = {**dict(zip(("descale_q", "descale_k", "descale_v"), descales)), "scale_o": scale_o}
     out = _forward_graph(spec, q8, k8, v8, aux, given, run, "forward")
     o8 = zero_rows(out["o"], validity.q)
@@ -99,8 +96,8 @@ def _core_bwd(spec, run, dtype, residuals, cotangents):
     gradient = jnp.dtype(FP8_GRADIENT)
     d_out = zero_rows(d_out.astype(jnp.float32), validity.q)
     amax_do = jnp.maximum(jnp.max(jnp.abs(d_out)), jnp.finfo(jnp.float32).tiny)
-    descale_do = amax_do / _largest(gradient)
-    fixed = {"q": q8, "k": k8, "v": v8, "o": o8, "dO": _quantize(d_out, descale_do, gradient), "stats": stats, **aux,
+    descale_do = amax_do / largest(gradient)
+    fixed = {"q": q8, "k": k8, "v": v8, "o": o8, "dO": quantize(d_out, descale_do, gradient), "stats": stats, **aux,
              **{role: _scalar(x) for role, x in (("descale_q", descales[0]), ("descale_k", descales[1]),
                                                  ("descale_v", descales[2]), ("descale_o", 1.0 / scale_o),
                                                  ("descale_dO", descale_do), ("descale_s", 1.0 / SOFTMAX_SCALE),
@@ -124,9 +121,9 @@ def _core_bwd(spec, run, dtype, residuals, cotangents):
     # scale is its bound, which holds. Under SPMD a device's dk, dv of an MQA split over query heads are
     # partial sums that add up to at most G times the largest one: room for G.
     scaled = [amax[name] * guessed[name] for name in ("dQ", "dK", "dV")]
-    redo = jnp.any(jnp.stack([(x > _largest(gradient)) | ((x > 0) & (x < RESOLVED)) for x in scaled]))
+    redo = jnp.any(jnp.stack([(x > largest(gradient)) | ((x > 0) & (x < RESOLVED)) for x in scaled]))
     room = {"dQ": 1, "dK": spec.num_heads // spec.num_kv_heads, "dV": spec.num_heads // spec.num_kv_heads}
-    exact = {"dP": guessed["dP"], **{name: _largest(gradient) / jnp.maximum(amax[name] * room[name],
+    exact = {"dP": guessed["dP"], **{name: largest(gradient) / jnp.maximum(amax[name] * room[name],
                                                                             jnp.finfo(jnp.float32).tiny)
                                      for name in room}}
     dq, dk, dv = jax.lax.cond(redo, lambda: backward(exact)[0], lambda: first)
@@ -142,12 +139,6 @@ RESOLVED = 2.0**-6
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def _quantize(x: Any, descale: Any, fp8: Any) -> Any:
-    """x / descale saturated into `fp8`."""
-    largest = _largest(fp8)
-    return jnp.clip(x.astype(jnp.float32) / descale, -largest, largest).astype(fp8)
-
-
 def _gradient_scales(spec: AttentionSpec, descales: tuple[Any, Any, Any], amax_do: Any, q8: Any, k8: Any,
                      v8: Any) -> dict[str, Any]:
     """Scales for dP (the softmax gradient cuDNN quantizes), dq, dk, dv, chosen before they exist: each
@@ -157,7 +148,7 @@ def _gradient_scales(spec: AttentionSpec, descales: tuple[Any, Any, Any], amax_d
     |dP| <= H max|dO| max|v|, |dS| <= 2 max|dP| P; a row of P sums to 1 and a column to at most T (G
     query heads share a key head), so |dq| <= 2 scale max|dP| max|k|, |dk| <= 2 scale max|dP| max|q| T G,
     |dv| <= max|dO| T G. Typical sizes take P ~ 1/S and sums of random signs: sqrt of the count."""
-    largest = _largest(jnp.dtype(FP8_GRADIENT))
+    top = largest(jnp.dtype(FP8_GRADIENT))
     amax_q, amax_k, amax_v = (jnp.max(jnp.abs(x.astype(jnp.float32))) * d for x, d in zip((q8, k8, v8), descales))
     count, keys = spec.q_len * (spec.num_heads // spec.num_kv_heads), spec.kv_len
     d_p = spec.head_dim_v * amax_do * amax_v
@@ -167,4 +158,4 @@ def _gradient_scales(spec: AttentionSpec, descales: tuple[Any, Any, Any], amax_d
               "dK": (2 * spec.scale * d_p * amax_q * count, spec.scale * typical_dp * amax_q * count ** 0.5 / keys),
               "dV": (amax_do * count, amax_do * count ** 0.5 / keys)}
     tiny = jnp.finfo(jnp.float32).tiny
-    return {name: largest / jnp.maximum(jnp.sqrt(bound * typical), tiny) for name, (bound, typical) in bounds.items()}
+    return {name: top / jnp.maximum(jnp.sqrt(bound * typical), tiny) for name, (bound, typical) in bounds.items()}

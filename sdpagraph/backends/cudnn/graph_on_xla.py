@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from sdpagraph.scoremod.ir_eval import evaluate
 from sdpagraph.scoremod.masks import segment_ir
 from sdpagraph import paged
+from sdpagraph.fp8_values import saturate
 from sdpagraph.graphs.operands import ARRAY_PREFIX, DROPOUT, PAGE_TABLES, SINK_TOKEN
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.backends import registry, sinks
@@ -65,7 +66,7 @@ def _fp8_on_xla(spec: Any, operands: Mapping[str, Any], results: Mapping[str, An
     attend = lambda q, k, v: registry.reference().attention(plain, q, k, v, inputs, None)  # noqa: E731
     if "dq" not in results:
         out, lse = attend(q, k, v)
-        o = _saturated(out * scale["scale_o"], operands["q"].dtype)
+        o = saturate(out * scale["scale_o"], operands["q"].dtype)
         found = {"o": o, "stats": lse, "amax_s": jnp.ones((1, 1, 1, 1), jnp.float32),
                  "amax_o": jnp.max(jnp.abs(out)).reshape(1, 1, 1, 1)}
         return {role: found[role] for role in results}
@@ -74,15 +75,10 @@ def _fp8_on_xla(spec: Any, operands: Mapping[str, Any], results: Mapping[str, An
     grads = dict(zip(("dq", "dk", "dv"), pullback((d_o, jnp.zeros(out.shape[:1] + out.shape[2:3] + out.shape[1:2])))))
     found = {}
     for role, name in (("dq", "dQ"), ("dk", "dK"), ("dv", "dV")):
-        found[role] = _saturated(grads[role] * scale[f"scale_{name}"], results[role].dtype)
+        found[role] = saturate(grads[role] * scale[f"scale_{name}"], results[role].dtype)
         found[f"amax_{role}"] = jnp.max(jnp.abs(grads[role])).reshape(1, 1, 1, 1)
     found["amax_dp"] = jnp.ones((1, 1, 1, 1), jnp.float32)
     return {role: found[role] for role in results}
-
-
-def _saturated(x: Any, dtype: Any) -> Any:
-    largest = float(jnp.finfo(dtype).max)
-    return jnp.clip(x, -largest, largest).astype(dtype)
 
 
 def graph_forward(static: Any, operands: Mapping[str, Any]) -> Callable[..., tuple[Any, Any]]:

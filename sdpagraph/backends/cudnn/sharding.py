@@ -52,6 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from sdpagraph.cache import CacheMissError
 from sdpagraph.config import PARTITION
+from sdpagraph.fp8_values import saturate
 from sdpagraph.graphs.operands import DROPOUT, FP8_AMAX, FP8_BACKWARD_AMAX, PAGE_TABLES
 from sdpagraph.meshes import explicit_axes
 from sdpagraph.logs import log_once, logger
@@ -350,8 +351,7 @@ def _sum_broadcast_grad(role: str, shape: tuple[int, ...], x: Any, call: _GraphC
     if not axes:
         return x
     if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits == 8:  # FP8 gradients: sum in float32
-        largest = float(jnp.finfo(x.dtype).max)
-        return jnp.clip(jax.lax.psum(x.astype(jnp.float32), axes), -largest, largest).astype(x.dtype)
+        return saturate(jax.lax.psum(x.astype(jnp.float32), axes), x.dtype)
     return jax.lax.psum(x, axes)
 
 
