@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +42,7 @@ import sdpagraph
 from sdpagraph import fp8, fp8_values
 
 from jax_timing import time_ms  # bench/ is on sys.path when a script here runs
+import report
 from report import markdown_table
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -361,17 +360,12 @@ def main():
     parts = ("target", "sweep", "accuracy", "training")
 
     def text():
-        tables = "\n\n".join(markdown_table(results[part]) for part in parts if results[part])
+        tables = report.markdown_tables(results, parts)
         notes = results["threshold"] + results["notes"]
         return tables + ("\n\n" + "\n".join(f"- {line}" for line in notes) if notes else "")
 
     def save():
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "fp8.json"), "w") as f:
-                json.dump(results, f, indent=1, default=str)
-            with open(os.path.join(args.out, "fp8.md"), "w") as f:
-                f.write(f"{header}\n\n{text()}\n")
+        report.save(args.out, "fp8", f"{header}\n\n{text()}", results)
 
     target = measure(TARGET, args.quick)
     results["target"] = target_rows(target)

@@ -40,6 +40,7 @@ from sdpagraph import paged
 from sdpagraph.cache.defaults import default_cache
 
 from jax_timing import time_ms  # bench/ is on sys.path when a script here runs
+import report
 from report import markdown_table
 
 B, N, K, H, PAGE, MAX_PAGES = 64, 64, 8, 128, 64, 256
@@ -232,12 +233,8 @@ def main():
     parts = {}
 
     def save():
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "paged.json"), "w") as f:
-                json.dump({"header": header, **parts}, f, indent=1)
-            with open(os.path.join(args.out, "paged.md"), "w") as f:
-                f.write(header + "\n\n" + "\n\n".join(markdown_table(rows) for rows in parts.values()) + "\n")
+        report.save(args.out, "paged", header + "\n\n" + report.markdown_tables(parts, parts),
+                    {"header": header, **parts})
 
     parts["decode"] = decode_rows(rng, args.quick)
     save()

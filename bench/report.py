@@ -28,13 +28,26 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown_tables(results: dict[str, list[dict]], parts: Any) -> str:
+    """The tables of `results[part]` for each of `parts` that has rows, a blank line apart."""
+    return "\n\n".join(markdown_table(results[part]) for part in parts if results[part])
+
+
+def save(out: str | None, stem: str, markdown: str, data: Any) -> None:
+    """Write OUT/STEM.md (`markdown`) and OUT/STEM.json (`data`); nothing without `out`. Benchmarks call
+    it after every row, so a run cut short keeps what it measured."""
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, stem + ".md"), "w") as f:
+        f.write(markdown + "\n")
+    with open(os.path.join(out, stem + ".json"), "w") as f:
+        json.dump(data, f, indent=1, default=str)
+
+
 def write(out: str, stem: str, setup: str, text: str, data: Any) -> None:
     """Print the table and write OUT/STEM.md (device, jax, date, `setup`, then the table) and
     OUT/STEM.json (`data`)."""
     print(text)
-    os.makedirs(out, exist_ok=True)
     header = f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {time.strftime('%Y-%m-%d')}; {setup}\n\n"
-    with open(os.path.join(out, stem + ".md"), "w") as f:
-        f.write(header + text + "\n")
-    with open(os.path.join(out, stem + ".json"), "w") as f:
-        json.dump(data, f, indent=1)
+    save(out, stem, header + text, data)

@@ -15,7 +15,6 @@ float32: relative L2 error of out, dq, dk, dv and d sinks. Writes sinks.md / sin
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import jax
@@ -27,6 +26,7 @@ from sdpagraph import mods
 from sdpagraph.config import NATIVE_SINKS
 
 from jax_timing import time_ms  # bench/ is on sys.path when a script here runs
+import report
 from report import markdown_table
 from packed import random_docs
 
@@ -189,14 +189,8 @@ def main():
     results = {"header": header, "times": [], "alternative": [], "accuracy": []}
 
     def save():
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "sinks.json"), "w") as f:
-                json.dump(results, f, indent=1)
-            with open(os.path.join(args.out, "sinks.md"), "w") as f:
-                f.write(f"{header}\n\n" + "\n\n".join(markdown_table(results[part])
-                                                     for part in ("times", "alternative", "accuracy")
-                                                     if results[part]) + "\n")
+        report.save(args.out, "sinks",
+                    f"{header}\n\n" + report.markdown_tables(results, ("times", "alternative", "accuracy")), results)
 
     for name in ROWS:
         results["times"].append(timed_row(name, args.quick))

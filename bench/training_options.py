@@ -18,8 +18,6 @@ Prints the tables and writes training_options.md / training_options.json to --ou
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +26,7 @@ import numpy as np
 import sdpagraph
 
 from jax_timing import time_ms  # bench/ is on sys.path when a script here runs
+import report
 from report import markdown_table
 
 B, T, N, H = 4, 4096, 16, 128
@@ -125,13 +124,8 @@ def main():
     results = {"header": header, "times": [], "reproducibility": []}
 
     def save():
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "training_options.json"), "w") as f:
-                json.dump(results, f, indent=1)
-            with open(os.path.join(args.out, "training_options.md"), "w") as f:
-                f.write(f"{header}\n\n" + "\n\n".join(markdown_table(results[part])
-                                                     for part in ("times", "reproducibility") if results[part]) + "\n")
+        report.save(args.out, "training_options",
+                    f"{header}\n\n" + report.markdown_tables(results, ("times", "reproducibility")), results)
 
     x, rng = arrays(), jax.random.key(1)
     for row in time_rows(x, rng, args.quick):
