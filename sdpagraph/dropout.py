@@ -93,7 +93,11 @@ def keep_mask(dropout_seeds: Any, rate: float, q_index: Any, kv_index: Any) -> A
     return bits >= threshold
 
 
-def multiplier(dropout_seeds: Any, rate: float, q_index: Any, kv_index: Any, dtype: Any) -> Any:
-    """keep / (1 - rate) as `dtype`, (B, N, T', S'): what the attention weights are multiplied by."""
-    keep = keep_mask(dropout_seeds, rate, q_index, kv_index)
-    return jnp.where(keep, jnp.asarray(1.0 / (1.0 - rate), dtype), jnp.zeros((), dtype))
+def apply(weights: Any, rate: float, dropout_seeds: Any, key_start: Any = 0) -> Any:
+    """`weights` (B, N, T, S') of the keys from `key_start` on (a block, or all of them), each times
+    keep / (1 - rate) of the call's mask (`keep_mask`); as given for rate 0."""
+    if not rate:
+        return weights
+    queries, keys = weights.shape[2], weights.shape[3]
+    keep = keep_mask(dropout_seeds, rate, jnp.arange(queries), key_start + jnp.arange(keys))
+    return weights * jnp.where(keep, jnp.asarray(1.0 / (1.0 - rate), weights.dtype), jnp.zeros((), weights.dtype))

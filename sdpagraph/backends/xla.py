@@ -6,7 +6,7 @@ the backend on machines without a GPU. Semantics, shared with the cuDNN lowering
     logits = score_mod(scale * q . k) + bias      (fp32; fp64 for float64 inputs)
     masked where any mask says no (user mask, padding, segments, causal, window, chunk)
     out    = softmax(logits) . v                  (fp32 softmax; fully masked rows give 0)
-             (with dropout, the softmax's weights times `dropout.multiplier`: kept / (1 - rate))
+             (with dropout, the softmax's weights times kept / (1 - rate): `dropout.apply`)
 
 Which positions attend which (padding, segments, causal, windows, chunks) is `backends.masking`.
 Short calls form all scores at once; long ones run `xla_blocks`, an online softmax over key blocks
@@ -181,9 +181,7 @@ def xla_attention(
                                    dropout_seeds=inputs.dropout_seeds)
     logits, allowed = scores(raw_scores(query, key, spec.scale), inputs.bias, 0, params)
     probs, lse = _masked_softmax(logits, allowed)
-    if spec.dropout:
-        t, s = probs.shape[2], probs.shape[3]
-        probs = probs * dropout.multiplier(inputs.dropout_seeds, spec.dropout, jnp.arange(t), jnp.arange(s), probs.dtype)
+    probs = dropout.apply(probs, spec.dropout, inputs.dropout_seeds)
     return weighted_values(probs, value).astype(value.dtype), lse
 
 

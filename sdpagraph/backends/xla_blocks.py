@@ -14,7 +14,7 @@ When the block does not divide the key length, the last block starts at S - bloc
 keys the one before it already took, so every block has one static shape.
 
 Dropout (`sdpagraph.dropout`, `rate` > 0 with the call's seeds) multiplies each block's probabilities
-by its slice of the mask, which `dropout.multiplier` computes from positions: the backward regenerates
+by its slice of the mask, which `dropout.apply` computes from positions: the backward regenerates
 the forward's mask block by block. The row sums (and the logsumexp) are the softmax's, before dropout.
 """
 from __future__ import annotations
@@ -96,14 +96,6 @@ def _block(scores: Scores, scale: float, block: int, q, k, v, bias, params, i) -
     return start, k_blk, v_blk, bias_blk, raw_scores(q, k_blk, scale), logits
 
 
-def _dropped(probs: Any, rate: float, seeds: Any, start: Any) -> Any:
-    """`probs` (B, N, T, block) of the keys from `start` on, times their dropout mask (as given for rate 0)."""
-    if not rate:
-        return probs
-    t, size = probs.shape[2], probs.shape[3]
-    return probs * dropout.multiplier(seeds, rate, jnp.arange(t), start + jnp.arange(size), probs.dtype)
-
-
 def _forward(scores: Scores, scale: float, block: int, rate: float, q, k, v, bias, params,
              seeds) -> tuple[Any, Any]:
     b, t, n, _ = q.shape
@@ -119,7 +111,7 @@ def _forward(scores: Scores, scale: float, block: int, rate: float, q, k, v, bia
         probs = jnp.exp(masked - shift[..., None])
         rescale = jnp.exp(row_max - shift)
         row_sum = row_sum * rescale + jnp.sum(probs, axis=-1)
-        out = out * _rows(rescale) + weighted_values(_dropped(probs, rate, seeds, start), v_blk)
+        out = out * _rows(rescale) + weighted_values(dropout.apply(probs, rate, seeds, start), v_blk)
         return (new_max, row_sum, out), None
 
     start = (jnp.full((b, n, t), -jnp.inf, acc), jnp.zeros((b, n, t), acc),
@@ -163,13 +155,13 @@ def _attention_bwd(scores, scale, block, rate, residuals, cotangents):
         shape = (b, k.shape[2], groups, t, block)
         d_probs = jnp.einsum("btkgh,bskh->bkgts", d_out_grouped, v_blk, precision=precision,
                              preferred_element_type=acc).reshape(probs.shape)
-        d_logits = probs * (_dropped(d_probs, rate, seeds, start) + row_term[..., None])
+        d_logits = probs * (dropout.apply(d_probs, rate, seeds, start) + row_term[..., None])
         d_raw, d_bias_blk, d_params_blk = pullback(d_logits)
         d_raw = (d_raw * jnp.asarray(scale, acc)).astype(q.dtype).reshape(shape)
         dq = dq + jnp.einsum("bkgts,bskh->btkgh", d_raw, k_blk, precision=precision, preferred_element_type=acc)
         dk = _add_at(dk, jnp.einsum("bkgts,btkgh->bskh", d_raw, q_grouped, precision=precision,
                                     preferred_element_type=acc), start, 1)
-        kept = _dropped(probs, rate, seeds, start)
+        kept = dropout.apply(probs, rate, seeds, start)
         dv = _add_at(dv, jnp.einsum("bkgts,btkgh->bskh", kept.astype(v.dtype).reshape(shape), d_out_grouped,
                                     precision=precision, preferred_element_type=acc), start, 1)
         if bias is not None:
