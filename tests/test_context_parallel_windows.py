@@ -147,6 +147,9 @@ def test_halo_on_the_cudnn_path(name, cp, load_balanced, axis_type, cudnn_on_cpu
             want.add((block, hl + block + hr, "bottom_right"))
     built = {(s.q_len, s.kv_len, s.causal_alignment) for s, _, _ in cudnn_on_cpu[0]}
     assert built == want, built
+    if split and all(hl in (0, left) for hl, _ in halo_cases(kwargs, blocks)) and left <= block:
+        # every device runs the same calls: no lax.switch, whose branch index XLA reads on the host
+        assert not re.search(r"\bconditional\(", hlo), "a split halo block runs without a conditional"
 
 
 @needs_devices

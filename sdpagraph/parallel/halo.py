@@ -372,6 +372,10 @@ def _split_block(plan: HaloPlan, slot: int, me, q, k, v, arrays, sinks, cases, t
         before = tuple(x[:, :0] for x in local)
     if len(cases) == 1:
         return branch(cases[0])(q, local, before)
+    if len(cases) == 2 and cases[0] == (0, 0):  # with the halo or without: one program (`halo_split`)
+        split, hl = split_plan(plan, cases[1]), cases[1][0]
+        present = table[me] == 1
+        return split_attention(split, q, local, tuple(x[:, x.shape[1] - hl:] for x in before), arrays, sinks, present)
     return jax.lax.switch(table[me], [branch(case) for case in cases], q, local, before)
 
 

@@ -12,6 +12,12 @@ So a causal block splits into
 merged by their logsumexps. As in the ring, one custom_vjp: each part's backward graph is given the
 FINAL output and logsumexp (cuDNN's backward takes no logsumexp cotangent), and the sinks join once,
 after the merge.
+
+`present` (a traced bool, or None: True) says whether the block has the halo at all: where it has
+none (the sequence's first block), the halo part still runs, on whatever keys arrived, and adds
+nothing (its logsumexp -inf forward, its dO zero backward). So every device runs the same two calls,
+where a `lax.switch` between "halo" and "no halo" made XLA copy the branch index to the host and
+wait for the device before each branch, on every step.
 """
 from __future__ import annotations
 
@@ -58,7 +64,7 @@ def _halo_inputs(plan: SplitPlan, q: Any, kv: tuple[Any, Any]) -> tuple[Any, Any
     return (_flip(q), _flip(k), _flip(v)) if plan.reverse else (q, k, v)
 
 
-def _forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks) -> tuple[Any, Any]:
+def _forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present) -> tuple[Any, Any]:
     primary = registry.primary()
     local, halo = plan.statics()
     inputs = RuntimeInputs(mod_arrays=arrays)
@@ -67,6 +73,8 @@ def _forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks) -> tuple[Any,
     h_out, h_lse = primary.block_forward(halo, hq, hk, hv, primary.block_operands(halo, inputs))
     if plan.reverse:
         h_out, h_lse = _flip(h_out), _flip(h_lse, axis=-1)
+    if present is not None:
+        h_lse = jnp.where(present, h_lse, -jnp.inf)
     # only the first `rows` rows change (joined by concatenation: an in-place update of the graph's
     # result made XLA 0.11 report a cycle in a dynamic-slice fusion on 2 H100s)
     head, head_lse = merge((out[:, :plan.rows], lse[..., :plan.rows]), (h_out, h_lse))
@@ -76,20 +84,21 @@ def _forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks) -> tuple[Any,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def split_attention(plan: SplitPlan, q, local_kv, halo_kv, arrays: Mapping[str, Any], sinks) -> tuple[Any, Any]:
+def split_attention(plan: SplitPlan, q, local_kv, halo_kv, arrays: Mapping[str, Any], sinks,
+                    present=None) -> tuple[Any, Any]:
     """(output (B, L, N, Hv), logsumexp (B, N, L)) of a block's queries over its halo (`halo_kv`, hl
     keys before the block; `plan.halo` set) and its own keys (`local_kv`); `arrays` (the score_mod's)
-    are constants."""
-    return _forward(plan, q, local_kv, halo_kv, arrays, sinks)
+    are constants; `present`: whether the halo exists (module docstring)."""
+    return _forward(plan, q, local_kv, halo_kv, arrays, sinks, present)
 
 
-def _split_fwd(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks):
-    out, lse = _forward(plan, q, local_kv, halo_kv, arrays, sinks)
-    return (out, lse), (q, local_kv, halo_kv, arrays, sinks, out, lse)
+def _split_fwd(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present):
+    out, lse = _forward(plan, q, local_kv, halo_kv, arrays, sinks, present)
+    return (out, lse), (q, local_kv, halo_kv, arrays, sinks, present, out, lse)
 
 
 def _split_bwd(plan: SplitPlan, residuals, cotangents):
-    q, local_kv, halo_kv, arrays, sinks, out, lse = residuals
+    q, local_kv, halo_kv, arrays, sinks, present, out, lse = residuals
     d_o = cotangents[0]
     primary = registry.primary()
     local, halo = plan.statics()
@@ -97,6 +106,8 @@ def _split_bwd(plan: SplitPlan, residuals, cotangents):
     dq, dk, dv = primary.block_backward(local, q, *local_kv, primary.block_operands(local, inputs), out, lse, d_o)
     hq, hk, hv = _halo_inputs(plan, q, halo_kv)
     h_out, h_lse, h_do = out[:, :plan.rows], lse[..., :plan.rows], d_o[:, :plan.rows]
+    if present is not None:  # zero dO: zero gradients from the halo part
+        h_do = jnp.where(present, h_do, jnp.zeros_like(h_do))
     if plan.reverse:
         h_out, h_lse, h_do = _flip(h_out), _flip(h_lse, axis=-1), _flip(h_do)
     h_dq, h_dk, h_dv = primary.block_backward(halo, hq, hk, hv, primary.block_operands(halo, inputs),
@@ -107,7 +118,7 @@ def _split_bwd(plan: SplitPlan, residuals, cotangents):
     dq = jnp.concatenate([head.astype(dq.dtype), dq[:, plan.rows:]], axis=1)
     d_halo = (h_dk, h_dv)
     d_sinks = None if sinks is None else sinks_mod.gradient(d_o, out, lse, sinks)
-    return dq, (dk, dv), d_halo, jax.tree.map(lambda _: None, arrays), d_sinks
+    return dq, (dk, dv), d_halo, jax.tree.map(lambda _: None, arrays), d_sinks, None
 
 
 split_attention.defvjp(_split_fwd, _split_bwd)
