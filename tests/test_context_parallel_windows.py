@@ -123,8 +123,9 @@ def halo_cases(kwargs, blocks):
 @needs_devices
 @pytest.mark.parametrize("name, cp, load_balanced, axis_type", on_axis_types(
     [("narrow", 4, False), ("wide", 4, False), ("two_sided", 8, False), ("gqa", 2, False), ("softcap", 4, False),
-     ("alibi", 8, False), ("wide", 4, True), ("two_sided", 8, True), ("alibi", 2, True)],
-    explicit=[("wide", 4, False), ("wide", 4, True)]))
+     ("alibi", 8, False), ("wide", 4, True), ("two_sided", 8, True), ("alibi", 2, True), ("narrow", 4, True),
+     ("gqa", 2, True), ("softcap", 8, True)],
+    explicit=[("wide", 4, False), ("wide", 4, True), ("narrow", 4, True)]))
 def test_halo_on_the_cudnn_path(name, cp, load_balanced, axis_type, cudnn_on_cpu, monkeypatch):
     # Backward graphs that read the o and stats they are given, as cuDNN's (a split block merges two)
     monkeypatch.setattr(cudnn_backend, "_call_executor", stats_backward_executor)

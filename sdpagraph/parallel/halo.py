@@ -372,11 +372,53 @@ def _split_block(plan: HaloPlan, slot: int, me, q, k, v, arrays, sinks, cases, t
         before = tuple(x[:, :0] for x in local)
     if len(cases) == 1:
         return branch(cases[0])(q, local, before)
-    if len(cases) == 2 and cases[0] == (0, 0):  # with the halo or without: one program (`halo_split`)
-        split, hl = split_plan(plan, cases[1]), cases[1][0]
-        present = table[me] == 1
-        return split_attention(split, q, local, tuple(x[:, x.shape[1] - hl:] for x in before), arrays, sinks, present)
     return jax.lax.switch(table[me], [branch(case) for case in cases], q, local, before)
+
+
+def _stacked_halo(plan: HaloPlan, arrays: Mapping[str, Any]) -> int | None:
+    """The halo length hl when every block of the call is causal on cuDNN with either a halo of hl
+    keys before it or none, split (`split_plan`): then all of a device's blocks run as the batch
+    rows of one split call (`_stacked_blocks`); else None."""
+    layout = plan.layout
+    if plan.backend == registry.reference().name or layout.fit == WITHIN:
+        return None
+    if layout.slots > 1 and any(x.shape[0] != 1 for x in arrays.values()):  # arrays per batch row
+        return None
+    halos = {hl for hl, hr in layout.cases if hr == 0}
+    if len(halos) != len(layout.cases) or not halos - {0} or len(halos - {0}) > 1:
+        return None
+    hl = max(halos)
+    split = split_plan(plan, (hl, 0))
+    if split is None or split.halo is None or any(layout.reach(s)[0] not in (0, hl) for s in range(layout.slots)):
+        return None
+    return hl
+
+
+def _stacked_blocks(plan: HaloPlan, hl: int, me, q, k, v, arrays, sinks) -> tuple[Any, Any]:
+    """A device's blocks as the batch rows of one split call (`_stacked_halo`): its queries and own
+    keys, (B, slots·L) -> (B·slots, L), a free reshape; the halos, received per block, stacked the
+    same way; where a block has no halo, its row's halo part adds nothing (`halo_split`, `present`).
+    Every device runs the same two calls, with no branch on its index."""
+    layout = plan.layout
+    slots, block, batch = layout.slots, layout.block, q.shape[0]
+    rows = lambda x: x.reshape((batch * slots, block) + x.shape[2:])  # noqa: E731
+    halos, present = [], []
+    for slot in range(slots):
+        before, _ = _halos(plan, (k, v), slot)
+        if before is None:  # no block in this slot has a halo
+            before = tuple(jnp.zeros((batch, hl) + x.shape[2:], x.dtype) for x in (k, v))
+        halos.append(tuple(x[:, x.shape[1] - hl:] for x in before))
+        present.append(jnp.asarray([layout.case_of(blocks[slot]) == (hl, 0) for blocks in layout.blocks_of])[me])
+    halo_kv = tuple(jnp.stack([h[i] for h in halos], axis=1).reshape((batch * slots, hl) + h_shape[2:])
+                    for i, h_shape in enumerate(x.shape for x in halos[0]))
+    present = jnp.broadcast_to(jnp.stack(present), (batch, slots)).reshape(batch * slots)
+    split = split_plan(plan, (hl, 0))
+    split = dataclasses.replace(split, local=dataclasses.replace(split.local, batch=batch * slots),
+                                halo=dataclasses.replace(split.halo, batch=batch * slots))
+    out, lse = split_attention(split, rows(q), (rows(k), rows(v)), halo_kv, arrays, sinks, present)
+    heads = lse.shape[1]
+    lse = jnp.swapaxes(lse.reshape(batch, slots, heads, block), 1, 2).reshape(batch, heads, slots * block)
+    return out.reshape(q.shape[:2] + out.shape[2:]), lse
 
 
 def halo_attention(plan: HaloPlan, q, k, v, arrays: Mapping[str, Any], sinks: Any = None) -> tuple[Any, Any]:
@@ -384,6 +426,8 @@ def halo_attention(plan: HaloPlan, q, k, v, arrays: Mapping[str, Any], sinks: An
     their windows and chunks reach (each block's call sees every key its rows attend: `sinks` (N,),
     when given, join it). `arrays`: the score_mod arrays (B|1, N|1, 1, 1)."""
     me = jax.lax.axis_index(plan.axis)
+    if (hl := _stacked_halo(plan, arrays)) is not None:
+        return _stacked_blocks(plan, hl, me, q, k, v, arrays, sinks)
     results = [_block_attention(plan, slot, me, q, k, v, arrays, sinks) for slot in range(plan.layout.slots)]
     if len(results) == 1:
         return results[0]

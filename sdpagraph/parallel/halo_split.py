@@ -13,9 +13,9 @@ merged by their logsumexps. As in the ring, one custom_vjp: each part's backward
 FINAL output and logsumexp (cuDNN's backward takes no logsumexp cotangent), and the sinks join once,
 after the merge.
 
-`present` (a traced bool, or None: True) says whether the block has the halo at all: where it has
-none (the sequence's first block), the halo part still runs, on whatever keys arrived, and adds
-nothing (its logsumexp -inf forward, its dO zero backward). So every device runs the same two calls,
+`present` (traced bools, one per batch row or one for all; None: True) says whether a row's block
+has the halo at all: where it has none (the sequence's first block), the halo part still runs, on
+whatever keys arrived, and adds nothing (its logsumexp -inf forward, its dO zero backward). So every device runs the same two calls,
 where a `lax.switch` between "halo" and "no halo" made XLA copy the branch index to the host and
 wait for the device before each branch, on every step.
 """
@@ -64,6 +64,11 @@ def _halo_inputs(plan: SplitPlan, q: Any, kv: tuple[Any, Any]) -> tuple[Any, Any
     return (_flip(q), _flip(k), _flip(v)) if plan.reverse else (q, k, v)
 
 
+def _per_row(present: Any, x: Any) -> Any:
+    """`present` (one bool, or one per batch row) shaped to broadcast against `x` (batch first)."""
+    return jnp.reshape(present, (-1,) + (1,) * (x.ndim - 1))
+
+
 def _forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present) -> tuple[Any, Any]:
     primary = registry.primary()
     local, halo = plan.statics()
@@ -74,7 +79,7 @@ def _forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present) -> t
     if plan.reverse:
         h_out, h_lse = _flip(h_out), _flip(h_lse, axis=-1)
     if present is not None:
-        h_lse = jnp.where(present, h_lse, -jnp.inf)
+        h_lse = jnp.where(_per_row(present, h_lse), h_lse, -jnp.inf)
     # only the first `rows` rows change (joined by concatenation: an in-place update of the graph's
     # result made XLA 0.11 report a cycle in a dynamic-slice fusion on 2 H100s)
     head, head_lse = merge((out[:, :plan.rows], lse[..., :plan.rows]), (h_out, h_lse))
@@ -107,7 +112,7 @@ def _split_bwd(plan: SplitPlan, residuals, cotangents):
     hq, hk, hv = _halo_inputs(plan, q, halo_kv)
     h_out, h_lse, h_do = out[:, :plan.rows], lse[..., :plan.rows], d_o[:, :plan.rows]
     if present is not None:  # zero dO: zero gradients from the halo part
-        h_do = jnp.where(present, h_do, jnp.zeros_like(h_do))
+        h_do = jnp.where(_per_row(present, h_do), h_do, jnp.zeros_like(h_do))
     if plan.reverse:
         h_out, h_lse, h_do = _flip(h_out), _flip(h_lse, axis=-1), _flip(h_do)
     h_dq, h_dk, h_dv = primary.block_backward(halo, hq, hk, hv, primary.block_operands(halo, inputs),
