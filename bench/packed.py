@@ -8,8 +8,9 @@ host callback, "check off" without any check), the same documents as rows of
 their own (dense causal at B*docs x doc length: what the packed call could at best cost), dense
 causal over the whole rows (the rate the issue compares with), the packed call's segment
 metadata alone (the XLA ops before cuDNN), and FlexAttention with a document block mask. Cases
-with a score_mod and a `max_seqlen_kv` hint run on bins (`graphs.binning`); they also time the
-same call unbinned (the dense twin over whole rows) and the bins' layout alone. Prints ms,
+with a score_mod run on bins (`graphs.binning`); they also time the same call unbinned (the dense
+twin over whole rows), without the `max_seqlen_kv` hint (bins of a quarter of a row), and the bins'
+layout alone. Prints ms,
 real-token TFLOP/s and ratios; writes packed.md / packed.json to --out.
 """
 from __future__ import annotations
@@ -140,8 +141,12 @@ def run(with_flex, only=None):
                 "dense rows": lambda q, k, v, seg: sdpagraph.attention(
                     q, k, v, is_causal=True, score_mod=score_mod, implementation="cudnn", training=backward),
             }
-            if hint is not None:  # on bins by default (graphs.binning): the same call unbinned, side by side
+            if hint is not None:  # on bins by default (graphs.binning): the same call unbinned, side by side,
                 variants["unbinned"] = with_env(packed, BINS.name, "0")
+                # and without the hint (bins of a quarter of a row; longer documents run unbinned)
+                variants["no hint"] = lambda q, k, v, seg: sdpagraph.attention(
+                    q, k, v, is_causal=True, segment_ids=seg, max_segments_per_seq=M, score_mod=score_mod,
+                    implementation="cudnn", training=backward)
             for label, fn in variants.items():
                 try:
                     row[label + " ms"] = time_ms(jitted(fn, backward), q, k, v, seg)
@@ -175,16 +180,19 @@ def run(with_flex, only=None):
 def table(rows):
     fmt = lambda x, spec=".3f": format(x, spec) if isinstance(x, (int, float)) else "n/a"  # noqa: E731
     lines = ["| case | pass | packed ms | check raise ms | check off ms | real-token TFLOP/s | dense TFLOP/s | "
-             "packed/dense rate | docs as rows ms | metadata ms | unbinned ms | packing ms | flex ms | flex/packed |",
-             "|---" * 14 + "|"]
+             "packed/dense rate | docs as rows ms | metadata ms | unbinned ms | no hint ms | packing ms | flex ms | "
+             "flex/packed | flex/no hint |",
+             "|---" * 16 + "|"]
     for r in rows:
         rate = r["packed TFLOP/s"] / r["dense TFLOP/s"] if r.get("packed TFLOP/s") and r.get("dense TFLOP/s") else None
         flex = r["flex ms"] / r["packed ms"] if r.get("flex ms") and r.get("packed ms") else None
+        flex_unhinted = r["flex ms"] / r["no hint ms"] if r.get("flex ms") and r.get("no hint ms") else None
         lines.append(f"| {r['case']} | {r['pass']} | {fmt(r.get('packed ms'))} | {fmt(r.get('check raise ms'))} | "
                      f"{fmt(r.get('check off ms'))} | {fmt(r.get('packed TFLOP/s'), '.0f')} | "
                      f"{fmt(r.get('dense TFLOP/s'), '.0f')} | {fmt(rate, '.2f')} | {fmt(r.get('docs as rows ms'))} | "
-                     f"{fmt(r.get('metadata ms'))} | {fmt(r.get('unbinned ms'))} | {fmt(r.get('packing ms'))} | "
-                     f"{fmt(r.get('flex ms'))} | {fmt(flex, '.2f')} |")
+                     f"{fmt(r.get('metadata ms'))} | {fmt(r.get('unbinned ms'))} | {fmt(r.get('no hint ms'))} | "
+                     f"{fmt(r.get('packing ms'))} | {fmt(r.get('flex ms'))} | {fmt(flex, '.2f')} | "
+                     f"{fmt(flex_unhinted, '.2f')} |")
     return "\n".join(lines)
 
 

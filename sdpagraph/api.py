@@ -298,9 +298,10 @@ def attention(
         at trace time, so these hints say when a packed call is in the small-sequence
         regime (`max_seqlen_q` <= 4, `max_seqlen_kv` <= 32; without a hint it is not).
         In self-attention (one ids array) a segment has as many keys as queries, so the
-        smaller hint given bounds both. cuDNN uses `max_seqlen_kv` to run packed
-        self-attention with a score_mod on short rows of whole documents (bins: see
-        `graphs.binning`; on one GPU); other backends only validate them. A longer
+        smaller hint given bounds both. cuDNN runs packed self-attention with a score_mod
+        on short rows of whole documents (bins: see `graphs.binning`; on one GPU), as long
+        as `max_seqlen_kv` (without it: a quarter of a row, and longer documents run on the
+        whole rows); other backends only validate them. A longer
         segment raises `ValueError` (concrete ids) or gives its batch row NaN under `jit`,
         as `max_segments_per_seq` does (and `SDPAGRAPH_CHECK_SEGMENTS=off` switches that
         off: the small-sequence backend then drops keys past the bound).

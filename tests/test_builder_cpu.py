@@ -511,7 +511,7 @@ def test_support_builds_the_runtime_graphs_and_remembers_answers(fake_gpu, tmp_p
 
 
 def test_support_builds_the_bins_graphs_too_and_says_so(fake_gpu, tmp_path):
-    """A packed call with a score_mod and a max_seqlen_kv hint: check_graphs (what precompile and
+    """A packed call with a score_mod (with a max_seqlen_kv hint, or without): check_graphs (what precompile and
     check_support run) builds the graphs of its bins too (graphs.binning), so a precompiled cache
     holds them; the answer says how the documents run."""
     cache = GraphCache(tmp_path)
@@ -523,8 +523,9 @@ def test_support_builds_the_bins_graphs_too_and_says_so(fake_gpu, tmp_path):
     built = [(spec.batch, spec.q_len, direction) for spec, direction in fake_gpu]
     assert built == [(2, 4096, "forward"), (2, 4096, "backward"), (bins.bins, 512, "forward"),
                      (bins.bins, 512, "backward")]
-    unhinted = dataclasses.replace(packed, max_seqlen_kv=None)
-    assert "pass max_seqlen_kv=<the longest document>" in check_graphs(unhinted, softcap_ir(), True, cache).reason
+    unhinted = dataclasses.replace(packed, max_seqlen_kv=None)  # bins of a quarter of a row, and the advice
+    reason = check_graphs(unhinted, softcap_ir(), True, cache).reason
+    assert "bins of 1024 tokens" in reason and "pass max_seqlen_kv=<the longest document>" in reason
     short_docs_only = dataclasses.replace(packed, max_seqlen_kv=3000)  # bins would save too little
     assert "bins" not in check_graphs(short_docs_only, softcap_ir(), True, cache).reason
 

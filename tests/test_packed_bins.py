@@ -203,9 +203,12 @@ def test_which_calls_are_binned():
     call, *_ = prepared(rng, ids, 128)
     plan = bin_plan(call.spec, call.score_mod)
     assert plan.bins == int(np.ceil(BIN_SLACK * 2 * 1024 / 128)) + 1
-    assert plan.spec.segments == "self" and plan.spec.max_seqlen_kv is None
+    assert plan.spec.segments == "self" and plan.spec.max_seqlen_kv == plan.rows
     assert bin_plan(plan.spec, call.score_mod) is None  # bins are not binned again
-    assert "max_seqlen_kv" in bin_reason(prepared(rng, ids, None)[0].spec, call.score_mod)
+    unhinted = prepared(rng, ids, None)[0]  # no max_seqlen_kv: bins of a quarter of a row
+    assert bin_reason(unhinted.spec, unhinted.score_mod) is None
+    plan = bin_plan(unhinted.spec, unhinted.score_mod)
+    assert (plan.rows, plan.bins) == (256, int(np.ceil(BIN_SLACK * 2 * 1024 / 256)) + 1)
     assert bin_plan(prepared(rng, ids, 128, score_mod=None)[0].spec, None) is None  # cuDNN's packed layout
     assert bin_plan(prepared(rng, ids, 512)[0].spec, call.score_mod) is None  # bins as long as half a row
     position_mod = prepared(rng, ids, 128, score_mod=lambda s, b, h, q, k: s + (q - k) * 0.1)[0]

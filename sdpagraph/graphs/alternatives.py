@@ -2,7 +2,7 @@
 
     alternatives(spec, ir, training) -> [(spec, ir, training), ...]
 
-- packed documents with a score_mod and a `max_seqlen_kv` hint: on bins (`graphs.binning`);
+- packed documents with a score_mod: on bins (`graphs.binning`);
 - chunked attention: as packed documents cut at the chunk boundaries (`graphs.chunk_documents`);
 - a multi-token decode on paged K/V: a folded prefix call with its softmax stats (`graphs.decode_fold`).
 

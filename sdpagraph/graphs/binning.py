@@ -3,12 +3,16 @@
 A packed self-attention call that cuDNN runs on its dense twin (`operands.folds_segments`: a
 score_mod, which cuDNN 9.19 runs on no packed graph) computes every tile of a (T, T) row, also
 the tiles between documents, and skips none of them for a mask written in a mod. When every
-document is at most `rows` tokens long (the call's `max_seqlen_kv` hint), the documents can be
-moved, whole, into rows of `rows` tokens, several to a row, first-fit by decreasing length
+document is at most `rows` tokens long, the documents can be moved, whole, into rows of `rows`
+tokens, several to a row, first-fit by decreasing length
 (`backends.cudnn.bins.packed`): the dense twin then runs at (bins, rows) instead of (B, T), with as
 many tokens and a fraction of the tiles. The mod sees the same thing in a bin: it reads no
 positions (`folds_segments` requires that), no batch index and no per-row array, and causal and
 window masks count from each document's start, which moving a whole document keeps.
+
+`rows` is the call's `max_seqlen_kv` hint (the longest document), rounded up to cuDNN's tile; a call
+without the hint gets rows of T / UNHINTED_ROW_SHARE tokens, and where a document is longer, the call
+runs unbinned (the same run-time fallback as documents that need more bins than planned).
 
     bin_plan(spec, ir) -> BinPlan | None
 
@@ -36,7 +40,9 @@ ROW_MULTIPLE = 128  # cuDNN's tile: a row of bins is a whole number of them
 # into and out of the bins cost less than the tiles saved.
 MAX_WORK_SHARE = 0.5
 BATCH_AXIS = 0
-NEEDS_HINT = "binning needs max_seqlen_kv, the longest document"
+# Without a max_seqlen_kv hint, bins hold a quarter of a row: documents up to T/4 tokens fit, and
+# the bins' tiles are about 1.1/4 of the dense twin's (under MAX_WORK_SHARE).
+UNHINTED_ROW_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -52,8 +58,6 @@ def bin_reason(spec: AttentionSpec, ir: ScoreModIR | None) -> str | None:
     """Why the call cannot run on bins, or None when it can (whether it pays is `bin_plan`'s)."""
     if spec.segments != "self" or not folds_segments(spec, ir):
         return "only packed self-attention that cuDNN runs on the dense twin is binned"
-    if spec.max_seqlen_kv is None:
-        return NEEDS_HINT
     if spec.bias_shape is not None or spec.mask_shape is not None or spec.has_padding:
         return "a bias, mask or lengths hold per-row positions that bins would move"
     if ir is not None and any(n.op == "gen_index" and n.attr("axis") == BATCH_AXIS for n in ir.nodes):
@@ -64,15 +68,21 @@ def bin_reason(spec: AttentionSpec, ir: ScoreModIR | None) -> str | None:
     return None
 
 
+def longest_document(spec: AttentionSpec) -> int:
+    """The document length bins are planned for: the `max_seqlen_kv` hint, else T / UNHINTED_ROW_SHARE."""
+    return spec.max_seqlen_kv if spec.max_seqlen_kv is not None else -(-spec.q_len // UNHINTED_ROW_SHARE)
+
+
 def bin_plan(spec: AttentionSpec, ir: ScoreModIR | None) -> BinPlan | None:
     """The bins a call runs on, or None where it runs unbinned (`bin_reason`, bins that would save
     less than half of the dense twin's tiles, or SDPAGRAPH_BINS=0, read when a call is traced)."""
     if not BINS.enabled() or bin_reason(spec, ir) is not None:
         return None
-    rows = min(spec.q_len, -(-spec.max_seqlen_kv // ROW_MULTIPLE) * ROW_MULTIPLE)
+    rows = min(spec.q_len, -(-longest_document(spec) // ROW_MULTIPLE) * ROW_MULTIPLE)
     bins = math.ceil(BIN_SLACK * spec.batch * spec.q_len / rows) + 1
     if bins * rows * rows > MAX_WORK_SHARE * spec.batch * spec.q_len * spec.q_len:
         return None
+    # No document in a bin is longer than the bin: the hint says so, and keeps bins from being binned again.
     binned = dataclasses.replace(spec, batch=bins, q_len=rows, kv_len=rows, max_segments=rows,
-                                 max_seqlen_q=None, max_seqlen_kv=None)
+                                 max_seqlen_q=None, max_seqlen_kv=rows)
     return BinPlan(rows, bins, binned)

@@ -13,7 +13,7 @@ from typing import Callable
 from sdpagraph.errors import Unsupported
 from sdpagraph.graphs.builder import GraphBuildError
 from sdpagraph.scoremod.ir import ScoreModIR
-from sdpagraph.graphs.binning import NEEDS_HINT, bin_plan, bin_reason
+from sdpagraph.graphs.binning import bin_plan
 from sdpagraph.graphs.operands import folds_segments
 from sdpagraph.spec import AttentionSpec, directions_for
 
@@ -82,8 +82,8 @@ def answer_from_builds(spec: AttentionSpec, ir: ScoreModIR | None, training: boo
     bins = bin_plan(spec, ir)
     if bins is not None:
         how += _BINS.format(bins=bins.bins, rows=bins.rows)
-    elif how and bin_reason(spec, ir) == NEEDS_HINT:
-        how += _BINS_HINT
+        if spec.max_seqlen_kv is None:
+            how += _BINS_HINT
     return graph_answer(True, f"cuDNN builds the {what}{how}"), True
 
 
@@ -94,9 +94,10 @@ _DENSE_SEGMENTS = (" (packed segments on the dense layout, masked by segment bou
 
 # And when its documents move into bins (`graphs.binning`).
 _BINS = ("; with one GPU, the documents move into {bins} bins of {rows} tokens, longest first, and only the "
-         "tiles within a bin are computed (documents that need more bins run on the whole rows)")
-_BINS_HINT = ("; pass max_seqlen_kv=<the longest document> to run the documents on short rows of whole documents "
-              "(bins), which leaves out most of those tiles")
+         "tiles within a bin are computed (documents that need more bins, or are longer than a bin, run on "
+         "the whole rows)")
+_BINS_HINT = ("; the bins are sized for documents up to a quarter of a row: pass max_seqlen_kv=<the longest "
+              "document> to size them for yours")
 
 
 def condense_reason(spec: AttentionSpec, error: GraphBuildError) -> str:

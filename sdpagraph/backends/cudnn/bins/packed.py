@@ -10,7 +10,8 @@
 2. moves q, k and v into the bins, runs the call there with each document's own id, and moves
    the output and the logsumexp back;
 3. runs the call unbinned instead when the documents do not fit: more bins than `plan.bins`
-   needed, or a document longer than `plan.rows` (possible only with SDPAGRAPH_CHECK_SEGMENTS=0).
+   needed, or a document longer than `plan.rows` (a call without a `max_seqlen_kv` hint, whose
+   bins are a quarter of a row, or SDPAGRAPH_CHECK_SEGMENTS=0).
    `lax.cond` picks at run time, so both are compiled, and the answer is the same either way.
    (Under autodiff a `cond` keeps the residuals of both branches, the unused one's as zeros: the
    binned call also writes a zero output of the unbinned shape.)
