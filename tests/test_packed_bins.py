@@ -231,7 +231,18 @@ def test_the_switch_and_the_device_count_decide(monkeypatch):
     monkeypatch.setattr(jax, "device_count", lambda: 1)
     assert packed_bins.usable()
     monkeypatch.setattr(jax, "device_count", lambda: 2)
-    assert not packed_bins.usable()
+    assert not packed_bins.usable()  # XLA partitions the call: the packer cannot be
+    # inside a shard_map manual over every mesh axis, each device runs its own rows: bins again
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    seen = []
+    jax.shard_map(lambda x: seen.append(packed_bins.usable()) or x, mesh=mesh, in_specs=jax.P("data"),
+                  out_specs=jax.P("data"))(jnp.zeros((1,)))
+    assert seen == [True]
+    two = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    partial = jax.shard_map(lambda x: seen.append(packed_bins.usable()) or x, mesh=two, in_specs=jax.P("data"),
+                            out_specs=jax.P("data"), axis_names={"data"})  # "model" stays automatic
+    jax.jit(partial)(jnp.zeros((1,)))
+    assert seen == [True, False]
     rng = np.random.default_rng()
     call, *_ = prepared(rng, random_documents(rng, 2, 1024, 9, 120), 128)
     assert bin_plan(call.spec, call.score_mod) is not None

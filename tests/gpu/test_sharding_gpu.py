@@ -136,6 +136,38 @@ def test_user_shard_map_runs_on_the_local_arrays():
     assert all(rel_err(a, b) < 2e-2 for a, b in zip(grads, grads_ref))
 
 
+def test_packed_documents_run_on_bins_per_device_inside_a_user_shard_map(monkeypatch):
+    """Packed softcap documents, the batch split over 2 GPUs inside a shard_map: each device packs its
+    own rows into bins (`bins.packed.usable`), and the result and gradients match the XLA backend."""
+    from sdpagraph.backends.cudnn.bins import packed as packed_bins
+    from tests.test_packed_bins import random_documents
+
+    calls = []
+    real = packed_bins.attention
+    monkeypatch.setattr(packed_bins, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    rng = np.random.default_rng()
+    t = 4096
+    q, k, v = (jnp.asarray(rng.standard_normal((B, t, 8, H)), jnp.bfloat16) for _ in range(3))
+    ids = jnp.asarray(random_documents(rng, B, t, 64, 1000))
+    m = mesh()
+    spec = P("x")
+    kwargs = dict(is_causal=True, score_mod=mods.softcap(30.0))
+    inside = jax.shard_map(lambda q, k, v, ids: sdpagraph.attention(q, k, v, segment_ids=ids, implementation="cudnn",
+                                                                    **kwargs),
+                           mesh=m, in_specs=(spec,) * 4, out_specs=spec)
+
+    def step(f):
+        loss = lambda q, k, v, ids: jnp.sum(f(q, k, v, ids).astype(jnp.float32) ** 2)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+    value, grads = step(inside)(*(place(x, m, spec) for x in (q, k, v, ids)))
+    assert calls, "the documents ran on bins"
+    value_ref, grads_ref = step(lambda q, k, v, ids: sdpagraph.attention(q, k, v, segment_ids=ids, implementation="xla",
+                                                                         **kwargs))(q, k, v, ids)
+    assert rel_err(value, value_ref) < 2e-2
+    assert all(rel_err(a, b) < 2e-2 for a, b in zip(grads, grads_ref))
+
+
 def test_sequence_sharded_inputs_are_gathered_with_a_warning(caplog):
     caplog.set_level(logging.WARNING, logger="sdpagraph")
     rng = np.random.default_rng()

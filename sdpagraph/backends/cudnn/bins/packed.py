@@ -19,7 +19,8 @@
 The moves are gathers of whole (heads, dim) token rows, one in each direction, and each is the
 other's transpose (`_move`): the gradient goes back by a gather too, not by a scatter-add.
 
-Where: GPU with one device (the packer is a Pallas call, which XLA cannot partition);
+Where: a GPU call on one device: a process with one, or inside a `shard_map` manual over every
+mesh axis (the packer is a Pallas call, which XLA cannot partition);
 `SDPAGRAPH_BINS=0` switches it off (`graphs.binning` plans no bins then).
 """
 from __future__ import annotations
@@ -38,8 +39,16 @@ from sdpagraph.segments.metadata import segment_positions, segment_run_ids
 from sdpagraph.spec import AttentionSpec
 
 def usable() -> bool:
-    """Whether calls that `graphs.binning` plans run on bins here (module docstring)."""
-    return jax.default_backend() == "gpu" and jax.device_count() == 1
+    """Whether calls that `graphs.binning` plans run on bins here (module docstring): on a GPU, where
+    the call runs on one device: the process has one, or the call is traced inside a `shard_map`
+    that is manual over every mesh axis (each device packs its own batch rows)."""
+    if jax.default_backend() != "gpu":
+        return False
+    if jax.device_count() == 1:
+        return True
+    mesh = jax.sharding.get_abstract_mesh()
+    names = tuple(getattr(mesh, "axis_names", ()))
+    return bool(names) and set(names) <= set(getattr(mesh, "manual_axes", ()))
 
 
 # ----------------------------------------------------------------------------- moves
