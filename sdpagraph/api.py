@@ -9,25 +9,19 @@ Layers above (deployment's spec recording) watch the calls the runtime traces th
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 
-from sdpagraph.cache import CacheMissError
 from sdpagraph.config import NATIVE_SINKS, xla_deterministic_ops
 from sdpagraph.graphs.support import Support
 from sdpagraph.parallel import context_parallel
 from sdpagraph.backends import registry, sinks as sinks_mod
-from sdpagraph.backends.base import Backend
-from sdpagraph.dispatch import rule as dispatch
+from sdpagraph.dispatch.decide import choose_backend, decide, joined
 from sdpagraph.call import PreparedCall, as_4d, notify_trace_listeners, prepare_call
-from sdpagraph.logs import log_once, logger
 from sdpagraph.numerics import gate as numerics_gate
 from sdpagraph import dropout as dropout_mod, paged
-from sdpagraph.spec import AttentionSpec
 
 # The backends load with the API, not inside the first call's trace: a serving process's first step
 # (and a training step's first trace) then runs no imports.
@@ -40,12 +34,6 @@ def _notify_listeners(call: PreparedCall, training: bool, sinks: bool = False) -
     notify_trace_listeners(call.spec, call.score_mod, training or sinks)  # composed sinks read the stats
     if sinks and NATIVE_SINKS.enabled():
         notify_trace_listeners(dataclasses.replace(call.spec, sinks=True), call.score_mod, training)
-
-
-def _strict_miss_message(call: PreparedCall, miss: CacheMissError) -> str:
-    return (f"{miss} Spec: {call.spec.summary()}. Record it with SDPAGRAPH_RECORD=specs.json (or "
-            "`with sdpagraph.record('specs.json')`), then on this GPU type run `sdpagraph precompile specs.json "
-            "--cache-dir $SDPAGRAPH_CACHE_DIR`; `sdpagraph verify --specs specs.json --cache-dir DIR` checks a cache.")
 
 
 def _prepare(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *, page_table: Any = None,
@@ -85,82 +73,6 @@ def _check_implementation(implementation: Any) -> None:
     """ValueError unless `implementation` is None or a registered backend's name."""
     if implementation is not None:
         registry.get(implementation)
-
-
-def _answer(backend: Backend, call: PreparedCall, training: bool, *, raise_on_miss: bool) -> Support:
-    """Whether `backend` runs the call. Its compiled kernels must compute the right values once (the
-    numerical check, with the call's scalar values) before they are used; a strict cache that lacks
-    them raises (the runtime) or answers no (`check_support`), with how to precompile them."""
-    if call.inputs.python_mods is not None and not backend.runs_python_mods:
-        return Support(False, registry.reference().name, call.inputs.python_mods.reason)
-    try:
-        verify = functools.partial(numerics_gate.checked, scalars=call.inputs.mod_scalars)
-        return backend.support(call.spec, call.score_mod, training=training, verify=verify)
-    except CacheMissError as miss:
-        if raise_on_miss:
-            raise CacheMissError(_strict_miss_message(call, miss)) from None
-        return Support(False, registry.reference().name, _strict_miss_message(call, miss))
-
-
-def _decide(call: PreparedCall, implementation: str | None, training: bool, *, raise_on_miss: bool) -> Support:
-    """Which backend runs the call, and why: `Support(the first backend runs it, backend, reason)`.
-
-    `Support.supported` speaks of the first backend in preference order (cuDNN): whether it can run
-    the call. `implementation=None` asks `dispatch.choose` for the fastest backend that can run the
-    call, asking each backend (and building its graphs) only when it would win; a forced backend that
-    cannot run the call answers with its reason (`_choose_backend` raises it as a ValueError).
-    """
-    primary = registry.primary().name
-    if implementation is not None:
-        answer = _answer(registry.get(implementation), call, training, raise_on_miss=raise_on_miss)
-        if not answer.supported:
-            return Support(False, registry.reference().name, answer.reason)
-        if implementation == primary:
-            return answer
-        return Support(False, implementation, _joined(f"implementation={implementation!r} was requested",
-                                                      answer.reason))
-    answers: dict[str, Support] = {}
-
-    def lazily(backend: Backend):
-        def ask() -> Support:
-            answers[backend.name] = _answer(backend, call, training, raise_on_miss=raise_on_miss)
-            return answers[backend.name]
-        return ask
-
-    candidates = {name: lazily(registry.get(name)) for name in registry.names()}
-    choice = dispatch.choose(call.spec, candidates, training=training, has_score_mod=call.score_mod is not None)
-    primary_answer = answers.get(primary)
-    if choice.backend == primary:
-        return primary_answer
-    if choice.backend == registry.reference().name and primary_answer is not None and not primary_answer.supported:
-        return Support(False, choice.backend, primary_answer.reason)  # the first cannot: its reason is the answer
-    chosen = answers.get(choice.backend)
-    return Support(primary_answer is not None and primary_answer.supported, choice.backend,
-                   _joined(choice.reason, chosen.reason if chosen is not None else ""))
-
-
-def _joined(*reasons: str) -> str:
-    """Reasons in one sentence (how the backend runs the call follows why it was chosen)."""
-    return "; ".join(r for r in reasons if r)
-
-
-# A long call that leaves the first backend is worth a WARNING: the others are slower there by far.
-LONG_CALL_SCORES = 2**24  # T * S
-
-
-def _leaving_level(spec: AttentionSpec) -> int:
-    """The level the first backend's refusal is logged at: WARNING for T * S >= LONG_CALL_SCORES."""
-    return logging.WARNING if spec.q_len * spec.kv_len >= LONG_CALL_SCORES else logging.INFO
-
-
-def _choose_backend(call: PreparedCall, implementation: str | None, training: bool) -> str:
-    decision = _decide(call, implementation, training, raise_on_miss=True)
-    if implementation is not None and decision.backend != implementation:
-        raise ValueError(f"implementation={implementation!r} cannot run {call.spec.summary()}: {decision.reason}")
-    if decision.backend != registry.primary().name and implementation is None:
-        log_once(logger, _leaving_level(call.spec),
-                 f"sdpagraph: using the {decision.backend} backend for {call.spec.summary()}: {decision.reason}")
-    return decision.backend
 
 
 def attention(
@@ -372,11 +284,11 @@ def attention(
             call, q, k, v, axis=context_parallel_axis, load_balanced=load_balanced,
             strategy=context_parallel_strategy, mesh=mesh, implementation=implementation, sinks=sinks)
     elif sinks is not None:  # the sinks join the softmax inside the backend (`Backend.attention_with_sinks`)
-        backend = registry.get(_choose_backend(call, implementation, training))
+        backend = registry.get(choose_backend(call, implementation, training))
         out, lse = backend.attention_with_sinks(call.spec, q, k, v, call.inputs, call.score_mod, sinks,
                                                 training=training or return_residual, verify=numerics_gate.checked)
     else:  # an inference graph keeps no softmax stats: a residual needs the training one
-        backend = registry.get(_choose_backend(call, implementation, training))
+        backend = registry.get(choose_backend(call, implementation, training))
         out, lse = backend.attention(call.spec, q, k, v, call.inputs, call.score_mod,
                                      training=training or return_residual, verify=numerics_gate.checked)
     out, lse = call.poison(out, lse)
@@ -428,11 +340,11 @@ def check_support(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
                          f"axis {', '.join(call.spec.empty_axes)} has size 0: nothing to compute; "
                          "attention returns jax's empty (or zero) result from the XLA backend")
     else:
-        answer = _decide(call, implementation, training, raise_on_miss=False)
+        answer = decide(call, implementation, training, raise_on_miss=False)
     if sinks is None:
         return answer
     how = sinks_mod.COMPOSED
     if axis is None and not call.spec.empty_axes:
         how = registry.get(answer.backend).sinks_path(call.spec, call.score_mod, call.inputs, training=training,
                                                       verify=numerics_gate.checked)
-    return Support(answer.supported, answer.backend, _joined(answer.reason, how))
+    return Support(answer.supported, answer.backend, joined(answer.reason, how))

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import sdpagraph
-from sdpagraph.api import LONG_CALL_SCORES
+from sdpagraph.dispatch.decide import LONG_CALL_SCORES
 
 
 def _trace(t, s):
