@@ -209,6 +209,9 @@ def test_which_calls_are_binned():
     assert bin_reason(unhinted.spec, unhinted.score_mod) is None
     plan = bin_plan(unhinted.spec, unhinted.score_mod)
     assert (plan.rows, plan.bins) == (256, int(np.ceil(BIN_SLACK * 2 * 1024 / 256)) + 1)
+    few = dataclasses.replace(unhinted.spec, max_segments=4)  # at most 4 documents a row: not without a hint
+    assert bin_plan(few, unhinted.score_mod) is None
+    assert bin_plan(dataclasses.replace(few, max_seqlen_kv=128), unhinted.score_mod) is not None
     assert bin_plan(prepared(rng, ids, 128, score_mod=None)[0].spec, None) is None  # cuDNN's packed layout
     assert bin_plan(prepared(rng, ids, 512)[0].spec, call.score_mod) is None  # bins as long as half a row
     position_mod = prepared(rng, ids, 128, score_mod=lambda s, b, h, q, k: s + (q - k) * 0.1)[0]

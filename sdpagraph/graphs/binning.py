@@ -11,8 +11,9 @@ positions (`folds_segments` requires that), no batch index and no per-row array,
 window masks count from each document's start, which moving a whole document keeps.
 
 `rows` is the call's `max_seqlen_kv` hint (the longest document), rounded up to cuDNN's tile; a call
-without the hint gets rows of T / UNHINTED_ROW_SHARE tokens, and where a document is longer, the call
-runs unbinned (the same run-time fallback as documents that need more bins than planned).
+without the hint gets rows of T / UNHINTED_ROW_SHARE tokens (unless `max_segments_per_seq` allows
+no more documents a row than that), and where a document is longer, the call runs unbinned (the same
+run-time fallback as documents that need more bins than planned).
 
     bin_plan(spec, ir) -> BinPlan | None
 
@@ -78,6 +79,8 @@ def bin_plan(spec: AttentionSpec, ir: ScoreModIR | None) -> BinPlan | None:
     less than half of the dense twin's tiles, or SDPAGRAPH_BINS=0, read when a call is traced)."""
     if not BINS.enabled() or bin_reason(spec, ir) is not None:
         return None
+    if spec.max_seqlen_kv is None and spec.max_segments <= UNHINTED_ROW_SHARE:
+        return None  # a row of so few documents fills quarter-row bins only when cut evenly
     rows = min(spec.q_len, -(-longest_document(spec) // ROW_MULTIPLE) * ROW_MULTIPLE)
     bins = math.ceil(BIN_SLACK * spec.batch * spec.q_len / rows) + 1
     if bins * rows * rows > MAX_WORK_SHARE * spec.batch * spec.q_len * spec.q_len:
