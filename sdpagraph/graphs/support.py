@@ -93,9 +93,9 @@ _DENSE_SEGMENTS = (" (packed segments on the dense layout, masked by segment bou
 
 
 # And when its documents move into bins (`graphs.binning`).
-_BINS = ("; on one device (one GPU, or inside a shard_map), the documents move into {bins} bins of {rows} tokens, longest first, and only the "
-         "tiles within a bin are computed (documents that need more bins, or are longer than a bin, run on "
-         "the whole rows)")
+_BINS = ("; on one device (one GPU, or inside a shard_map), the documents move into {bins} bins of {rows} "
+         "tokens, longest first, and only the tiles within a bin are computed (documents that need more bins, "
+         "or are longer than a bin, run on the whole rows)")
 _BINS_HINT = ("; the bins are sized for documents up to a quarter of a row: pass max_seqlen_kv=<the longest "
               "document> to size them for yours")
 

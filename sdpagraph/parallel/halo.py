@@ -375,32 +375,32 @@ def _split_block(plan: HaloPlan, slot: int, me, q, k, v, arrays, sinks, cases, t
     return jax.lax.switch(table[me], [branch(case) for case in cases], q, local, before)
 
 
-def _stacked_halo(plan: HaloPlan, arrays: Mapping[str, Any]) -> int | None:
-    """The halo length hl when every block of the call is causal on cuDNN with either a halo of hl
-    keys before it or none, split (`split_plan`): then all of a device's blocks run as the batch
-    rows of one split call (`_stacked_blocks`); else None."""
+def _stacked_split(plan: HaloPlan, arrays: Mapping[str, Any]) -> SplitPlan | None:
+    """The split call (`split_plan`) of a block with the halo, when every block of the call is causal
+    on cuDNN with either that halo (hl keys before it) or none: then all of a device's blocks run as
+    its batch rows (`_stacked_blocks`); else None."""
     layout = plan.layout
     if plan.backend == registry.reference().name or layout.fit == WITHIN:
         return None
     if layout.slots > 1 and any(x.shape[0] != 1 for x in arrays.values()):  # arrays per batch row
         return None
     halos = {hl for hl, hr in layout.cases if hr == 0}
-    if len(halos) != len(layout.cases) or not halos - {0} or len(halos - {0}) > 1:
+    if len(halos) != len(layout.cases) or len(halos - {0}) != 1:
         return None
     hl = max(halos)
     split = split_plan(plan, (hl, 0))
     if split is None or split.halo is None or any(layout.reach(s)[0] not in (0, hl) for s in range(layout.slots)):
         return None
-    return hl
+    return split
 
 
-def _stacked_blocks(plan: HaloPlan, hl: int, me, q, k, v, arrays, sinks) -> tuple[Any, Any]:
-    """A device's blocks as the batch rows of one split call (`_stacked_halo`): its queries and own
-    keys, (B, slots·L) -> (B·slots, L), a free reshape; the halos, received per block, stacked the
-    same way; where a block has no halo, its row's halo part adds nothing (`halo_split`, `present`).
-    Every device runs the same two calls, with no branch on its index."""
+def _stacked_blocks(plan: HaloPlan, split: SplitPlan, me, q, k, v, arrays, sinks) -> tuple[Any, Any]:
+    """A device's blocks as the batch rows of one split call (`_stacked_split`, `split` one block's):
+    its queries and own keys, (B, slots·L) -> (B·slots, L), a free reshape; the halos, received per
+    block, stacked the same way; where a block has no halo, its row's halo part adds nothing
+    (`halo_split`, `present`). Every device runs the same two calls, with no branch on its index."""
     layout = plan.layout
-    slots, block, batch = layout.slots, layout.block, q.shape[0]
+    slots, block, batch, hl = layout.slots, layout.block, q.shape[0], split.halo.kv_len
     rows = lambda x: x.reshape((batch * slots, block) + x.shape[2:])  # noqa: E731
     halos, present = [], []
     for slot in range(slots):
@@ -412,7 +412,6 @@ def _stacked_blocks(plan: HaloPlan, hl: int, me, q, k, v, arrays, sinks) -> tupl
     halo_kv = tuple(jnp.stack([h[i] for h in halos], axis=1).reshape((batch * slots, hl) + h_shape[2:])
                     for i, h_shape in enumerate(x.shape for x in halos[0]))
     present = jnp.broadcast_to(jnp.stack(present), (batch, slots)).reshape(batch * slots)
-    split = split_plan(plan, (hl, 0))
     split = dataclasses.replace(split, local=dataclasses.replace(split.local, batch=batch * slots),
                                 halo=dataclasses.replace(split.halo, batch=batch * slots))
     out, lse = split_attention(split, rows(q), (rows(k), rows(v)), halo_kv, arrays, sinks, present)
@@ -426,8 +425,8 @@ def halo_attention(plan: HaloPlan, q, k, v, arrays: Mapping[str, Any], sinks: An
     their windows and chunks reach (each block's call sees every key its rows attend: `sinks` (N,),
     when given, join it). `arrays`: the score_mod arrays (B|1, N|1, 1, 1)."""
     me = jax.lax.axis_index(plan.axis)
-    if (hl := _stacked_halo(plan, arrays)) is not None:
-        return _stacked_blocks(plan, hl, me, q, k, v, arrays, sinks)
+    if (split := _stacked_split(plan, arrays)) is not None:
+        return _stacked_blocks(plan, split, me, q, k, v, arrays, sinks)
     results = [_block_attention(plan, slot, me, q, k, v, arrays, sinks) for slot in range(plan.layout.slots)]
     if len(results) == 1:
         return results[0]

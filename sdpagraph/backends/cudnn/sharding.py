@@ -58,7 +58,7 @@ from sdpagraph.meshes import explicit_axes
 from sdpagraph.logs import log_once, logger
 from sdpagraph.scoremod.ir import Node, ScoreModIR
 from sdpagraph.call import notify_trace_listeners
-from sdpagraph.spec import AttentionSpec
+from sdpagraph.spec import FP8_DTYPES, AttentionSpec
 
 # Dimension labels: B batch, N query heads, K key/value heads, T query and S key positions, H / HV
 # head dims of q/k and of v/o. None: a dim that is never split (broadcast size 1, segment slots).
@@ -350,7 +350,7 @@ def _sum_broadcast_grad(role: str, shape: tuple[int, ...], x: Any, call: _GraphC
         return jax.lax.pmax(x, axes) if axes else x
     if not axes:
         return x
-    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits == 8:  # FP8 gradients: sum in float32
+    if jnp.dtype(x.dtype).name in FP8_DTYPES:  # FP8 gradients: sum in float32
         return saturate(jax.lax.psum(x.astype(jnp.float32), axes), x.dtype)
     return jax.lax.psum(x, axes)
 
