@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 
@@ -48,3 +49,12 @@ def varying_like(x: Any, operands: Any, axes: Any = ()) -> Any:
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(x, missing, to="varying")
     return jax.lax.pvary(x, missing)  # the older name
+
+
+def struct_like(shape: tuple[int, ...], dtype: Any, operands: Any) -> jax.ShapeDtypeStruct:
+    """A Pallas call's output type, varying over every manual mesh axis some operand varies over:
+    inside a `shard_map` that checks those axes, a Pallas output must say how it varies."""
+    manual = getattr(jax.typeof(varying_like(jnp.zeros((), jnp.int8), operands)), "manual_axis_type", None)
+    if manual is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)

@@ -78,6 +78,8 @@ def test_documents_on_cudnn_blocks_equal_one_device(cp, load_balanced, causal, k
     ours, ref, hlo = run(cp, load_balanced, causal, kv_heads, axis_type, seed)
     assert_same(ours, ref, tol=3e-5)
     assert "collective-permute" in hlo, f"seed {seed}"
+    # every device runs the same packed graphs: no branch, whose index XLA would read on the host
+    assert not re.search(r"\bconditional\(", hlo), "the packed block graphs run without a conditional"
     # Segment ids (int32) may be gathered: every device reads the whole sequence's (`natural_order`).
     gathers = re.findall(r"= (?:f32|bf16|f16)\[.*\ball-gather(?:-start)?\(.*", hlo)
     assert not gathers, (f"the ring gathers no keys or values (seed {seed})", gathers[:3])

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from sdpagraph.config import PALLAS_TRITON
 from sdpagraph.logs import logger
+from sdpagraph.meshes import struct_like
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ def _probe() -> Availability:
         from jax.experimental import pallas as pl
         from jax.experimental.pallas import triton as plt
 
-        call = pl.pallas_call(_copy, out_shape=jax.ShapeDtypeStruct((16,), jnp.int32),
+        # The first use may come inside a shard_map's trace, whose checks want the output's manual axes.
+        call = pl.pallas_call(_copy, out_shape=struct_like((16,), jnp.int32, []),
                               compiler_params=plt.CompilerParams(num_warps=1, num_stages=1))
         jax.jit(call).trace(jax.ShapeDtypeStruct((16,), jnp.int32)).lower(lowering_platforms=("cuda",))
     except Exception as error:  # any failure means the kernels cannot be lowered: say which

@@ -21,7 +21,9 @@ causal); a score_mod runs in both, and one that reads positions gets the pair's 
 int32 operands (`RingPlan.block_ir`), so the graphs stay the same at every step. Packed documents run
 packed (THD) block graphs over the documents the pair shares (`ring_documents`): one document off
 the diagonal, every document of the chunk on it; with a score_mod (which the packed graphs do not
-take) the dense twin of those graphs, given each query's document bounds in the key chunk. XLA
+take) the dense twin of those graphs, given each query's document bounds in the key chunk. The
+packed graphs run without a branch (a pair with nothing to compute holds no sequence), so the ring
+is the same calls on every device (`ring_documents`). XLA
 (`registry.reference()`) runs with each token's global position (`masking.TokenLayout`), so masks, windows, chunks, packed segments and
 score_mods that read positions see global positions; its backward is jax's vjp of the block with
 the final output and logsumexp folded in (`_xla_pair_backward`).
@@ -199,37 +201,41 @@ def _cudnn_operands(plan: RingPlan, static: Any, arrays: Mapping[str, Any], q_st
     return registry.primary().block_operands(static, inputs)
 
 
-def _cudnn_branches(plan: RingPlan, arrays, q_start, kv_start, q_tok, kv_tok, skip, run) -> tuple[Any, tuple]:
-    """(branch index, branches) of one pair on cuDNN for `lax.switch`: `skip`, the off-diagonal
-    block graph and the diagonal one; `run(static, operands, *args)` runs a block graph. Dense: by
-    `_pair_status` (MASKED on cuDNN is only ever the diagonal pair of a causal call, `cudnn_reason`);
-    packed documents: by the documents the pair shares (`ring_documents.pair_status`)."""
-    ids = None
-    if plan.documents:
-        ids = ring_documents.pair_ids(q_tok, kv_tok)
-        status = ring_documents.pair_status(plan.spec.is_causal, q_start, kv_start, ids[0])
-    else:
-        status = _pair_status(plan, q_start, kv_start)
-
-    def block(diagonal):
+def _cudnn_pair(plan: RingPlan, arrays, q_start, kv_start, q_tok, kv_tok, diagonal: bool, skip, run):
+    """One pair on cuDNN as a function of its running value and q, k, v; `run(static, operands, *args)`
+    runs a block graph. Dense: `lax.switch` by `_pair_status` between `skip`, the off-diagonal graph
+    and the diagonal one (MASKED on cuDNN is only ever the diagonal pair of a causal call,
+    `cudnn_reason`). Packed documents: no branch; the pair runs the packed graph `diagonal` (static)
+    names over the documents it shares, none when it has nothing to compute (`ring_documents`); their
+    dense twin (with a score_mod) runs under `lax.cond`, skipped where the pair shares no document."""
+    def block(diagonal, ids=None):
         static = _cudnn_static(plan, diagonal)
         return lambda *args: run(static, _cudnn_operands(plan, static, arrays, q_start, kv_start, ids), *args)
 
-    return status, (skip, block(False), block(True))
+    if plan.documents:
+        empty = ring_documents.keys_after_queries(plan.spec.is_causal and not diagonal, q_start, kv_start)
+        ids = ring_documents.pair_ids(q_tok, kv_tok, empty)
+        if not _cudnn_static(plan, diagonal).graph_spec.segment_mask:
+            return block(diagonal, ids)
+        # The dense twin (a score_mod) computes every tile whatever the ids: a pair without work skips.
+        return lambda *args: jax.lax.cond(jnp.any(ids[0] > 0), block(diagonal, ids), skip, *args)
+    status, branches = _pair_status(plan, q_start, kv_start), (skip, block(False), block(True))
+    return lambda *args: jax.lax.switch(status, branches, *args)
 
 
-def _pair_forward(plan: RingPlan, arrays, acc, q, k, v, q_start, kv_start, q_tok, kv_tok) -> tuple[Any, Any]:
+def _pair_forward(plan: RingPlan, arrays, acc, q, k, v, q_start, kv_start, q_tok, kv_tok,
+                  diagonal: bool) -> tuple[Any, Any]:
     """`acc` (output fp32, logsumexp (B, N, T)) of the local query chunk, merged with one key chunk's;
-    a skipped pair leaves it as it is (no merge pass)."""
+    a skipped pair leaves it as it is (no merge pass). `diagonal`: the chunk with itself (static)."""
     skip = lambda acc, q, k, v: acc  # noqa: E731
     if plan.backend == registry.reference().name:
         status, layout = _pair_status(plan, q_start, kv_start), _layout(plan, q_start, kv_start, q_tok, kv_tok)
         run = lambda acc, q, k, v: merge(acc, _xla_pair(plan, arrays, q, k, v, layout))  # noqa: E731
         return jax.lax.switch(status, (skip, run, run), acc, q, k, v)
     forward = registry.primary().block_forward
-    status, branches = _cudnn_branches(plan, arrays, q_start, kv_start, q_tok, kv_tok, skip,
-                                       lambda static, aux, acc, q, k, v: merge(acc, forward(static, q, k, v, aux)))
-    return jax.lax.switch(status, branches, acc, q, k, v)
+    pair = _cudnn_pair(plan, arrays, q_start, kv_start, q_tok, kv_tok, diagonal, skip,
+                       lambda static, aux, acc, q, k, v: merge(acc, forward(static, q, k, v, aux)))
+    return pair(acc, q, k, v)
 
 
 def _xla_pair_backward(plan, arrays, q, k, v, layout, o, lse, d_o, d_rows) -> tuple[Any, Any, Any]:
@@ -244,7 +250,7 @@ def _xla_pair_backward(plan, arrays, q, k, v, layout, o, lse, d_o, d_rows) -> tu
     return pullback((d_out, w * (mine - d_rows)))
 
 
-def _pair_backward(plan, arrays, grads, q, k, v, q_start, kv_start, q_tok, kv_tok, o, lse, d_o, d_rows):
+def _pair_backward(plan, arrays, grads, q, k, v, q_start, kv_start, q_tok, kv_tok, o, lse, d_o, d_rows, diagonal):
     """`grads` (dq, dk, dv, fp32) plus one pair's; a skipped pair leaves them as they are."""
     skip = lambda grads, q, k, v: grads  # noqa: E731
     add = lambda grads, new: tuple(g + x.astype(jnp.float32) for g, x in zip(grads, new))  # noqa: E731
@@ -254,10 +260,9 @@ def _pair_backward(plan, arrays, grads, q, k, v, q_start, kv_start, q_tok, kv_to
             plan, arrays, q, k, v, layout, o, lse, d_o, d_rows))
         return jax.lax.switch(status, (skip, run, run), grads, q, k, v)
     o_io, backward = o.astype(q.dtype), registry.primary().block_backward
-    status, branches = _cudnn_branches(
-        plan, arrays, q_start, kv_start, q_tok, kv_tok, skip,
-        lambda static, aux, grads, q, k, v: add(grads, backward(static, q, k, v, aux, o_io, lse, d_o)))
-    return jax.lax.switch(status, branches, grads, q, k, v)
+    pair = _cudnn_pair(plan, arrays, q_start, kv_start, q_tok, kv_tok, diagonal, skip,
+                       lambda static, aux, grads, q, k, v: add(grads, backward(static, q, k, v, aux, o_io, lse, d_o)))
+    return pair(grads, q, k, v)
 
 
 # ----------------------------------------------------------------------------- the ring
@@ -297,7 +302,7 @@ def _ring_forward(plan: RingPlan, q, k, v, extras) -> tuple[Any, Any]:
         for a in range(c):
             for j in range(c):
                 acc[a] = _pair_forward(plan, extras["arrays"], acc[a], qs[a], ks[j], vs[j], q_starts[a], kv_starts[j],
-                                       q_toks[a], kv_toks[j])
+                                       q_toks[a], kv_toks[j], diagonal=step == 0 and a == j)
         visiting = arriving
     out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
     return out, jnp.concatenate([lse for _, lse in acc], axis=-1)
@@ -322,7 +327,7 @@ def _ring_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o) -> tuple[Any, A
             for a in range(c):
                 dq[a], dks[j], dvs[j] = _pair_backward(
                     plan, extras["arrays"], (dq[a], dks[j], dvs[j]), qs[a], ks[j], vs[j], q_starts[a], kv_starts[j],
-                    q_toks[a], kv_toks[j], os_[a], lses[a], dos[a], d_rowss[a])
+                    q_toks[a], kv_toks[j], os_[a], lses[a], dos[a], d_rowss[a], diagonal=step == 0 and a == j)
         d_kv = (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
         # dk/dv travel with their key/value block; after the last step one more pass brings them home.
         if plan.size > 1:

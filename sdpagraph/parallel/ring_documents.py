@@ -11,12 +11,15 @@ which the block graph's operands follow (per-slot lengths and token offsets, `se
 slot m is the same document on both sides. Padding, segments past max_segments and documents the
 other side does not hold get id 0: rows that hold no result of this pair, which the block masks.
 
-How a pair runs (traced, per device), from the chunks' global starts:
-- SKIP: no document shared (in any batch row), or, causal, keys after the queries;
-- OFF_DIAGONAL: different chunks, one shared document, non-causal: under a causal mask every key of
-  an earlier chunk precedes every query of a later one;
-- DIAGONAL: the chunk with itself, causal per document when the call is (both sides are the same
-  tokens, so top-left causal within each document is global causal).
+How a pair runs (per device): every pair runs its block graph, the same calls on every device, with
+no branch (a `lax.switch` would be a conditional XLA evaluates with the host, one per pair and step):
+- the diagonal pair (a chunk with itself, which is static: the first step, same chunk index) runs
+  causal per document when the call is causal (both sides are the same tokens, so top-left causal
+  within each document is global causal);
+- every other pair runs non-causal: under a causal mask every key of an earlier chunk precedes every
+  query of a later one, and a pair whose keys come after its queries gets ids 0 on both sides
+  (`pair_ids`' `empty`). A pair that shares no document has ids 0 too: its packed graph holds no
+  sequence, so cuDNN does next to no work, and the block masks its rows (output 0, logsumexp -inf).
 """
 from __future__ import annotations
 
@@ -24,16 +27,15 @@ from typing import Any
 
 import jax.numpy as jnp
 
-SKIP, OFF_DIAGONAL, DIAGONAL = 0, 1, 2  # the branches of the ring's lax.switch
-
 
 def slots(max_segments: int, chunk: int, diagonal: bool) -> int:
     """Document slots of a block graph: every document of a chunk on the diagonal, else one."""
     return min(max_segments, chunk) if diagonal else 1
 
 
-def pair_ids(q_facts: tuple[Any, Any, Any], kv_facts: tuple[Any, Any, Any]) -> tuple[Any, Any]:
-    """(query ids, key ids), (B, chunk) int32 each: 1 + the shared document's slot, 0 elsewhere.
+def pair_ids(q_facts: tuple[Any, Any, Any], kv_facts: tuple[Any, Any, Any], empty: Any = False) -> tuple[Any, Any]:
+    """(query ids, key ids), (B, chunk) int32 each: 1 + the shared document's slot, 0 elsewhere, and
+    0 everywhere where `empty` (traced bool: the pair has nothing to compute).
 
     `*_facts`: (position in segment, valid, segment number) per token of each chunk
     (`context_parallel._token_facts`, from the whole sequence)."""
@@ -44,15 +46,12 @@ def pair_ids(q_facts: tuple[Any, Any, Any], kv_facts: tuple[Any, Any, Any]) -> t
     hi = jnp.minimum(last(q_run, q_valid), last(kv_run, kv_valid))[:, None]
 
     def local(run, valid):
-        shared = valid & (run >= lo) & (run <= hi)
+        shared = valid & (run >= lo) & (run <= hi) & ~empty
         return jnp.where(shared, run - lo + 1, 0).astype(jnp.int32)
 
     return local(q_run, q_valid), local(kv_run, kv_valid)
 
 
-def pair_status(causal: bool, q_start: Any, kv_start: Any, q_ids: Any) -> Any:
-    """SKIP, OFF_DIAGONAL or DIAGONAL (module docstring) for chunks starting at these global offsets."""
-    skip = ~jnp.any(q_ids > 0)
-    if causal:
-        skip = skip | (kv_start > q_start)
-    return jnp.where(skip, SKIP, jnp.where(kv_start == q_start, DIAGONAL, OFF_DIAGONAL)).astype(jnp.int32)
+def keys_after_queries(causal: bool, q_start: Any, kv_start: Any) -> Any:
+    """Whether a pair of chunks at these global offsets has nothing to compute under the call's causal mask."""
+    return jnp.bool_(False) if not causal else kv_start > q_start

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from sdpagraph.backends import pallas_triton
 from sdpagraph.config import SMALL_SEQ_KERNEL
+from sdpagraph.meshes import struct_like
 
 MAX_KV_LEN = 16  # above it (S32 at T1) the XLA formulation was as fast
 # K and V elements one program holds in registers (fp32) for a block: above it, fewer heads per block.
@@ -102,7 +103,7 @@ def forward(q: Any, k: Any, v: Any, scale: float, interpret: bool = False) -> tu
     heads = heads_per_block(n, s, h)
     rows = pl.BlockSpec((1, t, heads, h), lambda i, j: (i, 0, j, 0))
     tokens = pl.BlockSpec((1, s, heads, h), lambda i, j: (i, 0, j, 0))
-    out_shape = [jax.ShapeDtypeStruct(q.shape, v.dtype), jax.ShapeDtypeStruct((b, t, n), jnp.float32)]
+    out_shape = [struct_like(q.shape, v.dtype, [q, k, v]), struct_like((b, t, n), jnp.float32, [q, k, v])]
     out_specs = [rows, pl.BlockSpec((1, t, heads), lambda i, j: (i, 0, j))]
     params = None if interpret else _compiler_params()
     out, lse = pl.pallas_call(functools.partial(_kernel, scale=float(scale)), out_shape=out_shape,

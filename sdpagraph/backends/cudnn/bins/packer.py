@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from sdpagraph.backends import pallas_triton
+from sdpagraph.meshes import struct_like, varying_like
 
 SMALL_SHARE = 16
 
@@ -101,7 +102,7 @@ def _first_fit(lengths: Any, rows: int, bins: int, slots: int, interpret: bool) 
         fill_ref[...] = fill
 
     size = lengths.shape[0]
-    out_shape = [jax.ShapeDtypeStruct((size,), jnp.int32)] * 2 + [jax.ShapeDtypeStruct((slots,), jnp.int32)]
+    out_shape = [struct_like((size,), jnp.int32, [lengths])] * 2 + [struct_like((slots,), jnp.int32, [lengths])]
     params = None if interpret else _compiler_params()
     return pl.pallas_call(kernel, out_shape=out_shape, compiler_params=params, interpret=interpret)(lengths)
 
@@ -132,7 +133,7 @@ def _place(lengths: Any, *, rows: int, bins: int, slots: int) -> tuple[Any, Any,
         return (jnp.where(here, fill + length, fill), jnp.where(doc == d, chosen, bin_of),
                 jnp.where(doc == d, offset, offset_of))
 
-    empty = jnp.zeros((slots,), jnp.int32)
-    fill, bin_of, offset_of = jax.lax.fori_loop(0, count, place, (empty, jnp.full((size,), slots, jnp.int32),
-                                                                  jnp.zeros((size,), jnp.int32)))
+    # The loop's carry varies over the manual mesh axes the lengths vary over (inside a shard_map).
+    start = (jnp.zeros((slots,), jnp.int32), jnp.full((size,), slots, jnp.int32), jnp.zeros((size,), jnp.int32))
+    fill, bin_of, offset_of = jax.lax.fori_loop(0, count, place, tuple(varying_like(x, [lengths]) for x in start))
     return bin_of, offset_of, fill
