@@ -80,13 +80,17 @@ def implementations(causal, score_mod=None, training=True, segment_ids=None):
     return impls
 
 
-def torch_flex_ms(B, T, N, H, backward, segment_ids=None, softcap=True):
+def torch_flex_ms(B, T, N, H, backward, segment_ids=None, softcap=True, fresh=True):
     """softcap(30)+causal (causal alone with `softcap=False`) through torch.compile(flex_attention),
     timed with CUDA events; with `segment_ids`, also document masking (FlexAttention's block mask
-    skips the other documents)."""
+    skips the other documents). `fresh`: compiled anew, as a model of one shape is (torch.compile
+    otherwise recompiles a function it has seen at other shapes with dynamic shapes, whose kernels
+    are slower: bench/probe_flex_recompile.py)."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    if fresh:
+        torch._dynamo.reset()
     compiled = torch.compile(flex_attention)
     q, k, v = (torch.randn(B, N, T, H, device="cuda", dtype=torch.bfloat16, requires_grad=backward) for _ in range(3))
     if segment_ids is None:

@@ -10,7 +10,9 @@ causal over the whole rows (the rate the issue compares with), the packed call's
 metadata alone (the XLA ops before cuDNN), and FlexAttention with a document block mask. Cases
 with a score_mod run on bins (`graphs.binning`); they also time the same call unbinned (the dense
 twin over whole rows), without the `max_seqlen_kv` hint (bins of a quarter of a row), and the bins'
-layout alone. Prints ms,
+layout alone. With 2 GPUs, those cases also run with the batch split over both (a shard_map, with and
+without the hint, and jit's partitioning) against FlexAttention on half the batch on one GPU.
+FlexAttention is compiled anew for each case (`attention.torch_flex_ms`). Prints ms,
 real-token TFLOP/s and ratios; writes packed.md / packed.json to --out.
 """
 from __future__ import annotations
@@ -116,6 +118,22 @@ def packing_ms(q, seg, max_segments, hint, score_mod):
     return time_ms(layout, seg)
 
 
+def batch_sharded(row, packed, unhinted, backward, args):
+    """The call with its batch split over 2 GPUs, the way training shards it: inside a shard_map (each
+    device packs its own rows into bins), with and without the hint, and under jit's automatic
+    partitioning of batch-sharded arguments."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("batch",))
+    split = jax.sharding.PartitionSpec("batch")
+    placed = [jax.device_put(x, jax.sharding.NamedSharding(mesh, split)) for x in args]
+    inside = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=(split,) * 4, out_specs=split)  # noqa: E731
+    for label, fn in (("2 GPUs shard_map", inside(packed)), ("2 GPUs shard_map no hint", inside(unhinted)),
+                      ("2 GPUs jit", packed)):
+        try:
+            row[label + " ms"] = time_ms(jitted(fn, backward), *placed)
+        except Exception as error:  # record and go on
+            row[label + " ms"], row[label + " error"] = None, f"{type(error).__name__}: {str(error)[:300]}"
+
+
 def run(with_flex, only=None):
     rows = []
     for name, make_ids, mod, hint in CASES:
@@ -152,6 +170,10 @@ def run(with_flex, only=None):
                     row[label + " ms"] = time_ms(jitted(fn, backward), q, k, v, seg)
                 except Exception as error:  # record and go on
                     row[label + " ms"], row[label + " error"] = None, f"{type(error).__name__}: {str(error)[:300]}"
+            if hint is not None and jax.device_count() >= 2 and B % 2 == 0:
+                batch_sharded(row, packed, variants["no hint"], backward, (q, k, v, seg))
+                if with_flex:  # what each GPU holds, on one GPU
+                    row["flex half batch ms"] = torch_flex_ms(B // 2, T, N, H, backward, ids[:B // 2], softcap=bool(mod))
             if len(set(lengths)) == 1:  # equal documents: each as a row of its own, the ideal
                 L = lengths[0]
                 as_rows = [x.reshape(B * (T // L), L, N, H) for x in (q, k, v)]
@@ -193,6 +215,19 @@ def table(rows):
                      f"{fmt(r.get('metadata ms'))} | {fmt(r.get('unbinned ms'))} | {fmt(r.get('no hint ms'))} | "
                      f"{fmt(r.get('packing ms'))} | {fmt(r.get('flex ms'))} | {fmt(flex, '.2f')} | "
                      f"{fmt(flex_unhinted, '.2f')} |")
+    sharded = [r for r in rows if r.get("2 GPUs shard_map ms") or r.get("2 GPUs shard_map error")]
+    if sharded:
+        lines += ["", "Batch split over 2 GPUs (per device: half the rows), against FlexAttention on half the batch "
+                  "on one GPU:", "",
+                  "| case | pass | 1 GPU, whole batch | shard_map | shard_map no hint | jit, batch-sharded arguments | "
+                  "flex, half batch | flex/shard_map | flex/no hint |", "|---" * 9 + "|"]
+        for r in sharded:
+            ratio = lambda key: (r["flex half batch ms"] / r[key]  # noqa: E731
+                                 if r.get("flex half batch ms") and r.get(key) else None)
+            lines.append(f"| {r['case']} | {r['pass']} | {fmt(r.get('packed ms'))} | {fmt(r.get('2 GPUs shard_map ms'))} | "
+                         f"{fmt(r.get('2 GPUs shard_map no hint ms'))} | {fmt(r.get('2 GPUs jit ms'))} | "
+                         f"{fmt(r.get('flex half batch ms'))} | {fmt(ratio('2 GPUs shard_map ms'), '.2f')} | "
+                         f"{fmt(ratio('2 GPUs shard_map no hint ms'), '.2f')} |")
     return "\n".join(lines)
 
 
