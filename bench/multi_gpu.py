@@ -327,9 +327,13 @@ def run_cp_long(quick, cpu, record, only):
         one = None
         for strategy, load_balanced in ((None, False), *strategies):
             request = dict(index=index, strategy=strategy, load_balanced=load_balanced, quick=quick, cpu=cpu)
-            if memory:
+            # The one-GPU row runs in a process that sees one GPU, as a one-GPU user's does: some paths
+            # (bins for documents with a score_mod) need a process with one device.
+            one_gpu_process = strategy is None and not cpu
+            if memory or one_gpu_process:
                 bench_dir = os.path.dirname(os.path.abspath(__file__))
                 result = run_child(CHILD, [bench_dir] + (["--cpu"] if cpu else []) + [json.dumps(request)],
+                                   env={"CUDA_VISIBLE_DEVICES": "0"} if one_gpu_process else None,
                                    timeout=600, label=f"{label} T{length} {strategy}")
             else:
                 result = measure_long(**request)

@@ -1,6 +1,6 @@
 """Packed sequences (segment_ids) against the dense rate, side by side in one run. Needs a GPU.
 
-    python bench/packed.py [--out DIR] [--no-flex] [--only "B4 T4096, 4 docs;softcap"]
+    python bench/packed.py [--out DIR] [--no-flex] [--only "B4 T4096, 4 docs;softcap"] [--batch-sharded]
 
 Per case (bf16, N16 H128, causal): sdpagraph's packed call (cuDNN; the ids are a jit argument, as
 in a training step, so the segment check runs: on the device by default, "check raise" with its
@@ -10,8 +10,8 @@ causal over the whole rows (the rate the issue compares with), the packed call's
 metadata alone (the XLA ops before cuDNN), and FlexAttention with a document block mask. Cases
 with a score_mod run on bins (`graphs.binning`); they also time the same call unbinned (the dense
 twin over whole rows), without the `max_seqlen_kv` hint (bins of a quarter of a row), and the bins'
-layout alone. With 2 GPUs, those cases also run with the batch split over both (a shard_map, with and
-without the hint, and jit's partitioning) against FlexAttention on half the batch on one GPU.
+layout alone. `--batch-sharded` (2 GPUs): those cases with the batch split over both (a shard_map,
+with and without the hint, and jit's partitioning) against FlexAttention on half the batch on one GPU.
 FlexAttention is compiled anew for each case (`attention.torch_flex_ms`). Prints ms,
 real-token TFLOP/s and ratios; writes packed.md / packed.json to --out.
 """
@@ -118,23 +118,25 @@ def packing_ms(q, seg, max_segments, hint, score_mod):
     return time_ms(layout, seg)
 
 
-def batch_sharded(row, packed, unhinted, backward, args):
-    """The call with its batch split over 2 GPUs, the way training shards it: inside a shard_map (each
-    device packs its own rows into bins), with and without the hint, and under jit's automatic
-    partitioning of batch-sharded arguments."""
+def batch_sharded(row, call, backward, args):
+    """The call with its batch split over 2 GPUs, the way training shards it (training=True in both
+    passes): inside a shard_map (each device packs its own rows into bins), with and without the
+    hint, and under jit's automatic partitioning of batch-sharded arguments. `call(hint, training)`
+    makes the call."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("batch",))
     split = jax.sharding.PartitionSpec("batch")
     placed = [jax.device_put(x, jax.sharding.NamedSharding(mesh, split)) for x in args]
     inside = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=(split,) * 4, out_specs=split)  # noqa: E731
-    for label, fn in (("2 GPUs shard_map", inside(packed)), ("2 GPUs shard_map no hint", inside(unhinted)),
-                      ("2 GPUs jit", packed)):
+    for label, fn in (("2 GPUs shard_map", inside(call(True, True))), ("2 GPUs shard_map no hint", inside(call(False, True))),
+                      ("2 GPUs jit", call(True, True))):
         try:
             row[label + " ms"] = time_ms(jitted(fn, backward), *placed)
         except Exception as error:  # record and go on
             row[label + " ms"], row[label + " error"] = None, f"{type(error).__name__}: {str(error)[:300]}"
+        print(label, row[label + " ms"], flush=True)
 
 
-def run(with_flex, only=None):
+def run(with_flex, only=None, sharded=False):
     rows = []
     for name, make_ids, mod, hint in CASES:
         if only and not any(part in name for part in only):
@@ -147,11 +149,15 @@ def run(with_flex, only=None):
         q, k, v = (jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.bfloat16) for _ in range(3))
         seg = jnp.asarray(ids)
         score_mod = softcap if mod else None
-        for backward in (False, True):
+        for backward in (True, False) if sharded else (False, True):  # sharded: the training step first
             row = {"case": name, "pass": "fwd+bwd" if backward else "fwd", "docs": len(lengths), "max per row": M}
-            packed = lambda q, k, v, seg: sdpagraph.attention(  # noqa: E731
-                q, k, v, is_causal=True, segment_ids=seg, max_segments_per_seq=M, score_mod=score_mod,
-                max_seqlen_kv=hint, implementation="cudnn", training=backward)
+
+            def call(hinted, training, M=M, score_mod=score_mod, hint=hint):
+                return lambda q, k, v, seg: sdpagraph.attention(
+                    q, k, v, is_causal=True, segment_ids=seg, max_segments_per_seq=M, score_mod=score_mod,
+                    max_seqlen_kv=hint if hinted else None, implementation="cudnn", training=training)
+
+            packed = call(True, backward)
             variants = {  # the ids are a jit argument: the segment check runs on them (on the device)
                 "packed": packed,
                 "check raise": with_env(packed, CHECK_SEGMENTS.name, "raise"),  # a host callback per call
@@ -162,18 +168,23 @@ def run(with_flex, only=None):
             if hint is not None:  # on bins by default (graphs.binning): the same call unbinned, side by side,
                 variants["unbinned"] = with_env(packed, BINS.name, "0")
                 # and without the hint (bins of a quarter of a row; longer documents run unbinned)
-                variants["no hint"] = lambda q, k, v, seg: sdpagraph.attention(
-                    q, k, v, is_causal=True, segment_ids=seg, max_segments_per_seq=M, score_mod=score_mod,
-                    implementation="cudnn", training=backward)
+                variants["no hint"] = call(False, backward)
+            if sharded:  # the batch split over 2 GPUs, beside the one-GPU call on the whole batch
+                if hint is None or jax.device_count() < 2 or B % 2:
+                    continue
+                variants = {"packed": packed}
             for label, fn in variants.items():
                 try:
                     row[label + " ms"] = time_ms(jitted(fn, backward), q, k, v, seg)
                 except Exception as error:  # record and go on
                     row[label + " ms"], row[label + " error"] = None, f"{type(error).__name__}: {str(error)[:300]}"
-            if hint is not None and jax.device_count() >= 2 and B % 2 == 0:
-                batch_sharded(row, packed, variants["no hint"], backward, (q, k, v, seg))
+            if sharded:
+                batch_sharded(row, call, backward, (q, k, v, seg))
                 if with_flex:  # what each GPU holds, on one GPU
                     row["flex half batch ms"] = torch_flex_ms(B // 2, T, N, H, backward, ids[:B // 2], softcap=bool(mod))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
             if len(set(lengths)) == 1:  # equal documents: each as a row of its own, the ideal
                 L = lengths[0]
                 as_rows = [x.reshape(B * (T // L), L, N, H) for x in (q, k, v)]
@@ -236,11 +247,13 @@ def main():
     parser.add_argument("--out", default=".")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (no torch)")
     parser.add_argument("--only", default="", help="cases whose name holds one of these ';'-separated parts")
+    parser.add_argument("--batch-sharded", action="store_true",
+                        help="2 GPUs: the binned cases with the batch split over both (writes packed_sharded.md)")
     args = parser.parse_args()
     if report.gpu_missing("bench/packed.py"):
         return 2
-    rows = run(not args.no_flex, [part for part in args.only.split(";") if part])
-    report.write(args.out, "packed", f"bf16 N{N} H{H} causal; dense = causal over whole rows at the same shape",
+    rows = run(not args.no_flex, [part for part in args.only.split(";") if part], args.batch_sharded)
+    report.write(args.out, "packed_sharded" if args.batch_sharded else "packed", f"bf16 N{N} H{H} causal; dense = causal over whole rows at the same shape",
                  table(rows), rows)
     return 0
 
