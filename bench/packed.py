@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
+import re
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave room for torch
 
@@ -118,45 +120,80 @@ def packing_ms(q, seg, max_segments, hint, score_mod):
     return time_ms(layout, seg)
 
 
-def batch_sharded(row, call, backward, args):
-    """The call with its batch split over 2 GPUs, the way training shards it (training=True in both
-    passes): inside a shard_map (each device packs its own rows into bins), with and without the
-    hint, and under jit's automatic partitioning of batch-sharded arguments. `call(hint, training)`
-    makes the call."""
+SHARDED = {  # label: (inside a shard_map, with the hint, SDPAGRAPH_CHECK_SEGMENTS or None for the default)
+    "2 GPUs shard_map": (True, True, None),
+    "2 GPUs shard_map no hint": (True, False, None),
+    "2 GPUs shard_map check off": (True, True, "off"),
+    "2 GPUs jit": (False, True, None),
+}
+CHILD = "import sys; sys.path.insert(0, sys.argv[1]); import packed; packed.child_sharded(sys.argv[-1])"
+
+
+def case_inputs(index):
+    """(ids (numpy), q, k, v, ids (jax), most documents in a row) of CASES[index], fresh random inputs
+    drawn the same way every time."""
+    ids = CASES[index][1]()
+    B, T = ids.shape
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.bfloat16) for _ in range(3))
+    return ids, q, k, v, jnp.asarray(ids), int(np.asarray(segment_run_ids(jnp.asarray(ids))).max())
+
+
+def packed_call(index, max_segments, hinted, training):
+    """The case's packed call, with its `max_seqlen_kv` hint or without."""
+    _, _, mod, hint = CASES[index]
+    return lambda q, k, v, seg: sdpagraph.attention(
+        q, k, v, is_causal=True, segment_ids=seg, max_segments_per_seq=max_segments,
+        score_mod=softcap if mod else None, max_seqlen_kv=hint if hinted else None, implementation="cudnn",
+        training=training)
+
+
+def child_sharded(request):
+    """One batch-sharded variant (`SHARDED`) of one case, timed in this (child) process: the batch
+    split over 2 GPUs, the way training shards it (training=True in both passes). Prints `RESULT`."""
+    request = json.loads(request)
+    index, backward = request["index"], request["backward"]
+    inside, hinted, check = SHARDED[request["label"]]
+    _, q, k, v, seg, max_segments = case_inputs(index)
+    fn = packed_call(index, max_segments, hinted, True)
+    if check is not None:
+        fn = with_env(fn, CHECK_SEGMENTS.name, check)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("batch",))
     split = jax.sharding.PartitionSpec("batch")
-    placed = [jax.device_put(x, jax.sharding.NamedSharding(mesh, split)) for x in args]
-    inside = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=(split,) * 4, out_specs=split)  # noqa: E731
-    for label, fn in (("2 GPUs shard_map", inside(call(True, True))), ("2 GPUs shard_map no hint", inside(call(False, True))),
-                      ("2 GPUs jit", call(True, True))):
+    if inside:
+        fn = jax.shard_map(fn, mesh=mesh, in_specs=(split,) * 4, out_specs=split)
+    placed = [jax.device_put(x, jax.sharding.NamedSharding(mesh, split)) for x in (q, k, v, seg)]
+    print("RESULT " + json.dumps({"ms": time_ms(jitted(fn, backward), *placed)}), flush=True)
+
+
+def batch_sharded(row, index, backward):
+    """Every `SHARDED` variant of the case, each in a process of its own (a crash loses one variant)."""
+    from child import run_child
+
+    bench_dir = os.path.dirname(os.path.abspath(__file__))
+    for label in SHARDED:
+        request = json.dumps({"index": index, "backward": backward, "label": label})
         try:
-            row[label + " ms"] = time_ms(jitted(fn, backward), *placed)
-        except Exception as error:  # record and go on
-            row[label + " ms"], row[label + " error"] = None, f"{type(error).__name__}: {str(error)[:300]}"
-        print(label, row[label + " ms"], flush=True)
+            row[label + " ms"] = run_child(CHILD, [bench_dir, request], timeout=600, label=label)["ms"]
+        except Exception as error:  # record and go on: the child's last line that names an error
+            lines = [line for line in str(error).splitlines() if re.search(r"Error|error|Fatal|fault", line)
+                     and not line.startswith("For simplicity")]
+            row[label + " ms"], row[label + " error"] = None, (lines or [repr(error)])[-1][:400]
+        print(label, row[label + " ms"], row.get(label + " error", ""), flush=True)
 
 
 def run(with_flex, only=None, sharded=False):
     rows = []
-    for name, make_ids, mod, hint in CASES:
+    for index, (name, _, mod, hint) in enumerate(CASES):
         if only and not any(part in name for part in only):
             continue
-        ids = make_ids()
+        ids, q, k, v, seg, M = case_inputs(index)
         B, T = ids.shape
         lengths = doc_lengths(ids)
-        M = int(np.asarray(segment_run_ids(jnp.asarray(ids))).max())
-        rng = np.random.default_rng(1)
-        q, k, v = (jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.bfloat16) for _ in range(3))
-        seg = jnp.asarray(ids)
         score_mod = softcap if mod else None
         for backward in (True, False) if sharded else (False, True):  # sharded: the training step first
             row = {"case": name, "pass": "fwd+bwd" if backward else "fwd", "docs": len(lengths), "max per row": M}
-
-            def call(hinted, training, M=M, score_mod=score_mod, hint=hint):
-                return lambda q, k, v, seg: sdpagraph.attention(
-                    q, k, v, is_causal=True, segment_ids=seg, max_segments_per_seq=M, score_mod=score_mod,
-                    max_seqlen_kv=hint if hinted else None, implementation="cudnn", training=training)
-
+            call = functools.partial(packed_call, index, M)
             packed = call(True, backward)
             variants = {  # the ids are a jit argument: the segment check runs on them (on the device)
                 "packed": packed,
@@ -169,17 +206,17 @@ def run(with_flex, only=None, sharded=False):
                 variants["unbinned"] = with_env(packed, BINS.name, "0")
                 # and without the hint (bins of a quarter of a row; longer documents run unbinned)
                 variants["no hint"] = call(False, backward)
-            if sharded:  # the batch split over 2 GPUs, beside the one-GPU call on the whole batch
+            if sharded:  # the batch split over 2 GPUs (the one-GPU table comes from a one-GPU process)
                 if hint is None or jax.device_count() < 2 or B % 2:
                     continue
-                variants = {"packed": packed}
+                variants = {}
             for label, fn in variants.items():
                 try:
                     row[label + " ms"] = time_ms(jitted(fn, backward), q, k, v, seg)
                 except Exception as error:  # record and go on
                     row[label + " ms"], row[label + " error"] = None, f"{type(error).__name__}: {str(error)[:300]}"
             if sharded:
-                batch_sharded(row, call, backward, (q, k, v, seg))
+                batch_sharded(row, index, backward)
                 if with_flex:  # what each GPU holds, on one GPU
                     row["flex half batch ms"] = torch_flex_ms(B // 2, T, N, H, backward, ids[:B // 2], softcap=bool(mod))
                 rows.append(row)
@@ -216,7 +253,7 @@ def table(rows):
              "packed/dense rate | docs as rows ms | metadata ms | unbinned ms | no hint ms | packing ms | flex ms | "
              "flex/packed | flex/no hint |",
              "|---" * 16 + "|"]
-    for r in rows:
+    for r in (r for r in rows if "packed ms" in r):  # the one-GPU rows
         rate = r["packed TFLOP/s"] / r["dense TFLOP/s"] if r.get("packed TFLOP/s") and r.get("dense TFLOP/s") else None
         flex = r["flex ms"] / r["packed ms"] if r.get("flex ms") and r.get("packed ms") else None
         flex_unhinted = r["flex ms"] / r["no hint ms"] if r.get("flex ms") and r.get("no hint ms") else None
@@ -228,17 +265,18 @@ def table(rows):
                      f"{fmt(flex_unhinted, '.2f')} |")
     sharded = [r for r in rows if r.get("2 GPUs shard_map ms") or r.get("2 GPUs shard_map error")]
     if sharded:
-        lines += ["", "Batch split over 2 GPUs (per device: half the rows), against FlexAttention on half the batch "
-                  "on one GPU:", "",
-                  "| case | pass | 1 GPU, whole batch | shard_map | shard_map no hint | jit, batch-sharded arguments | "
+        lines += ["", "Batch split over 2 GPUs (per device: half the rows; training=True, each variant in a "
+                  "process of its own), against FlexAttention on half the batch on one GPU:", "",
+                  "| case | pass | shard_map | shard_map no hint | shard_map check off | jit, batch-sharded arguments | "
                   "flex, half batch | flex/shard_map | flex/no hint |", "|---" * 9 + "|"]
         for r in sharded:
             ratio = lambda key: (r["flex half batch ms"] / r[key]  # noqa: E731
                                  if r.get("flex half batch ms") and r.get(key) else None)
-            lines.append(f"| {r['case']} | {r['pass']} | {fmt(r.get('packed ms'))} | {fmt(r.get('2 GPUs shard_map ms'))} | "
-                         f"{fmt(r.get('2 GPUs shard_map no hint ms'))} | {fmt(r.get('2 GPUs jit ms'))} | "
-                         f"{fmt(r.get('flex half batch ms'))} | {fmt(ratio('2 GPUs shard_map ms'), '.2f')} | "
+            lines.append(f"| {r['case']} | {r['pass']} | " + " | ".join(fmt(r.get(label + " ms")) for label in SHARDED) +
+                         f" | {fmt(r.get('flex half batch ms'))} | {fmt(ratio('2 GPUs shard_map ms'), '.2f')} | "
                          f"{fmt(ratio('2 GPUs shard_map no hint ms'), '.2f')} |")
+            lines += [f"- {r['case']} {r['pass']}, {label}: {r[label + ' error'][-200:]}"
+                      for label in SHARDED if r.get(label + " error")]
     return "\n".join(lines)
 
 
