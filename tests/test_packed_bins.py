@@ -3,6 +3,7 @@ the packer (Pallas' interpreter) against a first-fit-decreasing reference in Num
 call, with the XLA backend standing in for cuDNN's, against the same call unbinned: outputs,
 logsumexp and gradients, documents that do not fit, padding and dropped segments."""
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -288,3 +289,17 @@ def test_the_cudnn_backend_runs_bins_only_where_their_graphs_are_supported(bins_
     monkeypatch.setattr(cudnn, "_attention", lambda spec, *a, **kw: taken.append(spec.batch) or (q, None))
     cudnn.attention(call.spec, q, k, v, call.inputs, call.score_mod, training=False)
     assert taken == (["bins"] if bins_answer == "supported" else [2])
+
+
+def test_a_process_with_several_gpus_says_once_why_its_documents_run_unbinned(monkeypatch, caplog):
+    from sdpagraph import logs
+
+    monkeypatch.setattr(logs, "_logged", type(logs._logged)(8))  # a fresh "said once" record
+    assert packed_bins.say_why_not() is None and not caplog.records  # a CPU: bins are not for it
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "device_count", lambda: 4)
+    caplog.set_level(logging.WARNING, logger="sdpagraph")
+    packed_bins.say_why_not()
+    packed_bins.say_why_not()
+    said = [r.getMessage() for r in caplog.records if "bins need the call on one device" in r.getMessage()]
+    assert len(said) == 1 and "this process has 4" in said[0] and "shard_map" in said[0]

@@ -245,7 +245,9 @@ def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: Run
         ids = chunk_ids(spec)
         return run(documents, query, key, value, dataclasses.replace(inputs, q_segment_ids=ids, kv_segment_ids=ids))
     bins = bin_plan(spec, score_mod)
-    if bins is not None and packed_bins.usable() and _runs_here(bins.spec, score_mod, training, verify, scalars):
+    if bins is not None and not packed_bins.usable():
+        packed_bins.say_why_not()
+    elif bins is not None and _runs_here(bins.spec, score_mod, training, verify, scalars):
         return packed_bins.attention(bins, spec, query, key, value, inputs, run)
     return run(spec, query, key, value, inputs)
 

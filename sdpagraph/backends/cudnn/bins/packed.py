@@ -1,6 +1,7 @@
 """Packed self-attention run on bins (`graphs.binning`): documents moved whole into short rows.
 
     usable() -> bool
+    say_why_not() -> None
     attention(plan, spec, q, k, v, inputs, run) -> (out, lse or None)
 
 `run(spec, q, k, v, inputs)` is the cuDNN backend's unbinned call. `attention`:
@@ -27,12 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from sdpagraph.graphs.binning import BinPlan
+from sdpagraph.logs import log_once, logger
 from sdpagraph.backends.cudnn.bins import packer as bin_packer
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.segments.metadata import segment_positions, segment_run_ids
@@ -49,6 +52,19 @@ def usable() -> bool:
     mesh = jax.sharding.get_abstract_mesh()
     names = tuple(getattr(mesh, "axis_names", ()))
     return bool(names) and set(names) <= set(getattr(mesh, "manual_axes", ()))
+
+
+def say_why_not() -> None:
+    """Say once, at WARNING, why packed documents that bins would take run on whole rows here (about
+    twice as slow on an H100): on a GPU, a process with several devices outside a shard_map."""
+    if jax.default_backend() != "gpu":
+        return
+    log_once(logger, logging.WARNING,
+             "sdpagraph: packed documents with a score_mod run on whole rows (the dense twin over every "
+             "tile): bins need the call on one device, and this process has %d outside a shard_map. Call "
+             "sdpagraph.attention inside a jax.shard_map that is manual over every mesh axis (each device "
+             "packs its own rows), or run on one GPU (CUDA_VISIBLE_DEVICES).", jax.device_count(),
+             topic="bins need one device")
 
 
 # ----------------------------------------------------------------------------- moves
