@@ -332,6 +332,8 @@ def test_ring_on_the_cudnn_path(name, load_balanced, axis_type, cudnn_ring):
     specs = {(s.q_len, s.kv_len, s.is_causal, d) for s, _, d in built}
     want = {(chunk, chunk, c, d) for c in {False, "causal" in name} for d in ("forward", "backward")}
     assert specs == want, specs
+    if load_balanced and "causal" in name:  # RingPlan.static_status: 2 pairs a step >= 1 branch, fwd and bwd
+        assert len(re.findall(r"\bconditional\(", hlo)) == 4 * (CP - 1), f"seed {seed}"
     if name in ("alibi_causal", "relative_jnp"):  # global positions: the pair's offsets are operands
         assert all({"__cp_q_offset", "__cp_kv_offset"} <= set(ir.array_names) for _, ir, _ in built)
         assert len({ir.digest for _, ir, _ in built}) == 1
@@ -474,3 +476,33 @@ def test_logsumexp_and_recorded_block_specs(cudnn_ring, tmp_path):
     assert_same((out, lse), (ref_out, ref_lse), tol=3e-5)
     recorded = {(e.spec.q_len, e.spec.is_causal) for e in load_specs(path)}
     assert recorded == {(T // CP, False), (T // CP, True)}  # the block graphs, not the global call's
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+@pytest.mark.parametrize("load_balanced", [True, False])
+def test_a_pairs_status_is_static_where_every_device_has_the_same(cp, load_balanced):
+    """`RingPlan.static_status`: the pair's traced status (`_pair_status`) where it is the same on
+    every device at that step, else None. Load-balanced causal: at step 0 every pair is known (the
+    diagonals MASKED, first-chunk queries against second-chunk keys SKIP, the other way FULL); later,
+    only like-numbered chunk pairs differ between devices."""
+    import jax.numpy as jnp
+
+    from sdpagraph.call import prepare_call
+    from sdpagraph.parallel import ring
+
+    q = jax.ShapeDtypeStruct((1, 16 * cp, 2, 8), jnp.float32)
+    plan = ring.RingPlan(prepare_call(q, q, q, is_causal=True).spec, "cp", cp, load_balanced, "xla", None, ())
+    chunks = plan.chunks
+    for step in range(cp):
+        for a in range(chunks):
+            for j in range(chunks):
+                traced = {int(ring._pair_status(plan, plan.offsets(me, plan.q_chunk)[a],
+                                                plan.offsets((me - step) % cp, plan.kv_chunk)[j]))
+                          for me in range(cp)}
+                known = plan.static_status(step, a, j)
+                assert known == (traced.pop() if len(traced) == 1 else None), (step, a, j)
+    if load_balanced:
+        assert [plan.static_status(0, a, j) for a, j in ((0, 0), (0, 1), (1, 0), (1, 1))] == [
+            ring.MASKED, ring.SKIP, ring.FULL, ring.MASKED]
+        assert [plan.static_status(1, a, j) for a, j in ((0, 0), (0, 1), (1, 0), (1, 1))] == [
+            None, ring.SKIP, ring.FULL, None]

@@ -10,10 +10,12 @@ FINAL output and logsumexp, which makes them exact (the softmax of a block row i
 exp(score - final logsumexp)), and one last transfer brings each dk/dv home.
 
 A device holds one chunk of the sequence, or two when load-balanced (`load_balance.device_chunks`).
-Work is done per (query chunk, key chunk) pair, whose global offsets decide (traced, per device) if
-it is skipped (every pair masked: a block in the future, or outside the window), runs unmasked, or
-runs masked (`_pair_status`), through `lax.switch`, so each pair runs one of at most three graphs
-whatever the step and device.
+Work is done per (query chunk, key chunk) pair, whose global offsets decide if it is skipped (every
+pair masked: a block in the future, or outside the window), runs unmasked, or runs masked
+(`_pair_status`), so each pair runs one of at most three graphs whatever the step and device. Where
+that status is the same on every device at a step (`RingPlan.static_status`: with load balancing
+and a causal mask, all pairs of the first step and half of the others) it is decided at trace time:
+the pair is left out or runs its graph directly; elsewhere a `lax.switch` decides per device.
 
 Block backends: cuDNN (`registry.primary()`) runs its forward and backward graphs (`block_*`): the
 unmasked graph, and for the diagonal pair the causal one (equal offsets: local causal is global
@@ -37,6 +39,7 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sdpagraph.scoremod.ir import ScoreModIR, with_position_offsets
 from sdpagraph.scoremod.masks import KEY_AXIS, QUERY_AXIS
@@ -90,6 +93,18 @@ class RingPlan:
         table = jnp.asarray(device_chunks(self.size, self.load_balanced), jnp.int32)
         return [table[device, c] * length for c in range(self.chunks)]
 
+    def static_status(self, step: int, q_chunk: int, kv_chunk: int) -> int | None:
+        """`_pair_status` of the pair of a device's query chunk `q_chunk` and the key chunk `kv_chunk`
+        visiting at `step` (indices among the chunks a device holds) where it is the same on every
+        device, else None (decided per device when the step runs). A pair SKIP everywhere is left out;
+        one FULL or MASKED everywhere runs its graph without a branch. Load-balanced and causal, only
+        the pairs of the two chunks with the visitor's like-numbered chunk differ between devices."""
+        table = device_chunks(self.size, self.load_balanced)
+        found = {int(_pair_status(self, table[me][q_chunk] * self.q_chunk,
+                                  table[(me - step) % self.size][kv_chunk] * self.kv_chunk, np))
+                 for me in range(self.size)}
+        return found.pop() if len(found) == 1 else None
+
     @property
     def reads_positions(self) -> bool:
         return self.score_mod is not None and self.score_mod.reads_positions
@@ -141,21 +156,22 @@ def cudnn_reason(spec: AttentionSpec, score_mod: ScoreModIR | None, python_mods:
 
 # ----------------------------------------------------------------------------- one pair of chunks
 
-def _pair_status(plan: RingPlan, q_start: Any, kv_start: Any) -> Any:
+def _pair_status(plan: RingPlan, q_start: Any, kv_start: Any, xp: Any = jnp) -> Any:
     """SKIP when no query of the pair may see any of its keys, FULL when each sees every key, else
-    MASKED; from the position masks (causal, window) and the chunks' global starts."""
+    MASKED; from the position masks (causal, window) and the chunks' global starts (traced, or
+    Python ints with `xp=np` for `RingPlan.static_status`)."""
     spec = plan.spec
     q_lo, q_hi = q_start + plan.shift, q_start + plan.shift + plan.q_chunk - 1  # aligned diagonals
     k_lo, k_hi = kv_start, kv_start + plan.kv_chunk - 1
     left, right = spec.window
-    none, every = jnp.bool_(False), jnp.bool_(not spec.segments and spec.chunk_size is None)
+    none, every = xp.bool_(False), xp.bool_(not spec.segments and spec.chunk_size is None)
     if spec.is_causal:
         none, every = none | (k_lo > q_hi), every & (k_hi <= q_lo)
     if left != UNBOUNDED:
         none, every = none | (k_hi < q_lo - left), every & (k_lo >= q_hi - left)
     if right != UNBOUNDED:
         none, every = none | (k_lo > q_hi + right), every & (k_hi <= q_lo + right)
-    return jnp.where(none, SKIP, jnp.where(every, FULL, MASKED)).astype(jnp.int32)
+    return xp.where(none, SKIP, xp.where(every, FULL, MASKED)).astype(xp.int32)
 
 
 def _layout(plan: RingPlan, q_start: Any, kv_start: Any, q_tok: Any, kv_tok: Any) -> TokenLayout:
@@ -201,11 +217,13 @@ def _cudnn_operands(plan: RingPlan, static: Any, arrays: Mapping[str, Any], q_st
     return registry.primary().block_operands(static, inputs)
 
 
-def _cudnn_pair(plan: RingPlan, arrays, q_start, kv_start, q_tok, kv_tok, diagonal: bool, skip, run):
+def _cudnn_pair(plan: RingPlan, arrays, q_start, kv_start, q_tok, kv_tok, known: int | None, diagonal: bool,
+                skip, run):
     """One pair on cuDNN as a function of its running value and q, k, v; `run(static, operands, *args)`
-    runs a block graph. Dense: `lax.switch` by `_pair_status` between `skip`, the off-diagonal graph
-    and the diagonal one (MASKED on cuDNN is only ever the diagonal pair of a causal call,
-    `cudnn_reason`). Packed documents: no branch; the pair runs the packed graph `diagonal` (static)
+    runs a block graph. Dense: the graph its status names, the off-diagonal one (FULL) or the diagonal
+    one (MASKED on cuDNN is only ever the diagonal pair of a causal call, `cudnn_reason`): `known`
+    where the status is the same on every device (`RingPlan.static_status`), else `lax.switch` by
+    `_pair_status` between those and `skip`. Packed documents: no branch; the pair runs the packed graph `diagonal` (static)
     names over the documents it shares, none when it has nothing to compute (`ring_documents`); their
     dense twin (with a score_mod) runs under `lax.cond`, skipped where the pair shares no document."""
     def block(diagonal, ids=None):
@@ -213,27 +231,40 @@ def _cudnn_pair(plan: RingPlan, arrays, q_start, kv_start, q_tok, kv_tok, diagon
         return lambda *args: run(static, _cudnn_operands(plan, static, arrays, q_start, kv_start, ids), *args)
 
     if plan.documents:
-        empty = ring_documents.keys_after_queries(plan.spec.is_causal and not diagonal, q_start, kv_start)
+        causal = plan.spec.is_causal and not diagonal and known is None  # known: attends on every device
+        empty = ring_documents.keys_after_queries(causal, q_start, kv_start)
         ids = ring_documents.pair_ids(q_tok, kv_tok, empty)
         if not _cudnn_static(plan, diagonal).graph_spec.segment_mask:
             return block(diagonal, ids)
         # The dense twin (a score_mod) computes every tile whatever the ids: a pair without work skips.
         return lambda *args: jax.lax.cond(jnp.any(ids[0] > 0), block(diagonal, ids), skip, *args)
+    if known is not None:
+        return block(known == MASKED)
     status, branches = _pair_status(plan, q_start, kv_start), (skip, block(False), block(True))
     return lambda *args: jax.lax.switch(status, branches, *args)
 
 
-def _pair_forward(plan: RingPlan, arrays, acc, q, k, v, q_start, kv_start, q_tok, kv_tok,
+def _xla_switch(plan: RingPlan, known: int | None, q_start, kv_start, skip, run):
+    """An XLA block (the same function FULL or MASKED): `run` where it attends on every device, else
+    `lax.switch` by `_pair_status` between `skip` and `run`."""
+    if known is not None:
+        return run
+    status = _pair_status(plan, q_start, kv_start)
+    return lambda *args: jax.lax.switch(status, (skip, run, run), *args)
+
+
+def _pair_forward(plan: RingPlan, arrays, acc, q, k, v, q_start, kv_start, q_tok, kv_tok, known: int | None,
                   diagonal: bool) -> tuple[Any, Any]:
     """`acc` (output fp32, logsumexp (B, N, T)) of the local query chunk, merged with one key chunk's;
-    a skipped pair leaves it as it is (no merge pass). `diagonal`: the chunk with itself (static)."""
+    a skipped pair leaves it as it is (no merge pass). `known`: the pair's status where every device
+    has the same (`RingPlan.static_status`); `diagonal`: the chunk with itself (static)."""
     skip = lambda acc, q, k, v: acc  # noqa: E731
     if plan.backend == registry.reference().name:
-        status, layout = _pair_status(plan, q_start, kv_start), _layout(plan, q_start, kv_start, q_tok, kv_tok)
+        layout = _layout(plan, q_start, kv_start, q_tok, kv_tok)
         run = lambda acc, q, k, v: merge(acc, _xla_pair(plan, arrays, q, k, v, layout))  # noqa: E731
-        return jax.lax.switch(status, (skip, run, run), acc, q, k, v)
+        return _xla_switch(plan, known, q_start, kv_start, skip, run)(acc, q, k, v)
     forward = registry.primary().block_forward
-    pair = _cudnn_pair(plan, arrays, q_start, kv_start, q_tok, kv_tok, diagonal, skip,
+    pair = _cudnn_pair(plan, arrays, q_start, kv_start, q_tok, kv_tok, known, diagonal, skip,
                        lambda static, aux, acc, q, k, v: merge(acc, forward(static, q, k, v, aux)))
     return pair(acc, q, k, v)
 
@@ -250,17 +281,18 @@ def _xla_pair_backward(plan, arrays, q, k, v, layout, o, lse, d_o, d_rows) -> tu
     return pullback((d_out, w * (mine - d_rows)))
 
 
-def _pair_backward(plan, arrays, grads, q, k, v, q_start, kv_start, q_tok, kv_tok, o, lse, d_o, d_rows, diagonal):
+def _pair_backward(plan, arrays, grads, q, k, v, q_start, kv_start, q_tok, kv_tok, o, lse, d_o, d_rows, known,
+                   diagonal):
     """`grads` (dq, dk, dv, fp32) plus one pair's; a skipped pair leaves them as they are."""
     skip = lambda grads, q, k, v: grads  # noqa: E731
     add = lambda grads, new: tuple(g + x.astype(jnp.float32) for g, x in zip(grads, new))  # noqa: E731
     if plan.backend == registry.reference().name:
-        status, layout = _pair_status(plan, q_start, kv_start), _layout(plan, q_start, kv_start, q_tok, kv_tok)
+        layout = _layout(plan, q_start, kv_start, q_tok, kv_tok)
         run = lambda grads, q, k, v: add(grads, _xla_pair_backward(  # noqa: E731
             plan, arrays, q, k, v, layout, o, lse, d_o, d_rows))
-        return jax.lax.switch(status, (skip, run, run), grads, q, k, v)
+        return _xla_switch(plan, known, q_start, kv_start, skip, run)(grads, q, k, v)
     o_io, backward = o.astype(q.dtype), registry.primary().block_backward
-    pair = _cudnn_pair(plan, arrays, q_start, kv_start, q_tok, kv_tok, diagonal, skip,
+    pair = _cudnn_pair(plan, arrays, q_start, kv_start, q_tok, kv_tok, known, diagonal, skip,
                        lambda static, aux, grads, q, k, v: add(grads, backward(static, q, k, v, aux, o_io, lse, d_o)))
     return pair(grads, q, k, v)
 
@@ -301,8 +333,11 @@ def _ring_forward(plan: RingPlan, q, k, v, extras) -> tuple[Any, Any]:
         ks, vs, kv_toks = _split(visiting[0], c), _split(visiting[1], c), _tok_chunks(visiting[2], c)
         for a in range(c):
             for j in range(c):
+                known = plan.static_status(step, a, j)
+                if known == SKIP:
+                    continue
                 acc[a] = _pair_forward(plan, extras["arrays"], acc[a], qs[a], ks[j], vs[j], q_starts[a], kv_starts[j],
-                                       q_toks[a], kv_toks[j], diagonal=step == 0 and a == j)
+                                       q_toks[a], kv_toks[j], known, diagonal=step == 0 and a == j)
         visiting = arriving
     out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
     return out, jnp.concatenate([lse for _, lse in acc], axis=-1)
@@ -325,9 +360,12 @@ def _ring_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o) -> tuple[Any, A
         dks, dvs = _split(d_kv[0], c), _split(d_kv[1], c)
         for j in range(c):
             for a in range(c):
+                known = plan.static_status(step, a, j)
+                if known == SKIP:
+                    continue
                 dq[a], dks[j], dvs[j] = _pair_backward(
                     plan, extras["arrays"], (dq[a], dks[j], dvs[j]), qs[a], ks[j], vs[j], q_starts[a], kv_starts[j],
-                    q_toks[a], kv_toks[j], os_[a], lses[a], dos[a], d_rowss[a], diagonal=step == 0 and a == j)
+                    q_toks[a], kv_toks[j], os_[a], lses[a], dos[a], d_rowss[a], known, diagonal=step == 0 and a == j)
         d_kv = (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
         # dk/dv travel with their key/value block; after the last step one more pass brings them home.
         if plan.size > 1:
