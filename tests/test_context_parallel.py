@@ -481,28 +481,28 @@ def test_logsumexp_and_recorded_block_specs(cudnn_ring, tmp_path):
 @pytest.mark.parametrize("cp", [2, 4, 8])
 @pytest.mark.parametrize("load_balanced", [True, False])
 def test_a_pairs_status_is_static_where_every_device_has_the_same(cp, load_balanced):
-    """`RingPlan.static_status`: the pair's traced status (`_pair_status`) where it is the same on
+    """`RingPlan.static_status`: the pair's traced status (`pair_status`) where it is the same on
     every device at that step, else None. Load-balanced causal: at step 0 every pair is known (the
     diagonals MASKED, first-chunk queries against second-chunk keys SKIP, the other way FULL); later,
     only like-numbered chunk pairs differ between devices."""
     import jax.numpy as jnp
 
     from sdpagraph.call import prepare_call
-    from sdpagraph.parallel import ring
+    from sdpagraph.parallel import ring_plan
 
     q = jax.ShapeDtypeStruct((1, 16 * cp, 2, 8), jnp.float32)
-    plan = ring.RingPlan(prepare_call(q, q, q, is_causal=True).spec, "cp", cp, load_balanced, "xla", None, ())
+    plan = ring_plan.RingPlan(prepare_call(q, q, q, is_causal=True).spec, "cp", cp, load_balanced, "xla", None, ())
     chunks = plan.chunks
     for step in range(cp):
         for a in range(chunks):
             for j in range(chunks):
-                traced = {int(ring._pair_status(plan, plan.offsets(me, plan.q_chunk)[a],
+                traced = {int(ring_plan.pair_status(plan, plan.offsets(me, plan.q_chunk)[a],
                                                 plan.offsets((me - step) % cp, plan.kv_chunk)[j]))
                           for me in range(cp)}
                 known = plan.static_status(step, a, j)
                 assert known == (traced.pop() if len(traced) == 1 else None), (step, a, j)
     if load_balanced:
         assert [plan.static_status(0, a, j) for a, j in ((0, 0), (0, 1), (1, 0), (1, 1))] == [
-            ring.MASKED, ring.SKIP, ring.FULL, ring.MASKED]
+            ring_plan.MASKED, ring_plan.SKIP, ring_plan.FULL, ring_plan.MASKED]
         assert [plan.static_status(1, a, j) for a, j in ((0, 0), (0, 1), (1, 0), (1, 1))] == [
-            None, ring.SKIP, ring.FULL, None]
+            None, ring_plan.SKIP, ring_plan.FULL, None]

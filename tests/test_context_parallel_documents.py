@@ -83,14 +83,14 @@ def test_documents_on_cudnn_blocks_equal_one_device(cp, load_balanced, causal, k
     # Segment ids (int32) may be gathered: every device reads the whole sequence's (`natural_order`).
     gathers = re.findall(r"= (?:f32|bf16|f16)\[.*\ball-gather(?:-start)?\(.*", hlo)
     assert not gathers, (f"the ring gathers no keys or values (seed {seed})", gathers[:3])
-    # Packed (THD) block graphs, forward and backward: one document off the diagonal, every
-    # document of a chunk on it (causal there when the call is).
-    chunk = T // (cp * (2 if load_balanced else 1))
+    # One packed (THD) graph a step over the device's whole blocks, forward and backward: every local
+    # document on the first step (causal when the call is), at most one per pair of chunks later.
+    local, chunks = T // cp, 2 if load_balanced else 1
     most = max(s.max_segments for s, _, _ in cudnn_ring)
     specs = {(s.segments, s.q_len, s.kv_len, s.max_segments, s.is_causal, d) for s, _, d in cudnn_ring}
-    want = {("self", chunk, chunk, slots, causal and slots == most, d) for slots in (1, most)
-            for d in ("forward", "backward")}
-    assert specs == want and most == min(most, chunk), (specs, seed)
+    want = {("self", local, local, slots, first and causal, d)
+            for slots, first in ((min(most, chunks * chunks), False), (most, True)) for d in ("forward", "backward")}
+    assert specs == want and most == min(most, local), (specs, seed)
 
 
 @needs_devices

@@ -13,7 +13,7 @@ sequence over a mesh axis, without gathering k or v.
 
 Inside a `jax.shard_map` that already maps the axis, q, k, v are the local blocks: the strategy
 runs on them directly. Built on JAX's own machinery (shard_map, ppermute, all_to_all); no runtime of
-our own. Which backend the blocks run: cuDNN when it can (`ring.cudnn_reason` for the ring, and a
+our own. Which backend the blocks run: cuDNN when it can (`ring_plan.cudnn_reason` for the ring, and a
 support check of the block graphs), else the XLA backend, with the reason logged once at INFO.
 """
 from __future__ import annotations
@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sdpagraph.cache import CacheMissError
@@ -33,7 +32,7 @@ from sdpagraph.logs import log_once, logger
 from sdpagraph.graphs.support import Support
 from sdpagraph.backends import registry
 from sdpagraph.numerics import gate as numerics_gate
-from sdpagraph.parallel import halo, ring
+from sdpagraph.parallel import halo, ring, ring_plan
 from sdpagraph.call import PreparedCall, notify_trace_listeners
 from sdpagraph.parallel.load_balance import load_balance, unload_balance
 from sdpagraph.segments.metadata import segment_positions, segment_run_ids
@@ -200,7 +199,7 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
          implementation: str | None, running: bool = True) -> Plan:
     shape, manual = check(call, axis, load_balanced, strategy, mesh)
     spec, cp = call.spec, shape[axis]
-    ring_reason = ring.cudnn_reason(spec, call.score_mod, call.inputs.python_mods)
+    ring_reason = ring_plan.cudnn_reason(spec, call.score_mod, call.inputs.python_mods)
     ring_on_xla = ring_reason is not None and implementation != registry.reference().name
     strategy = choose_strategy(_global(spec, cp, manual), cp, strategy, ring_on_xla, load_balanced)
     # The batch splits over the other mesh axes when they divide it. Inside a shard_map the prepared
@@ -213,7 +212,7 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
     else:
         local = dataclasses.replace(spec, batch=spec.batch // math.prod(shape[a] for a in others))
     if strategy == "ring":
-        blocks = ring.RingPlan(local, axis, cp, load_balanced, registry.primary().name, call.score_mod, ())
+        blocks = ring_plan.RingPlan(local, axis, cp, load_balanced, registry.primary().name, call.score_mod, ())
         graphs = [(block, blocks.block_ir) for block in blocks.block_specs]
         reason = ring_reason
     elif strategy == "halo":
@@ -275,7 +274,7 @@ def _local_token_facts(ids: Any, axis: Any, cp: int, load_balanced: bool, max_se
 
 
 def _ring(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, tok, sinks):
-    plan = ring.RingPlan(local, axis, cp, load_balanced, backend, call.score_mod,
+    plan = ring_plan.RingPlan(local, axis, cp, load_balanced, backend, call.score_mod,
                          tuple(sorted((call.inputs.mod_scalars or {}).items())), call.inputs.python_mods)
     return ring.ring_attention(plan, q, k, v, {"arrays": arrays, "q_tok": tok, "kv_tok": tok}, sinks)
 

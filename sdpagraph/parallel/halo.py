@@ -32,7 +32,7 @@ call of static shapes (T = L, S = hl + L + hr):
   slower); otherwise one call with the window relative to the bottom-right diagonal, where local
   query i sits at key i + hl + hr: a causal window is the call's own; a two-sided one is (left + hr,
   right - hr). A score_mod that reads positions gets the block's global offsets as int32 operands, as
-  the ring's blocks do (`ring.OFFSETS`).
+  the ring's blocks do (`ring_plan.OFFSETS`).
 - XLA (`registry.reference()`): `block_attention` with each token's global position (`TokenLayout`).
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ from sdpagraph.call import RuntimeInputs
 from sdpagraph.numerics import gate as numerics_gate
 from sdpagraph.parallel.halo_split import SplitPlan, split_attention
 from sdpagraph.parallel.load_balance import device_chunks
-from sdpagraph.parallel.ring import OFFSETS, with_offsets
+from sdpagraph.parallel.ring_plan import OFFSETS, with_offsets
 from sdpagraph.scoremod.forms import PythonMods
 from sdpagraph.scoremod.ir import ScoreModIR, with_position_offsets
 from sdpagraph.spec import UNBOUNDED, AttentionSpec

@@ -12,7 +12,7 @@ exp(score - final logsumexp)), and one last transfer brings each dk/dv home.
 A device holds one chunk of the sequence, or two when load-balanced (`load_balance.device_chunks`).
 Work is done per (query chunk, key chunk) pair, whose global offsets decide if it is skipped (every
 pair masked: a block in the future, or outside the window), runs unmasked, or runs masked
-(`_pair_status`), so each pair runs one of at most three graphs whatever the step and device. Where
+(`pair_status`), so each pair runs one of at most three graphs whatever the step and device. Where
 that status is the same on every device at a step (`RingPlan.static_status`: with load balancing
 and a causal mask, all pairs of the first step and half of the others) it is decided at trace time:
 the pair is left out or runs its graph directly; elsewhere a `lax.switch` decides per device.
@@ -24,8 +24,9 @@ int32 operands (`RingPlan.block_ir`), so the graphs stay the same at every step.
 packed (THD) block graphs over the documents the pair shares (`ring_documents`): one document off
 the diagonal, every document of the chunk on it; with a score_mod (which the packed graphs do not
 take) the dense twin of those graphs, given each query's document bounds in the key chunk. The
-packed graphs run without a branch (a pair with nothing to compute holds no sequence), so the ring
-is the same calls on every device (`ring_documents`). XLA
+packed graphs run as one call a step over the device's whole query block and the visiting key block
+(`RingPlan.whole_steps`, `ring_documents.step_ids`), without a branch: the ring is the same calls on
+every device. XLA
 (`registry.reference()`) runs with each token's global position (`masking.TokenLayout`), so masks, windows, chunks, packed segments and
 score_mods that read positions see global positions; its backward is jax's vjp of the block with
 the final output and logsumexp folded in (`_xla_pair_backward`).
@@ -34,145 +35,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from sdpagraph.scoremod.ir import ScoreModIR, with_position_offsets
-from sdpagraph.scoremod.masks import KEY_AXIS, QUERY_AXIS
 from sdpagraph.backends import registry, sinks as sinks_mod
+from sdpagraph.backends.masking import TokenLayout
 from sdpagraph.backends.softmax_merge import merge
 from sdpagraph.call import RuntimeInputs
-from sdpagraph.scoremod.forms import PythonMods
 from sdpagraph.parallel import ring_documents
-from sdpagraph.parallel.load_balance import device_chunks
-from sdpagraph.backends.masking import TokenLayout
-from sdpagraph.spec import UNBOUNDED, AttentionSpec
-
-SKIP, FULL, MASKED = 0, 1, 2
-OFFSETS = {QUERY_AXIS: "__cp_q_offset", KEY_AXIS: "__cp_kv_offset"}  # gen_index axis -> operand name
-
-
-@dataclass(frozen=True)
-class RingPlan:
-    """Everything static about one ring (hashable: custom_vjp's non-differentiable argument).
-
-    `spec` is the call's spec with the batch of one device (the sequence lengths stay global)."""
-
-    spec: AttentionSpec
-    axis: str
-    size: int  # devices along `axis`
-    load_balanced: bool
-    backend: str  # the primary backend's name (cuDNN: its block graphs) or the reference's (XLA)
-    score_mod: ScoreModIR | None
-    scalars: tuple[tuple[str, Any], ...]
-    python_mods: PythonMods | None = None
-
-    @property
-    def chunks(self) -> int:
-        return 2 if self.load_balanced else 1
-
-    @property
-    def q_chunk(self) -> int:
-        return self.spec.q_len // (self.size * self.chunks)
-
-    @property
-    def kv_chunk(self) -> int:
-        return self.spec.kv_len // (self.size * self.chunks)
-
-    @property
-    def shift(self) -> int:
-        """The aligned diagonal: query q sees key q + shift."""
-        return self.spec.kv_len - self.spec.q_len if self.spec.causal_alignment == "bottom_right" else 0
-
-    def offsets(self, device: Any, length: int) -> list[Any]:
-        """Global start of each chunk `device` (traced) holds, for chunks of `length` tokens."""
-        table = jnp.asarray(device_chunks(self.size, self.load_balanced), jnp.int32)
-        return [table[device, c] * length for c in range(self.chunks)]
-
-    def static_status(self, step: int, q_chunk: int, kv_chunk: int) -> int | None:
-        """`_pair_status` of the pair of a device's query chunk `q_chunk` and the key chunk `kv_chunk`
-        visiting at `step` (indices among the chunks a device holds) where it is the same on every
-        device, else None (decided per device when the step runs). A pair SKIP everywhere is left out;
-        one FULL or MASKED everywhere runs its graph without a branch. Load-balanced and causal, only
-        the pairs of the two chunks with the visitor's like-numbered chunk differ between devices."""
-        table = device_chunks(self.size, self.load_balanced)
-        found = {int(_pair_status(self, table[me][q_chunk] * self.q_chunk,
-                                  table[(me - step) % self.size][kv_chunk] * self.kv_chunk, np))
-                 for me in range(self.size)}
-        return found.pop() if len(found) == 1 else None
-
-    @property
-    def reads_positions(self) -> bool:
-        return self.score_mod is not None and self.score_mod.reads_positions
-
-    @functools.cached_property
-    def block_ir(self) -> ScoreModIR | None:
-        """The score_mod of the cuDNN block graphs: positions shifted by the pair's global offsets,
-        int32 operands (`OFFSETS`), so one graph serves every pair."""
-        return with_position_offsets(self.score_mod, OFFSETS) if self.reads_positions else self.score_mod
-
-    @property
-    def documents(self) -> bool:
-        """Whether the cuDNN blocks run packed documents (`ring_documents`)."""
-        return bool(self.spec.segments) and self.backend != registry.reference().name
-
-    def block_spec(self, diagonal: bool) -> AttentionSpec:
-        """The spec of one (query chunk, key chunk) pair on the cuDNN path: causal on the diagonal of a
-        causal call; with packed documents, as many document slots as the pair can share."""
-        spec = dataclasses.replace(self.spec, q_len=self.q_chunk, kv_len=self.kv_chunk,
-                                   is_causal=diagonal and self.spec.is_causal, causal_alignment="top_left")
-        if not self.spec.segments:
-            return spec
-        return dataclasses.replace(spec, max_segments=ring_documents.slots(self.spec.max_segments, self.q_chunk,
-                                                                           diagonal),
-                                   max_seqlen_q=None, max_seqlen_kv=None)
-
-    @property
-    def block_specs(self) -> tuple[AttentionSpec, ...]:
-        """The specs of the cuDNN block graphs, each once: off the diagonal and on it."""
-        return tuple(dict.fromkeys(self.block_spec(diagonal) for diagonal in (False, True)))
-
-
-def cudnn_reason(spec: AttentionSpec, score_mod: ScoreModIR | None, python_mods: PythonMods | None) -> str | None:
-    """Why a ring of this call cannot run cuDNN blocks (None: it can)."""
-    if python_mods is not None:
-        return python_mods.reason
-    if score_mod is not None and score_mod.reads_positions and any(n.op == "binary_select" for n in score_mod.nodes):
-        return ("its mods select by position (a mask_mod, or jnp.where in a score_mod): a block can leave a row "
-                "with nothing to attend, which the XLA blocks handle")
-    if spec.segments and score_mod is not None and score_mod.reads_positions:
-        return ("a score_mod that reads positions with packed segments counts from each document's start, which "
-                "the block graphs do not see (the XLA blocks take each token's position in its segment)")
-    if spec.has_window or spec.chunk_size is not None:
-        return "windows and chunks mask blocks at varying offsets (the XLA blocks mask by global positions)"
-    if spec.is_causal and spec.q_len != spec.kv_len:
-        return f"causal with T={spec.q_len} != S={spec.kv_len} has no diagonal block"
-    return None
-
+from sdpagraph.parallel.ring_plan import MASKED, SKIP, RingPlan, cudnn_static, pair_status, with_offsets
 
 # ----------------------------------------------------------------------------- one pair of chunks
-
-def _pair_status(plan: RingPlan, q_start: Any, kv_start: Any, xp: Any = jnp) -> Any:
-    """SKIP when no query of the pair may see any of its keys, FULL when each sees every key, else
-    MASKED; from the position masks (causal, window) and the chunks' global starts (traced, or
-    Python ints with `xp=np` for `RingPlan.static_status`)."""
-    spec = plan.spec
-    q_lo, q_hi = q_start + plan.shift, q_start + plan.shift + plan.q_chunk - 1  # aligned diagonals
-    k_lo, k_hi = kv_start, kv_start + plan.kv_chunk - 1
-    left, right = spec.window
-    none, every = xp.bool_(False), xp.bool_(not spec.segments and spec.chunk_size is None)
-    if spec.is_causal:
-        none, every = none | (k_lo > q_hi), every & (k_hi <= q_lo)
-    if left != UNBOUNDED:
-        none, every = none | (k_hi < q_lo - left), every & (k_lo >= q_hi - left)
-    if right != UNBOUNDED:
-        none, every = none | (k_lo > q_hi + right), every & (k_hi <= q_lo + right)
-    return xp.where(none, SKIP, xp.where(every, FULL, MASKED)).astype(xp.int32)
-
 
 def _layout(plan: RingPlan, q_start: Any, kv_start: Any, q_tok: Any, kv_tok: Any) -> TokenLayout:
     """Global positions (and segments) of the pair's tokens. `*_tok`: (position, valid, segment) per
@@ -195,17 +70,6 @@ def _xla_pair(plan: RingPlan, arrays: Mapping[str, Any], q, k, v, layout: TokenL
     return registry.reference().block_attention(spec, q, k, v, inputs, plan.score_mod, layout)
 
 
-def _cudnn_static(plan: RingPlan, diagonal: bool) -> Any:
-    return registry.primary().block_static(plan.block_spec(diagonal), plan.block_ir, dict(plan.scalars))
-
-
-def with_offsets(arrays: Mapping[str, Any], q_start: Any, kv_start: Any) -> dict[str, Any]:
-    """`arrays` and a block's global query and key offsets (`OFFSETS`), the operands a block graph whose
-    score_mod reads positions takes (`scoremod.ir.with_position_offsets`)."""
-    offset = lambda start: jnp.reshape(start, (1, 1, 1, 1)).astype(jnp.int32)  # noqa: E731
-    return {**arrays, OFFSETS[QUERY_AXIS]: offset(q_start), OFFSETS[KEY_AXIS]: offset(kv_start)}
-
-
 def _cudnn_operands(plan: RingPlan, static: Any, arrays: Mapping[str, Any], q_start: Any, kv_start: Any,
                     ids: tuple[Any, Any] | None) -> Any:
     """The block graph's operands: the score_mod's arrays, the pair's global offsets when it reads
@@ -223,33 +87,33 @@ def _cudnn_pair(plan: RingPlan, arrays, q_start, kv_start, q_tok, kv_tok, known:
     runs a block graph. Dense: the graph its status names, the off-diagonal one (FULL) or the diagonal
     one (MASKED on cuDNN is only ever the diagonal pair of a causal call, `cudnn_reason`): `known`
     where the status is the same on every device (`RingPlan.static_status`), else `lax.switch` by
-    `_pair_status` between those and `skip`. Packed documents: no branch; the pair runs the packed graph `diagonal` (static)
+    `pair_status` between those and `skip`. Packed documents: no branch; the pair runs the packed graph `diagonal` (static)
     names over the documents it shares, none when it has nothing to compute (`ring_documents`); their
     dense twin (with a score_mod) runs under `lax.cond`, skipped where the pair shares no document."""
     def block(diagonal, ids=None):
-        static = _cudnn_static(plan, diagonal)
+        static = cudnn_static(plan, diagonal)
         return lambda *args: run(static, _cudnn_operands(plan, static, arrays, q_start, kv_start, ids), *args)
 
     if plan.documents:
         causal = plan.spec.is_causal and not diagonal and known is None  # known: attends on every device
         empty = ring_documents.keys_after_queries(causal, q_start, kv_start)
         ids = ring_documents.pair_ids(q_tok, kv_tok, empty)
-        if not _cudnn_static(plan, diagonal).graph_spec.segment_mask:
+        if not cudnn_static(plan, diagonal).graph_spec.segment_mask:
             return block(diagonal, ids)
         # The dense twin (a score_mod) computes every tile whatever the ids: a pair without work skips.
         return lambda *args: jax.lax.cond(jnp.any(ids[0] > 0), block(diagonal, ids), skip, *args)
     if known is not None:
         return block(known == MASKED)
-    status, branches = _pair_status(plan, q_start, kv_start), (skip, block(False), block(True))
+    status, branches = pair_status(plan, q_start, kv_start), (skip, block(False), block(True))
     return lambda *args: jax.lax.switch(status, branches, *args)
 
 
 def _xla_switch(plan: RingPlan, known: int | None, q_start, kv_start, skip, run):
     """An XLA block (the same function FULL or MASKED): `run` where it attends on every device, else
-    `lax.switch` by `_pair_status` between `skip` and `run`."""
+    `lax.switch` by `pair_status` between `skip` and `run`."""
     if known is not None:
         return run
-    status = _pair_status(plan, q_start, kv_start)
+    status = pair_status(plan, q_start, kv_start)
     return lambda *args: jax.lax.switch(status, (skip, run, run), *args)
 
 
@@ -315,7 +179,59 @@ def _pass(plan: RingPlan, tree: Any) -> Any:
     return jax.lax.ppermute(tree, plan.axis, [(i, (i + 1) % plan.size) for i in range(plan.size)])
 
 
+def _step_call(plan: RingPlan, arrays, q_tok, kv_tok, step: int, me: Any) -> tuple[Any, Any]:
+    """(static graph, operands) of a `whole_steps` step: the device's whole query block against the
+    whole key block visiting at `step`, over the documents both hold, limited to the chunks whose
+    pairs attend (`pair_status`, traced; a rectangle, `ring_documents`)."""
+    c, first = plan.chunks, step == 0
+    q_starts, kv_starts = plan.offsets(me, plan.q_chunk), plan.offsets((me - step) % plan.size, plan.kv_chunk)
+    attends = [[pair_status(plan, q_starts[a], kv_starts[j]) != SKIP for j in range(c)] for a in range(c)]
+    per_token = lambda flags, chunk: jnp.repeat(jnp.stack(flags), chunk)[None, :]  # noqa: E731
+    q_allowed = per_token([functools.reduce(jnp.logical_or, attends[a]) for a in range(c)], plan.q_chunk)
+    kv_allowed = per_token([functools.reduce(jnp.logical_or, [attends[a][j] for a in range(c)]) for j in range(c)],
+                           plan.kv_chunk)
+    spec = plan.step_spec(first)
+    ids = ring_documents.step_ids(q_tok, kv_tok, q_allowed, kv_allowed, plan.spec.max_segments, spec.max_segments)
+    static = registry.primary().block_static(spec, plan.block_ir, dict(plan.scalars))
+    return static, _cudnn_operands(plan, static, arrays, None, None, ids)
+
+
+def _whole_steps_forward(plan: RingPlan, q, k, v, extras) -> tuple[Any, Any]:
+    """`_ring_forward` with one call a step over the whole blocks (`RingPlan.whole_steps`)."""
+    me = jax.lax.axis_index(plan.axis)
+    rows = jnp.zeros_like(q[..., :1], jnp.float32)  # made from q: see `_ring_forward`
+    acc = (jnp.broadcast_to(rows, q.shape[:3] + (v.shape[-1],)), jnp.swapaxes(jnp.full_like(rows[..., 0], -jnp.inf), 1, 2))
+    visiting = (k, v, extras["kv_tok"])
+    for step in range(plan.size):
+        arriving = _pass(plan, visiting) if step < plan.size - 1 else None  # in flight during this step
+        static, aux = _step_call(plan, extras["arrays"], extras["q_tok"], visiting[2], step, me)
+        acc = merge(acc, registry.primary().block_forward(static, q, visiting[0], visiting[1], aux))
+        visiting = arriving
+    return acc[0].astype(q.dtype), acc[1]
+
+
+def _whole_steps_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o) -> tuple[Any, Any, Any]:
+    """`_ring_backward` with one call a step over the whole blocks (`RingPlan.whole_steps`)."""
+    me = jax.lax.axis_index(plan.axis)
+    o_io, backward = o.astype(q.dtype), registry.primary().block_backward
+    dq = jnp.zeros_like(q, jnp.float32)
+    d_kv = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
+    visiting = (k, v, extras["kv_tok"])
+    for step in range(plan.size):
+        arriving = _pass(plan, visiting) if step < plan.size - 1 else None
+        static, aux = _step_call(plan, extras["arrays"], extras["q_tok"], visiting[2], step, me)
+        grads = backward(static, q, visiting[0], visiting[1], aux, o_io, lse, d_o)
+        dq = dq + grads[0].astype(jnp.float32)
+        d_kv = (d_kv[0] + grads[1].astype(jnp.float32), d_kv[1] + grads[2].astype(jnp.float32))
+        if plan.size > 1:  # dk/dv travel with their key/value block; one more pass brings them home
+            d_kv = _pass(plan, d_kv)
+        visiting = arriving
+    return dq.astype(q.dtype), d_kv[0].astype(k.dtype), d_kv[1].astype(v.dtype)
+
+
 def _ring_forward(plan: RingPlan, q, k, v, extras) -> tuple[Any, Any]:
+    if plan.whole_steps:
+        return _whole_steps_forward(plan, q, k, v, extras)
     me = jax.lax.axis_index(plan.axis)
     c = plan.chunks
     q_starts = plan.offsets(me, plan.q_chunk)
@@ -344,6 +260,8 @@ def _ring_forward(plan: RingPlan, q, k, v, extras) -> tuple[Any, Any]:
 
 
 def _ring_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o) -> tuple[Any, Any, Any]:
+    if plan.whole_steps:
+        return _whole_steps_backward(plan, q, k, v, extras, o, lse, d_o)
     me = jax.lax.axis_index(plan.axis)
     c = plan.chunks
     q_starts = plan.offsets(me, plan.q_chunk)

@@ -11,7 +11,15 @@ which the block graph's operands follow (per-slot lengths and token offsets, `se
 slot m is the same document on both sides. Padding, segments past max_segments and documents the
 other side does not hold get id 0: rows that hold no result of this pair, which the block masks.
 
-How a pair runs (per device): every pair runs its block graph, the same calls on every device, with
+Packed graphs (no score_mod) run one call a step over the device's whole query block and the whole
+visiting key block (`step_ids`, `ring_plan.RingPlan.whole_steps`): the device's chunks lie in sequence
+order in its block, so every document keeps its tokens contiguous there; on the first step the call
+is the block with itself (causal per document when the call is causal: local order is global order),
+and on every later step the pairs that may attend form a rectangle (with load balancing under a
+causal mask: both query chunks against the visitor's first chunk, or the second query chunk against
+both), so masking tokens outside it per side leaves a call without a causal mask.
+
+The dense twin (with a score_mod) runs per pair. How a pair runs (per device): every pair runs its block graph, the same calls on every device, with
 no branch (a `lax.switch` would be a conditional XLA evaluates with the host, one per pair and step):
 - the diagonal pair (a chunk with itself, which is static: the first step, same chunk index) runs
   causal per document when the call is causal (both sides are the same tokens, so top-left causal
@@ -55,3 +63,36 @@ def pair_ids(q_facts: tuple[Any, Any, Any], kv_facts: tuple[Any, Any, Any], empt
 def keys_after_queries(causal: bool, q_start: Any, kv_start: Any) -> Any:
     """Whether a pair of chunks at these global offsets has nothing to compute under the call's causal mask."""
     return jnp.bool_(False) if not causal else kv_start > q_start
+
+
+def step_slots(max_segments: int, local: int, chunks: int, first: bool) -> int:
+    """Document slots of a step's one call over the device's whole blocks (`step_ids`): every local
+    document on the first step (the device's tokens with themselves), else at most one per pair of
+    chunks (two different chunks share at most one document)."""
+    return min(max_segments, local) if first else min(max_segments, chunks * chunks)
+
+
+def step_ids(q_facts: tuple[Any, Any, Any], kv_facts: tuple[Any, Any, Any], q_allowed: Any, kv_allowed: Any,
+             max_segments: int, slots: int) -> tuple[Any, Any]:
+    """(query ids, key ids), (B, L) int32 each, for one call over a device's whole query block and the
+    whole visiting key block: 1 + the slot of each document both sides hold, numbered in sequence
+    order on both sides (so slot m is the same document on both), 0 elsewhere and where the side's
+    token is not `*_allowed` (B, L) bool. A device's chunks lie in sequence order and a document is
+    contiguous, so each document's tokens are contiguous on each side, as a packed graph needs.
+
+    `*_facts`: (position in segment, valid, segment number <= max_segments) per token."""
+    (_, q_valid, q_run), (_, kv_valid, kv_run) = q_facts, kv_facts
+    q_valid, kv_valid = q_valid & q_allowed, kv_valid & kv_allowed
+    rows = jnp.arange(q_run.shape[0])[:, None]
+
+    def holds(run, valid):  # (B, max_segments + 1): which segment numbers the side holds
+        return jnp.zeros((run.shape[0], max_segments + 1), bool).at[rows, jnp.where(valid, run, 0)].max(valid)
+
+    shared = holds(q_run, q_valid) & holds(kv_run, kv_valid)
+    slot = jnp.where(shared, jnp.cumsum(shared, axis=1), 0).astype(jnp.int32)
+    slot = jnp.where(slot <= slots, slot, 0)  # never more than `slots` (step_slots' bound), kept safe
+
+    def side(run, valid):
+        return jnp.where(valid, jnp.take_along_axis(slot, jnp.where(valid, run, 0), axis=1), 0).astype(jnp.int32)
+
+    return side(q_run, q_valid), side(kv_run, kv_valid)
