@@ -347,7 +347,7 @@ def run_cp_long(quick, cpu, record, only):
                 one = result
             elif "ms" in result:
                 result["speedup"] = one["ms"] / result["ms"]
-                if one.get("peak_bytes") and result.get("peak_bytes"):
+                if memory and one.get("peak_bytes") and result.get("peak_bytes"):  # peaks of a process each
                     result["memory_ratio"] = result["peak_bytes"] / one["peak_bytes"]
             record(result)
             key = f"{label} T{length}"
