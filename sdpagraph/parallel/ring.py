@@ -20,13 +20,12 @@ the pair is left out or runs its graph directly; elsewhere a `lax.switch` decide
 Block backends: cuDNN (`registry.primary()`) runs its forward and backward graphs (`block_*`): the
 unmasked graph, and for the diagonal pair the causal one (equal offsets: local causal is global
 causal); a score_mod runs in both, and one that reads positions gets the pair's global offsets as
-int32 operands (`RingPlan.block_ir`), so the graphs stay the same at every step. Packed documents run
-packed (THD) block graphs over the documents the pair shares (`ring_documents`): one document off
-the diagonal, every document of the chunk on it; with a score_mod (which the packed graphs do not
-take) the dense twin of those graphs, given each query's document bounds in the key chunk. The
-packed graphs run as one call a step over the device's whole query block and the visiting key block
-(`RingPlan.whole_steps`, `ring_documents.step_ids`), without a branch: the ring is the same calls on
-every device. XLA
+int32 operands (`RingPlan.block_ir`), so the graphs stay the same at every step. Packed documents
+run one packed (THD) call a step over the device's whole query block and the visiting key block,
+over the documents both hold (`RingPlan.whole_steps`, `ring_documents.step_ids`), without a branch:
+the ring is the same calls on every device. With a score_mod (which the packed graphs do not take)
+they run per pair on the dense twin, given each query's document bounds in the key chunk: one
+document off the diagonal, every document of the chunk on it (`ring_documents.pair_ids`). XLA
 (`registry.reference()`) runs with each token's global position (`masking.TokenLayout`), so masks, windows, chunks, packed segments and
 score_mods that read positions see global positions; its backward is jax's vjp of the block with
 the final output and logsumexp folded in (`_xla_pair_backward`).

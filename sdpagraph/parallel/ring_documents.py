@@ -1,5 +1,5 @@
-"""Packed documents (self-attention `segment_ids`) on the ring's cuDNN blocks: which documents a
-(query chunk, key chunk) pair shares, as the pair-local segment ids its packed (THD) block graph takes.
+"""Packed documents (self-attention `segment_ids`) on the ring's cuDNN blocks: which documents the
+two sides of a call share, as the call-local segment ids its graph takes.
 
 A chunk is a contiguous range of the natural sequence (load balancing moves whole chunks), and a
 document, a run of equal segment ids (`segments.metadata`), is contiguous too. So the documents of a
@@ -19,15 +19,15 @@ and on every later step the pairs that may attend form a rectangle (with load ba
 causal mask: both query chunks against the visitor's first chunk, or the second query chunk against
 both), so masking tokens outside it per side leaves a call without a causal mask.
 
-The dense twin (with a score_mod) runs per pair. How a pair runs (per device): every pair runs its block graph, the same calls on every device, with
-no branch (a `lax.switch` would be a conditional XLA evaluates with the host, one per pair and step):
+The dense twin (with a score_mod) runs per (query chunk, key chunk) pair (`pair_ids`):
 - the diagonal pair (a chunk with itself, which is static: the first step, same chunk index) runs
   causal per document when the call is causal (both sides are the same tokens, so top-left causal
   within each document is global causal);
 - every other pair runs non-causal: under a causal mask every key of an earlier chunk precedes every
   query of a later one, and a pair whose keys come after its queries gets ids 0 on both sides
-  (`pair_ids`' `empty`). A pair that shares no document has ids 0 too: its packed graph holds no
-  sequence, so cuDNN does next to no work, and the block masks its rows (output 0, logsumexp -inf).
+  (`pair_ids`' `empty`). The twin computes every tile whatever the ids, so a pair that shares no
+  document skips its call (`ring._cudnn_pair`, `lax.cond`); rows outside the pair's documents are
+  masked by the block (output 0, logsumexp -inf).
 """
 from __future__ import annotations
 
