@@ -491,7 +491,7 @@ def test_a_pairs_status_is_static_where_every_device_has_the_same(cp, load_balan
     """`RingPlan.static_status`: the pair's traced status (`pair_status`) where it is the same on
     every device at that step, else None. Load-balanced causal: at step 0 every pair is known (the
     diagonals MASKED, first-chunk queries against second-chunk keys SKIP, the other way FULL); later,
-    only like-numbered chunk pairs differ between devices."""
+    only like-numbered chunk pairs differ between devices, and those that attend form a rectangle."""
     import jax.numpy as jnp
 
     from sdpagraph.call import prepare_call
@@ -500,14 +500,21 @@ def test_a_pairs_status_is_static_where_every_device_has_the_same(cp, load_balan
     q = jax.ShapeDtypeStruct((1, 16 * cp, 2, 8), jnp.float32)
     plan = ring_plan.RingPlan(prepare_call(q, q, q, is_causal=True).spec, "cp", cp, load_balanced, "xla", None, ())
     chunks = plan.chunks
+    status = lambda me, step, a, j: int(ring_plan.pair_status(  # noqa: E731
+        plan, plan.offsets(me, plan.q_chunk)[a], plan.offsets((me - step) % cp, plan.kv_chunk)[j]))
     for step in range(cp):
         for a in range(chunks):
             for j in range(chunks):
-                traced = {int(ring_plan.pair_status(plan, plan.offsets(me, plan.q_chunk)[a],
-                                                plan.offsets((me - step) % cp, plan.kv_chunk)[j]))
-                          for me in range(cp)}
+                traced = {status(me, step, a, j) for me in range(cp)}
                 known = plan.static_status(step, a, j)
                 assert known == (traced.pop() if len(traced) == 1 else None), (step, a, j)
+    # After the first step, the pairs that attend on a device are every pair of some query chunks with
+    # some key chunks: per-token masks of each side express them (the documents ring's `whole_steps`).
+    for step in range(1, cp):
+        for me in range(cp):
+            attends = np.array([[status(me, step, a, j) != ring_plan.SKIP for j in range(chunks)]
+                                for a in range(chunks)])
+            assert np.array_equal(attends, np.outer(attends.any(axis=1), attends.any(axis=0))), (step, me)
     if load_balanced:
         assert [plan.static_status(0, a, j) for a, j in ((0, 0), (0, 1), (1, 0), (1, 1))] == [
             ring_plan.MASKED, ring_plan.SKIP, ring_plan.FULL, ring_plan.MASKED]

@@ -22,10 +22,10 @@ unmasked graph, and for the diagonal pair the causal one (equal offsets: local c
 causal); a score_mod runs in both, and one that reads positions gets the pair's global offsets as
 int32 operands (`RingPlan.block_ir`), so the graphs stay the same at every step. Packed documents
 run one packed (THD) call a step over the device's whole query block and the visiting key block,
-over the documents both hold (`RingPlan.whole_steps`, `ring_documents.step_ids`), without a branch:
+over the documents both hold (`RingPlan.whole_steps`, `ring_documents.shared_ids`), without a branch:
 the ring is the same calls on every device. With a score_mod (which the packed graphs do not take)
 they run per pair on the dense twin, given each query's document bounds in the key chunk: one
-document off the diagonal, every document of the chunk on it (`ring_documents.pair_ids`). XLA
+document off the diagonal, every document of the chunk on it. XLA
 (`registry.reference()`) runs with each token's global position (`masking.TokenLayout`), so masks, windows, chunks, packed segments and
 score_mods that read positions see global positions; its backward is jax's vjp of the block with
 the final output and logsumexp folded in (`_xla_pair_backward`).
@@ -72,7 +72,7 @@ def _xla_pair(plan: RingPlan, arrays: Mapping[str, Any], q, k, v, layout: TokenL
 def _cudnn_operands(plan: RingPlan, static: Any, arrays: Mapping[str, Any], q_start: Any, kv_start: Any,
                     ids: tuple[Any, Any] | None) -> Any:
     """The block graph's operands: the score_mod's arrays, the pair's global offsets when it reads
-    positions, and with packed documents the pair's document ids (`ring_documents.pair_ids`)."""
+    positions, and with packed documents the call's document ids (`ring_documents.shared_ids`)."""
     if plan.reads_positions:
         arrays = with_offsets(arrays, q_start, kv_start)
     q_ids, kv_ids = (None, None) if ids is None else ids
@@ -86,20 +86,19 @@ def _cudnn_pair(plan: RingPlan, arrays, q_start, kv_start, q_tok, kv_tok, known:
     runs a block graph. Dense: the graph its status names, the off-diagonal one (FULL) or the diagonal
     one (MASKED on cuDNN is only ever the diagonal pair of a causal call, `cudnn_reason`): `known`
     where the status is the same on every device (`RingPlan.static_status`), else `lax.switch` by
-    `pair_status` between those and `skip`. Packed documents: no branch; the pair runs the packed graph `diagonal` (static)
-    names over the documents it shares, none when it has nothing to compute (`ring_documents`); their
-    dense twin (with a score_mod) runs under `lax.cond`, skipped where the pair shares no document."""
+    `pair_status` between those and `skip`. Packed documents come here only on their dense twin (with
+    a score_mod; packed graphs run `whole_steps`): the graph `diagonal` (static) names, over the
+    documents the pair shares, under `lax.cond`, skipped where it has nothing to compute."""
     def block(diagonal, ids=None):
         static = cudnn_static(plan, diagonal)
         return lambda *args: run(static, _cudnn_operands(plan, static, arrays, q_start, kv_start, ids), *args)
 
     if plan.documents:
         causal = plan.spec.is_causal and not diagonal and known is None  # known: attends on every device
-        empty = ring_documents.keys_after_queries(causal, q_start, kv_start)
-        ids = ring_documents.pair_ids(q_tok, kv_tok, empty)
-        if not cudnn_static(plan, diagonal).graph_spec.segment_mask:
-            return block(diagonal, ids)
-        # The dense twin (a score_mod) computes every tile whatever the ids: a pair without work skips.
+        attends = ~ring_documents.keys_after_queries(causal, q_start, kv_start)
+        ids = ring_documents.shared_ids(q_tok, kv_tok, attends, attends, plan.spec.max_segments,
+                                        cudnn_static(plan, diagonal).spec.max_segments)
+        # The dense twin computes every tile whatever the ids: a pair without work skips.
         return lambda *args: jax.lax.cond(jnp.any(ids[0] > 0), block(diagonal, ids), skip, *args)
     if known is not None:
         return block(known == MASKED)
@@ -178,10 +177,20 @@ def _pass(plan: RingPlan, tree: Any) -> Any:
     return jax.lax.ppermute(tree, plan.axis, [(i, (i + 1) % plan.size) for i in range(plan.size)])
 
 
+def _nothing_attended(q: Any, head_dim_v: int) -> tuple[Any, Any]:
+    """(output 0 (B, T, N, head_dim_v) fp32, logsumexp -inf (B, N, T)) of queries `q` before any key:
+    made from q (`*_like`), so that inside a user's shard_map they vary over its axes as the computed
+    results do."""
+    rows = jnp.zeros_like(q[..., :1], jnp.float32)
+    lse = jnp.swapaxes(jnp.full_like(rows[..., 0], -jnp.inf), 1, 2)
+    return jnp.broadcast_to(rows, q.shape[:3] + (head_dim_v,)), lse
+
+
 def _step_call(plan: RingPlan, arrays, q_tok, kv_tok, step: int, me: Any) -> tuple[Any, Any]:
     """(static graph, operands) of a `whole_steps` step: the device's whole query block against the
     whole key block visiting at `step`, over the documents both hold, limited to the chunks whose
-    pairs attend (`pair_status`, traced; a rectangle, `ring_documents`)."""
+    pairs attend (`pair_status`, traced; a rectangle, `ring_documents`, which
+    test_a_pairs_status_is_static_where_every_device_has_the_same checks for every cp)."""
     c, first = plan.chunks, step == 0
     q_starts, kv_starts = plan.offsets(me, plan.q_chunk), plan.offsets((me - step) % plan.size, plan.kv_chunk)
     attends = [[pair_status(plan, q_starts[a], kv_starts[j]) != SKIP for j in range(c)] for a in range(c)]
@@ -190,7 +199,7 @@ def _step_call(plan: RingPlan, arrays, q_tok, kv_tok, step: int, me: Any) -> tup
     kv_allowed = per_token([functools.reduce(jnp.logical_or, [attends[a][j] for a in range(c)]) for j in range(c)],
                            plan.kv_chunk)
     spec = plan.step_spec(first)
-    ids = ring_documents.step_ids(q_tok, kv_tok, q_allowed, kv_allowed, plan.spec.max_segments, spec.max_segments)
+    ids = ring_documents.shared_ids(q_tok, kv_tok, q_allowed, kv_allowed, plan.spec.max_segments, spec.max_segments)
     static = registry.primary().block_static(spec, plan.block_ir, dict(plan.scalars))
     return static, _cudnn_operands(plan, static, arrays, None, None, ids)
 
@@ -198,8 +207,7 @@ def _step_call(plan: RingPlan, arrays, q_tok, kv_tok, step: int, me: Any) -> tup
 def _whole_steps_forward(plan: RingPlan, q, k, v, extras) -> tuple[Any, Any]:
     """`_ring_forward` with one call a step over the whole blocks (`RingPlan.whole_steps`)."""
     me = jax.lax.axis_index(plan.axis)
-    rows = jnp.zeros_like(q[..., :1], jnp.float32)  # made from q: see `_ring_forward`
-    acc = (jnp.broadcast_to(rows, q.shape[:3] + (v.shape[-1],)), jnp.swapaxes(jnp.full_like(rows[..., 0], -jnp.inf), 1, 2))
+    acc = _nothing_attended(q, v.shape[-1])
     visiting = (k, v, extras["kv_tok"])
     for step in range(plan.size):
         arriving = _pass(plan, visiting) if step < plan.size - 1 else None  # in flight during this step
@@ -235,12 +243,7 @@ def _ring_forward(plan: RingPlan, q, k, v, extras) -> tuple[Any, Any]:
     c = plan.chunks
     q_starts = plan.offsets(me, plan.q_chunk)
     qs, q_toks = _split(q, c), _tok_chunks(extras["q_tok"], c)
-    b, _, n, _ = q.shape
-    # Nothing attended yet: output 0, logsumexp -inf; made from q (`*_like`) so that inside a user's
-    # shard_map they vary over its axes as the computed results do.
-    rows = [jnp.zeros_like(x[..., :1], jnp.float32) for x in qs]
-    acc = [(jnp.broadcast_to(r, (b, plan.q_chunk, n, v.shape[-1])),
-            jnp.swapaxes(jnp.full_like(r[..., 0], -jnp.inf), 1, 2)) for r in rows]
+    acc = [_nothing_attended(x, v.shape[-1]) for x in qs]
     visiting = (k, v, extras["kv_tok"])
     for step in range(plan.size):
         arriving = _pass(plan, visiting) if step < plan.size - 1 else None  # in flight during this step

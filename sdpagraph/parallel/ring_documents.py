@@ -2,30 +2,29 @@
 two sides of a call share, as the call-local segment ids its graph takes.
 
 A chunk is a contiguous range of the natural sequence (load balancing moves whole chunks), and a
-document, a run of equal segment ids (`segments.metadata`), is contiguous too. So the documents of a
-chunk are the runs from the first to the last of its valid tokens, and two chunks share the runs
-max(firsts) .. min(lasts). Two different chunks share at most one document (it must hold the last
-token of the earlier chunk); a chunk shares each of its documents, at most min(max_segments, chunk
-length), with itself. Numbering the shared runs 1, 2, ... on both sides gives each side's ids, from
+document, a run of equal segment ids (`segments.metadata`), is contiguous too. Two different chunks
+share at most one document (it must hold the last token of the earlier chunk); a chunk shares each
+of its documents, at most min(max_segments, chunk length), with itself. Numbering the documents
+both sides of a call hold 1, 2, ... in sequence order gives each side's ids (`shared_ids`), from
 which the block graph's operands follow (per-slot lengths and token offsets, `segment_metadata`):
 slot m is the same document on both sides. Padding, segments past max_segments and documents the
-other side does not hold get id 0: rows that hold no result of this pair, which the block masks.
+other side does not hold get id 0: rows that hold no result of the call, which the block masks.
 
 Packed graphs (no score_mod) run one call a step over the device's whole query block and the whole
-visiting key block (`step_ids`, `ring_plan.RingPlan.whole_steps`): the device's chunks lie in sequence
+visiting key block (`ring_plan.RingPlan.whole_steps`): the device's chunks lie in sequence
 order in its block, so every document keeps its tokens contiguous there; on the first step the call
 is the block with itself (causal per document when the call is causal: local order is global order),
 and on every later step the pairs that may attend form a rectangle (with load balancing under a
 causal mask: both query chunks against the visitor's first chunk, or the second query chunk against
 both), so masking tokens outside it per side leaves a call without a causal mask.
 
-The dense twin (with a score_mod) runs per (query chunk, key chunk) pair (`pair_ids`):
+The dense twin (with a score_mod) runs per (query chunk, key chunk) pair:
 - the diagonal pair (a chunk with itself, which is static: the first step, same chunk index) runs
   causal per document when the call is causal (both sides are the same tokens, so top-left causal
   within each document is global causal);
 - every other pair runs non-causal: under a causal mask every key of an earlier chunk precedes every
   query of a later one, and a pair whose keys come after its queries gets ids 0 on both sides
-  (`pair_ids`' `empty`). The twin computes every tile whatever the ids, so a pair that shares no
+  (`keys_after_queries`). The twin computes every tile whatever the ids, so a pair that shares no
   document skips its call (`ring._cudnn_pair`, `lax.cond`); rows outside the pair's documents are
   masked by the block (output 0, logsumexp -inf).
 """
@@ -41,44 +40,26 @@ def slots(max_segments: int, chunk: int, diagonal: bool) -> int:
     return min(max_segments, chunk) if diagonal else 1
 
 
-def pair_ids(q_facts: tuple[Any, Any, Any], kv_facts: tuple[Any, Any, Any], empty: Any = False) -> tuple[Any, Any]:
-    """(query ids, key ids), (B, chunk) int32 each: 1 + the shared document's slot, 0 elsewhere, and
-    0 everywhere where `empty` (traced bool: the pair has nothing to compute).
-
-    `*_facts`: (position in segment, valid, segment number) per token of each chunk
-    (`context_parallel._token_facts`, from the whole sequence)."""
-    (_, q_valid, q_run), (_, kv_valid, kv_run) = q_facts, kv_facts
-    first = lambda run, valid: jnp.min(jnp.where(valid, run, jnp.iinfo(jnp.int32).max), axis=1)  # noqa: E731
-    last = lambda run, valid: jnp.max(jnp.where(valid, run, 0), axis=1)  # noqa: E731
-    lo = jnp.maximum(first(q_run, q_valid), first(kv_run, kv_valid))[:, None]
-    hi = jnp.minimum(last(q_run, q_valid), last(kv_run, kv_valid))[:, None]
-
-    def local(run, valid):
-        shared = valid & (run >= lo) & (run <= hi) & ~empty
-        return jnp.where(shared, run - lo + 1, 0).astype(jnp.int32)
-
-    return local(q_run, q_valid), local(kv_run, kv_valid)
-
-
 def keys_after_queries(causal: bool, q_start: Any, kv_start: Any) -> Any:
     """Whether a pair of chunks at these global offsets has nothing to compute under the call's causal mask."""
     return jnp.bool_(False) if not causal else kv_start > q_start
 
 
 def step_slots(max_segments: int, local: int, chunks: int, first: bool) -> int:
-    """Document slots of a step's one call over the device's whole blocks (`step_ids`): every local
+    """Document slots of a step's one call over the device's whole blocks: every local
     document on the first step (the device's tokens with themselves), else at most one per pair of
     chunks (two different chunks share at most one document)."""
     return min(max_segments, local) if first else min(max_segments, chunks * chunks)
 
 
-def step_ids(q_facts: tuple[Any, Any, Any], kv_facts: tuple[Any, Any, Any], q_allowed: Any, kv_allowed: Any,
+def shared_ids(q_facts: tuple[Any, Any, Any], kv_facts: tuple[Any, Any, Any], q_allowed: Any, kv_allowed: Any,
              max_segments: int, slots: int) -> tuple[Any, Any]:
-    """(query ids, key ids), (B, L) int32 each, for one call over a device's whole query block and the
-    whole visiting key block: 1 + the slot of each document both sides hold, numbered in sequence
-    order on both sides (so slot m is the same document on both), 0 elsewhere and where the side's
-    token is not `*_allowed` (B, L) bool. A device's chunks lie in sequence order and a document is
-    contiguous, so each document's tokens are contiguous on each side, as a packed graph needs.
+    """(query ids, key ids), (B, L) int32 each, of a call over some of a device's query tokens and some
+    visiting key tokens (a chunk pair, or the whole blocks): 1 + the slot of each document both sides
+    hold, numbered in sequence order on both sides (so slot m is the same document on both), 0
+    elsewhere and where the side's token is not `*_allowed` (bool, broadcast against (B, L)). A
+    device's chunks lie in sequence order and a document is contiguous, so each document's tokens
+    are contiguous on each side, as the block graph needs.
 
     `*_facts`: (position in segment, valid, segment number <= max_segments) per token."""
     (_, q_valid, q_run), (_, kv_valid, kv_run) = q_facts, kv_facts
@@ -90,7 +71,7 @@ def step_ids(q_facts: tuple[Any, Any, Any], kv_facts: tuple[Any, Any, Any], q_al
 
     shared = holds(q_run, q_valid) & holds(kv_run, kv_valid)
     slot = jnp.where(shared, jnp.cumsum(shared, axis=1), 0).astype(jnp.int32)
-    slot = jnp.where(slot <= slots, slot, 0)  # never more than `slots` (step_slots' bound), kept safe
+    slot = jnp.where(slot <= slots, slot, 0)  # never more than `slots` (`slots`, `step_slots`), kept safe
 
     def side(run, valid):
         return jnp.where(valid, jnp.take_along_axis(slot, jnp.where(valid, run, 0), axis=1), 0).astype(jnp.int32)

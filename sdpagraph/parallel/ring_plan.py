@@ -101,24 +101,9 @@ class RingPlan:
 
     @functools.cached_property
     def whole_steps(self) -> bool:
-        """Whether each step runs one call over the device's whole blocks (`ring_documents.step_ids`):
+        """Whether each step runs one call over the device's whole blocks (`ring_documents.shared_ids`):
         packed documents on packed graphs (not their dense twin, which a score_mod needs)."""
-        return (self.documents and not cudnn_static(self, True).graph_spec.segment_mask
-                and self._later_steps_attend_in_rectangles())
-
-    def _later_steps_attend_in_rectangles(self) -> bool:
-        """Whether, on every device at every step after the first, the (query chunk, key chunk) pairs
-        that attend are every pair of some query chunks with some key chunks, which per-token masks
-        of each side express (`ring_documents.step_ids`). The first step's call is causal instead."""
-        table = device_chunks(self.size, self.load_balanced)
-        for step in range(1, self.size):
-            for me in range(self.size):
-                attends = np.array([[int(pair_status(self, table[me][a] * self.q_chunk,
-                                                     table[(me - step) % self.size][j] * self.kv_chunk, np)) != SKIP
-                                     for j in range(self.chunks)] for a in range(self.chunks)])
-                if not np.array_equal(attends, np.outer(attends.any(axis=1), attends.any(axis=0))):
-                    return False
-        return True
+        return self.documents and not cudnn_static(self, True).graph_spec.segment_mask
 
     def step_spec(self, first: bool) -> AttentionSpec:
         """The spec of a `whole_steps` call: the device's whole query block against a whole key block,
