@@ -80,6 +80,11 @@ def implementations(causal, score_mod=None, training=True, segment_ids=None):
     return impls
 
 
+# How FlexAttention runs in these benches, written next to its numbers.
+FLEX_SETUP = ("FlexAttention: torch.compile(flex_attention), compiled fresh for each case, block mask built once "
+              "per case (create_block_mask), timed with CUDA events")
+
+
 def torch_flex_ms(B, T, N, H, backward, segment_ids=None, softcap=True, fresh=True):
     """softcap(30)+causal (causal alone with `softcap=False`) through torch.compile(flex_attention),
     timed with CUDA events; with `segment_ids`, also document masking (FlexAttention's block mask
@@ -276,7 +281,8 @@ def main():
     text = table(rows, overhead)
     print(text)
     os.makedirs(args.out, exist_ok=True)
-    header = f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {time.strftime('%Y-%m-%d')}\n\n"
+    header = (f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; date {time.strftime('%Y-%m-%d')}; "
+              f"{FLEX_SETUP}\n\n")
     with open(os.path.join(args.out, "attention.md"), "w") as f:
         f.write(header + text + "\n")
     with open(os.path.join(args.out, "attention.json"), "w") as f:

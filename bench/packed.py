@@ -38,7 +38,7 @@ from sdpagraph.call import prepare_call
 from sdpagraph.segments.metadata import segment_metadata, segment_run_ids
 
 import report  # bench/ is on sys.path when a script here runs
-from attention import torch_flex_ms
+from attention import FLEX_SETUP, torch_flex_ms
 from jax_timing import time_ms
 
 N, H = 16, 128
@@ -291,8 +291,8 @@ def main():
     if report.gpu_missing("bench/packed.py"):
         return 2
     rows = run(not args.no_flex, [part for part in args.only.split(";") if part], args.batch_sharded)
-    report.write(args.out, "packed_sharded" if args.batch_sharded else "packed", f"bf16 N{N} H{H} causal; dense = causal over whole rows at the same shape",
-                 table(rows), rows)
+    setup = f"bf16 N{N} H{H} causal; dense = causal over whole rows at the same shape; {FLEX_SETUP}"
+    report.write(args.out, "packed_sharded" if args.batch_sharded else "packed", setup, table(rows), rows)
     return 0
 
 

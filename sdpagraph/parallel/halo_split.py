@@ -15,9 +15,9 @@ after the merge.
 
 `present` (traced bools, one per batch row or one for all; None: True) says whether a row's block
 has the halo at all: where it has none (the sequence's first block), the halo part still runs, on
-whatever keys arrived, and adds nothing (its logsumexp -inf forward, its dO zero backward). So every device runs the same two calls,
-where a `lax.switch` between "halo" and "no halo" made XLA copy the branch index to the host and
-wait for the device before each branch, on every step.
+whatever keys arrived, and adds nothing (its logsumexp -inf forward, its dO zero backward). So every
+device runs the same two calls, where a `lax.switch` between "halo" and "no halo" made XLA copy the
+branch index to the host and wait for the device before each branch, on every step.
 """
 from __future__ import annotations
 
