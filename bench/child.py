@@ -3,7 +3,7 @@
     run_child(code, args, env=None, timeout=900, label="") -> dict
 
 The child runs `python -c code *args` with the repository on PYTHONPATH and XLA's GPU memory not
-preallocated, and prints its result as one line `RESULT {json}`; that dict is returned. A child
+preallocated (and Python's fault handler on), and prints its result as one line `RESULT {json}`; that dict is returned. A child
 that fails or prints no result raises RuntimeError with `label` and the end of its output.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ PREFIX = "RESULT "
 
 def run_child(code: str, args: Sequence[str], env: Mapping[str, str] | None = None, timeout: int = 900,
               label: str = "") -> dict:
-    environment = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", **(env or {})}
+    # PYTHONFAULTHANDLER: a child that crashes in native code prints its Python stack.
+    environment = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONFAULTHANDLER": "1", **(env or {})}
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, environment.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-c", code, *args], env=environment, capture_output=True, text=True,
                           timeout=timeout)
