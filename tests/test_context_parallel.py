@@ -339,6 +339,12 @@ def test_ring_on_the_cudnn_path(name, load_balanced, axis_type, cudnn_ring):
     specs = {(s.q_len, s.kv_len, s.is_causal, d) for s, _, d in built}
     want = {(chunk, chunk, c, d) for c in {False, "causal" in name} for d in ("forward", "backward")}
     assert specs == want, specs
+    # Keys and values travel as one transfer: forward CP - 1; backward at most CP - 2 (the first visitor
+    # is the forward's; XLA may merge the others with the forward's) and CP - 1 for the dk/dv
+    # accumulators (ring._visits, ring._ring_backward). Keys and values apart, with dk/dv brought
+    # home after the last step, made 4 * CP - 2 after that merging.
+    permutes = len(re.findall(r"\bcollective-permute(?:-start)?\(", hlo))
+    assert 2 * (CP - 1) <= permutes <= 3 * CP - 4, f"{permutes} transfers (seed {seed})"
     if load_balanced and "causal" in name:  # RingPlan.static_status: 2 pairs a step >= 1 branch, fwd and bwd
         assert len(re.findall(r"\bconditional\(", hlo)) == 4 * (CP - 1), f"seed {seed}"
     if name in ("alibi_causal", "relative_jnp"):  # global positions: the pair's offsets are operands

@@ -261,22 +261,19 @@ def _token_facts(ids: Any, cp: int, load_balanced: bool, max_segments: int) -> A
     return tuple(load_balance(x, cp) for x in facts) if load_balanced else facts
 
 
-def _local_token_facts(ids: Any, axis: Any, cp: int, load_balanced: bool, max_segments: int) -> Any:
-    """`_token_facts` of this device's tokens, from its (B, T/cp) natural-order `ids`: computed from the
-    whole sequence's ids, gathered, inside the shard_map. (Over ids split along the sequence, XLA's SPMD
+def _whole_token_facts(ids: Any, axis: Any, cp: int, load_balanced: bool, max_segments: int) -> Any:
+    """`_token_facts` of the whole sequence, in the order of q, k, v (the ring cuts each block's out,
+    `ring._block_tok`), from this device's (B, T/cp) natural-order `ids`: computed from the whole
+    sequence's ids, gathered, inside the shard_map. (Over ids split along the sequence, XLA's SPMD
     partitioner ran the segment numbering's cumulative sum as a loop of T/cp steps: 0.4 s a step on
     2 GPUs at T32768.)"""
-    length = ids.shape[1]
-    whole = jax.lax.all_gather(ids, axis, axis=1, tiled=True)
-    me = jax.lax.axis_index(axis)
-    return tuple(jax.lax.dynamic_slice_in_dim(x, me * length, length, axis=1)
-                 for x in _token_facts(whole, cp, load_balanced, max_segments))
+    return _token_facts(jax.lax.all_gather(ids, axis, axis=1, tiled=True), cp, load_balanced, max_segments)
 
 
 def _ring(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, tok, sinks):
     plan = ring_plan.RingPlan(local, axis, cp, load_balanced, backend, call.score_mod,
                          tuple(sorted((call.inputs.mod_scalars or {}).items())), call.inputs.python_mods)
-    return ring.ring_attention(plan, q, k, v, {"arrays": arrays, "q_tok": tok, "kv_tok": tok}, sinks)
+    return ring.ring_attention(plan, q, k, v, {"arrays": arrays, "tok": tok}, sinks)
 
 
 def _halo(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, sinks):
@@ -340,7 +337,7 @@ def attention(call: PreparedCall, q: Any, k: Any, v: Any, *, axis: str, load_bal
             return _all_to_all(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, ids, sinks)
         if strategy == "halo":  # takes no segment ids (`halo.unsupported`)
             return _halo(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, sinks)
-        tok = None if ids is None else _local_token_facts(ids, axis, cp, load_balanced, call.spec.max_segments)
+        tok = None if ids is None else _whole_token_facts(ids, axis, cp, load_balanced, call.spec.max_segments)
         return _ring(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, tok, sinks)
 
     if how.manual:

@@ -52,6 +52,7 @@ from sdpagraph.numerics import gate as numerics_gate
 from sdpagraph.parallel.halo_split import SplitPlan, split_attention
 from sdpagraph.parallel.load_balance import device_chunks
 from sdpagraph.parallel.ring_plan import OFFSETS, with_offsets
+from sdpagraph.parallel.transfer import permute_pair
 from sdpagraph.scoremod.forms import PythonMods
 from sdpagraph.scoremod.ir import ScoreModIR, with_position_offsets
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
@@ -234,7 +235,7 @@ def _receive(plan: HaloPlan, kv: tuple[Any, Any], wanted: list, offset: int, len
         for source, slot in round_.values():
             slots[source] = slot
         pairs = [(source, d) for d, (source, _) in round_.items()]
-        candidates.append(jax.lax.ppermute(piece(slots), plan.axis, pairs))
+        candidates.append(permute_pair(piece(slots), plan.axis, pairs))
         for d in round_:
             choice[d] = len(candidates) - 1
             del remote[d]

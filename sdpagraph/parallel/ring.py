@@ -1,13 +1,17 @@
 """Ring attention: the body of a context-parallel call, run inside `jax.shard_map` on one device's
 blocks of q, k, v (sequence-split over the mesh axis `RingPlan.axis`).
 
-Forward: the key/value blocks (and their per-token facts, with packed segments) pass around the ring
-with `jax.lax.ppermute`, each transfer issued before the attention of the block already here, so
-XLA overlaps it with that compute. Every step attends the local queries to the visiting keys; the
-partial outputs merge by their logsumexp (`softmax_merge.merge`). Backward (`jax.custom_vjp`): a second ring
-passes key/value blocks with their dk/dv accumulators; each block's gradients are computed from the
-FINAL output and logsumexp, which makes them exact (the softmax of a block row is
-exp(score - final logsumexp)), and one last transfer brings each dk/dv home.
+Forward: the key/value blocks pass around the ring with `jax.lax.ppermute`, keys and values as one
+transfer (`transfer.paired`: XLA overlaps one transfer at a time with compute), each issued before
+the attention of the block already here, so XLA overlaps it with that compute. Every step attends
+the local queries to the visiting keys; the partial outputs merge by their logsumexp
+(`softmax_merge.merge`). Backward (`jax.custom_vjp`): the other blocks visit first, in the same order, the own
+block last, starting from the block that arrived first in the forward (kept as a residual); each
+block's dk/dv accumulator moves one device on after each step, in flight during the next step, and
+so arrives home for the last step instead of after it (`_visits`, `_ring_backward`). Each block's
+gradients are computed from the FINAL output and logsumexp, which makes them exact (the softmax of
+a block row is exp(score - final logsumexp)). Packed segments' per-token facts are computed for
+the whole sequence on every device, which cuts each visiting block's out (`_block_tok`).
 
 A device holds one chunk of the sequence, or two when load-balanced (`load_balance.device_chunks`).
 Work is done per (query chunk, key chunk) pair, whose global offsets decide if it is skipped (every
@@ -44,6 +48,7 @@ from sdpagraph.backends.masking import TokenLayout
 from sdpagraph.backends.softmax_merge import merge
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.parallel import ring_documents
+from sdpagraph.parallel.transfer import paired
 from sdpagraph.parallel.ring_plan import MASKED, SKIP, RingPlan, cudnn_static, pair_status, with_offsets
 
 # ----------------------------------------------------------------------------- one pair of chunks
@@ -172,9 +177,36 @@ def _tok_chunks(tok: Any, parts: int) -> list[Any]:
     return list(zip(*(jnp.split(x, parts, axis=1) for x in tok)))
 
 
+def _block_tok(plan: RingPlan, tok: Any, device: Any) -> Any:
+    """(position, valid, segment) of the tokens of `device`'s block (traced), cut from the whole
+    sequence's (`tok`, in the order of q, k, v), or None without packed segments: every device
+    derives any block's facts itself, so they need no transfer of their own."""
+    if tok is None:
+        return None
+    length = tok[0].shape[1] // plan.size
+    return tuple(jax.lax.dynamic_slice_in_dim(x, device * length, length, axis=1) for x in tok)
+
+
 def _pass(plan: RingPlan, tree: Any) -> Any:
     """Send to the next device along the ring."""
     return jax.lax.ppermute(tree, plan.axis, [(i, (i + 1) % plan.size) for i in range(plan.size)])
+
+
+def _visits(plan: RingPlan, k: Any, v: Any, first: Any = None) -> tuple[list[tuple[int, Any]], Any]:
+    """([(step, (k, v) visiting)] in the order the ring runs them, the key/value block that arrived
+    first). Step s holds the block of device me - s. Each transfer is issued before the step that
+    does not need it, so XLA overlaps the two. Forward (`first` None): the own block first, then
+    me - 1, me - 2, ...; backward (`first`: the block that arrived first in the forward, a residual):
+    the other blocks first and the own block last, so the dk/dv accumulators that travel the other
+    way round (`_ring_backward`) reach home during the last step instead of after it."""
+    order = list(range(plan.size)) if first is None else [*range(1, plan.size), 0]
+    travelling, arrived, visits = (paired(k, v) if first is None else first), None, []
+    for i, step in enumerate(order):
+        visits.append((step, (k, v) if step == 0 else (travelling[0], travelling[1])))
+        if i + 1 < len(order) and order[i + 1] != 0:
+            travelling = _pass(plan, travelling)
+            arrived = travelling if arrived is None else arrived
+    return visits, arrived
 
 
 def _nothing_attended(q: Any, head_dim_v: int) -> tuple[Any, Any]:
@@ -204,124 +236,115 @@ def _step_call(plan: RingPlan, arrays, q_tok, kv_tok, step: int, me: Any) -> tup
     return static, _cudnn_operands(plan, static, arrays, None, None, ids)
 
 
-def _whole_steps_forward(plan: RingPlan, q, k, v, extras) -> tuple[Any, Any]:
-    """`_ring_forward` with one call a step over the whole blocks (`RingPlan.whole_steps`)."""
-    me = jax.lax.axis_index(plan.axis)
-    acc = _nothing_attended(q, v.shape[-1])
-    visiting = (k, v, extras["kv_tok"])
-    for step in range(plan.size):
-        arriving = _pass(plan, visiting) if step < plan.size - 1 else None  # in flight during this step
-        static, aux = _step_call(plan, extras["arrays"], extras["q_tok"], visiting[2], step, me)
-        acc = merge(acc, registry.primary().block_forward(static, q, visiting[0], visiting[1], aux))
-        visiting = arriving
-    return acc[0].astype(q.dtype), acc[1]
+def _step_forward(plan: RingPlan, arrays, acc, q, kv, q_tok, kv_tok, step: int, me: Any) -> list[Any]:
+    """`acc` (per local query chunk: output fp32, logsumexp) merged with the key block visiting at
+    `step`: one call over the whole blocks (`RingPlan.whole_steps`, one chunk in `acc`) or one per
+    pair of chunks."""
+    if plan.whole_steps:
+        static, aux = _step_call(plan, arrays, q_tok, kv_tok, step, me)
+        return [merge(acc[0], registry.primary().block_forward(static, q, kv[0], kv[1], aux))]
+    c = plan.chunks
+    q_starts, kv_starts = plan.offsets(me, plan.q_chunk), plan.offsets((me - step) % plan.size, plan.kv_chunk)
+    qs, q_toks = _split(q, c), _tok_chunks(q_tok, c)
+    ks, vs, kv_toks = _split(kv[0], c), _split(kv[1], c), _tok_chunks(kv_tok, c)
+    acc = list(acc)
+    for a in range(c):
+        for j in range(c):
+            known = plan.static_status(step, a, j)
+            if known != SKIP:
+                acc[a] = _pair_forward(plan, arrays, acc[a], qs[a], ks[j], vs[j], q_starts[a], kv_starts[j],
+                                       q_toks[a], kv_toks[j], known, diagonal=step == 0 and a == j)
+    return acc
 
 
-def _whole_steps_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o) -> tuple[Any, Any, Any]:
-    """`_ring_backward` with one call a step over the whole blocks (`RingPlan.whole_steps`)."""
+def _ring_forward(plan: RingPlan, q, k, v, extras) -> tuple[Any, Any, Any]:
+    """(output, logsumexp, the key/value block that arrived first: the backward's first visitor)."""
     me = jax.lax.axis_index(plan.axis)
-    o_io, backward = o.astype(q.dtype), registry.primary().block_backward
-    dq = jnp.zeros_like(q, jnp.float32)
-    d_kv = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
-    visiting = (k, v, extras["kv_tok"])
-    for step in range(plan.size):
-        arriving = _pass(plan, visiting) if step < plan.size - 1 else None
-        static, aux = _step_call(plan, extras["arrays"], extras["q_tok"], visiting[2], step, me)
-        grads = backward(static, q, visiting[0], visiting[1], aux, o_io, lse, d_o)
+    parts = 1 if plan.whole_steps else plan.chunks
+    acc = [_nothing_attended(x, v.shape[-1]) for x in _split(q, parts)]
+    q_tok = _block_tok(plan, extras["tok"], me)
+    visits, arrived = _visits(plan, k, v)
+    for step, kv in visits:
+        kv_tok = _block_tok(plan, extras["tok"], (me - step) % plan.size)
+        acc = _step_forward(plan, extras["arrays"], acc, q, kv, q_tok, kv_tok, step, me)
+    out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
+    return out, jnp.concatenate([lse for _, lse in acc], axis=-1), arrived
+
+
+def _step_backward(plan: RingPlan, arrays, q, kv, q_tok, kv_tok, o, lse, d_o, step: int, me: Any) -> tuple:
+    """(dq, dk, dv) of the local queries against the key block visiting at `step`: one call over the
+    whole blocks (`RingPlan.whole_steps`, in the io dtype) or the sum over pairs of chunks (fp32)."""
+    if plan.whole_steps:
+        static, aux = _step_call(plan, arrays, q_tok, kv_tok, step, me)
+        return registry.primary().block_backward(static, q, kv[0], kv[1], aux, o.astype(q.dtype), lse, d_o)
+    c = plan.chunks
+    q_starts, kv_starts = plan.offsets(me, plan.q_chunk), plan.offsets((me - step) % plan.size, plan.kv_chunk)
+    d_rows = jnp.swapaxes(jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1), 1, 2)  # (B, N, T)
+    qs, q_toks, os_, dos = _split(q, c), _tok_chunks(q_tok, c), _split(o, c), _split(d_o, c)
+    lses, d_rowss = _split(lse, c, axis=-1), _split(d_rows, c, axis=-1)
+    ks, vs, kv_toks = _split(kv[0], c), _split(kv[1], c), _tok_chunks(kv_tok, c)
+    dq = [jnp.zeros_like(x, jnp.float32) for x in qs]  # `*_like`: varying as the results (see forward)
+    dks, dvs = [jnp.zeros_like(x, jnp.float32) for x in ks], [jnp.zeros_like(x, jnp.float32) for x in vs]
+    for j in range(c):
+        for a in range(c):
+            known = plan.static_status(step, a, j)
+            if known != SKIP:
+                dq[a], dks[j], dvs[j] = _pair_backward(
+                    plan, arrays, (dq[a], dks[j], dvs[j]), qs[a], ks[j], vs[j], q_starts[a], kv_starts[j],
+                    q_toks[a], kv_toks[j], os_[a], lses[a], dos[a], d_rowss[a], known, diagonal=step == 0 and a == j)
+    return tuple(jnp.concatenate(x, axis=1) for x in (dq, dks, dvs))
+
+
+def _ring_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o, first) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv). The key/value blocks visit in `_visits`' backward order (the others, then the
+    own); each block's dk/dv accumulator starts where the block is first computed, moves one device
+    on after every step, in flight during the next step's compute, and arrives home for the last."""
+    me = jax.lax.axis_index(plan.axis)
+    q_tok = _block_tok(plan, extras["tok"], me)
+    dq, d_kv = jnp.zeros_like(q, jnp.float32), None
+    visits, _ = _visits(plan, k, v, first)
+    for step, kv in visits:
+        kv_tok = _block_tok(plan, extras["tok"], (me - step) % plan.size)
+        grads = _step_backward(plan, extras["arrays"], q, kv, q_tok, kv_tok, o, lse, d_o, step, me)
         dq = dq + grads[0].astype(jnp.float32)
-        d_kv = (d_kv[0] + grads[1].astype(jnp.float32), d_kv[1] + grads[2].astype(jnp.float32))
-        if plan.size > 1:  # dk/dv travel with their key/value block; one more pass brings them home
-            d_kv = _pass(plan, d_kv)
-        visiting = arriving
+        # the first partial travels as computed; sums of partials in fp32
+        d_kv = grads[1:] if d_kv is None else tuple(d + x.astype(jnp.float32) for d, x in zip(d_kv, grads[1:]))
+        if step != 0:
+            d_kv = _pass(plan, paired(*d_kv))
+            d_kv = (d_kv[0], d_kv[1])
     return dq.astype(q.dtype), d_kv[0].astype(k.dtype), d_kv[1].astype(v.dtype)
 
 
-def _ring_forward(plan: RingPlan, q, k, v, extras) -> tuple[Any, Any]:
-    if plan.whole_steps:
-        return _whole_steps_forward(plan, q, k, v, extras)
-    me = jax.lax.axis_index(plan.axis)
-    c = plan.chunks
-    q_starts = plan.offsets(me, plan.q_chunk)
-    qs, q_toks = _split(q, c), _tok_chunks(extras["q_tok"], c)
-    acc = [_nothing_attended(x, v.shape[-1]) for x in qs]
-    visiting = (k, v, extras["kv_tok"])
-    for step in range(plan.size):
-        arriving = _pass(plan, visiting) if step < plan.size - 1 else None  # in flight during this step
-        kv_starts = plan.offsets((me - step) % plan.size, plan.kv_chunk)
-        ks, vs, kv_toks = _split(visiting[0], c), _split(visiting[1], c), _tok_chunks(visiting[2], c)
-        for a in range(c):
-            for j in range(c):
-                known = plan.static_status(step, a, j)
-                if known == SKIP:
-                    continue
-                acc[a] = _pair_forward(plan, extras["arrays"], acc[a], qs[a], ks[j], vs[j], q_starts[a], kv_starts[j],
-                                       q_toks[a], kv_toks[j], known, diagonal=step == 0 and a == j)
-        visiting = arriving
-    out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
-    return out, jnp.concatenate([lse for _, lse in acc], axis=-1)
-
-
-def _ring_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o) -> tuple[Any, Any, Any]:
-    if plan.whole_steps:
-        return _whole_steps_backward(plan, q, k, v, extras, o, lse, d_o)
-    me = jax.lax.axis_index(plan.axis)
-    c = plan.chunks
-    q_starts = plan.offsets(me, plan.q_chunk)
-    d_rows = jnp.swapaxes(jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1), 1, 2)  # (B, N, T)
-    qs, q_toks, os_, dos = _split(q, c), _tok_chunks(extras["q_tok"], c), _split(o, c), _split(d_o, c)
-    lses, d_rowss = _split(lse, c, axis=-1), _split(d_rows, c, axis=-1)
-    dq = [jnp.zeros_like(x, jnp.float32) for x in qs]  # `*_like`: varying as the results (see forward)
-    visiting = (k, v, extras["kv_tok"])
-    d_kv = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
-    for step in range(plan.size):
-        arriving = _pass(plan, visiting) if step < plan.size - 1 else None
-        kv_starts = plan.offsets((me - step) % plan.size, plan.kv_chunk)
-        ks, vs, kv_toks = _split(visiting[0], c), _split(visiting[1], c), _tok_chunks(visiting[2], c)
-        dks, dvs = _split(d_kv[0], c), _split(d_kv[1], c)
-        for j in range(c):
-            for a in range(c):
-                known = plan.static_status(step, a, j)
-                if known == SKIP:
-                    continue
-                dq[a], dks[j], dvs[j] = _pair_backward(
-                    plan, extras["arrays"], (dq[a], dks[j], dvs[j]), qs[a], ks[j], vs[j], q_starts[a], kv_starts[j],
-                    q_toks[a], kv_toks[j], os_[a], lses[a], dos[a], d_rowss[a], known, diagonal=step == 0 and a == j)
-        d_kv = (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
-        # dk/dv travel with their key/value block; after the last step one more pass brings them home.
-        if plan.size > 1:
-            d_kv = _pass(plan, d_kv)
-        visiting = arriving
-    return (jnp.concatenate(dq, axis=1).astype(q.dtype), d_kv[0].astype(k.dtype), d_kv[1].astype(v.dtype))
-
-
-def _forward_with_sinks(plan: RingPlan, q, k, v, extras, sinks) -> tuple[Any, Any]:
-    """The ring's merged (output, logsumexp), with the sinks joined once per row at the end."""
-    out, lse = _ring_forward(plan, q, k, v, extras)
+def _forward_with_sinks(plan: RingPlan, q, k, v, extras, sinks) -> tuple[Any, Any, Any]:
+    """The ring's merged (output, logsumexp), with the sinks joined once per row at the end, and the
+    key/value block that arrived first (`_ring_forward`)."""
+    out, lse, arrived = _ring_forward(plan, q, k, v, extras)
     if sinks is None:
-        return out, lse
-    return sinks_mod.apply(out, lse, sinks)
+        return out, lse, arrived
+    return (*sinks_mod.apply(out, lse, sinks), arrived)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def ring_attention(plan: RingPlan, q, k, v, extras, sinks=None) -> tuple[Any, Any]:
     """(output (B, T_local, N, Hv), logsumexp (B, N, T_local)) of the local queries over every key.
 
-    `extras`: {"arrays": score_mod arrays (B|1, N|1, 1, 1), "q_tok" / "kv_tok": (position, valid,
-    segment) per local token with packed segments, else None}; constants for differentiation.
+    `extras`: {"arrays": score_mod arrays (B|1, N|1, 1, 1), "tok": (position, valid, segment) per
+    token of the whole sequence, in the order of q, k, v, with packed segments, else None}; constants
+    for differentiation.
     `sinks`: attention sinks (N,) (`backends.sinks`), or None. The logsumexp is returned without a
     gradient, as on the cuDNN path."""
-    return _forward_with_sinks(plan, q, k, v, extras, sinks)
+    return _forward_with_sinks(plan, q, k, v, extras, sinks)[:2]
 
 
 def _ring_fwd(plan: RingPlan, q, k, v, extras, sinks=None):
-    out, lse = _forward_with_sinks(plan, q, k, v, extras, sinks)
-    return (out, lse), (q, k, v, extras, out, lse, sinks)
+    out, lse, arrived = _forward_with_sinks(plan, q, k, v, extras, sinks)
+    return (out, lse), (q, k, v, extras, out, lse, sinks, arrived)
 
 
 def _ring_bwd(plan: RingPlan, residuals, cotangents):
     # With sinks the blocks' backward is given the output and logsumexp with the sink: exact.
-    q, k, v, extras, out, lse, sinks = residuals
-    dq, dk, dv = _ring_backward(plan, q, k, v, extras, out, lse, cotangents[0])
+    q, k, v, extras, out, lse, sinks, arrived = residuals
+    dq, dk, dv = _ring_backward(plan, q, k, v, extras, out, lse, cotangents[0], arrived)
     d_sinks = None if sinks is None else sinks_mod.gradient(cotangents[0], out, lse, sinks)
     return dq, dk, dv, jax.tree.map(lambda _: None, extras), d_sinks
 
