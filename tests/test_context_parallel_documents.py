@@ -110,6 +110,24 @@ def test_support_names_the_ring_on_cudnn(cudnn_ring):
 
 
 @needs_devices
+def test_auto_runs_long_packed_documents_on_the_ring_and_their_dense_twin_on_all_to_all(cudnn_ring):
+    """`context_parallel.choose_strategy`: documents on packed graphs from T32768 (the ring measured
+    faster than all_to_all there), with a score_mod (the ring's dense twin) or shorter: all_to_all."""
+    from sdpagraph.parallel.context_parallel import AUTO_DOCUMENTS_RING_MIN_LEN
+
+    with jax.set_mesh(make_mesh((2,), ("cp",))):
+        for length, score_mod, want in ((AUTO_DOCUMENTS_RING_MIN_LEN, None, "ring"),
+                                        (AUTO_DOCUMENTS_RING_MIN_LEN, mods.softcap(3.0), "all_to_all"),
+                                        (AUTO_DOCUMENTS_RING_MIN_LEN // 2, None, "all_to_all")):
+            ids = np.repeat(np.arange(1, 9, dtype=np.int32), length // 8)[None]
+            q = jax.ShapeDtypeStruct((1, length, 2, 8), np.float32)
+            answer = sdpagraph.check_support(q, q, q, segment_ids=ids, max_segments_per_seq=8, is_causal=True,
+                                             score_mod=score_mod, context_parallel_axis="cp", load_balanced=True,
+                                             context_parallel_strategy="auto")
+            assert f"{want} over 'cp'" in answer.reason, (length, score_mod, answer)
+
+
+@needs_devices
 @pytest.mark.parametrize("cp, load_balanced, causal", [(4, True, True), (2, False, False), (8, True, False)])
 def test_softcap_with_documents_on_dense_twin_blocks(cp, load_balanced, causal, cudnn_ring):
     """A score_mod with packed documents: the packed graphs do not take one, so each pair runs their

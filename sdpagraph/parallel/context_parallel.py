@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sdpagraph.cache import CacheMissError
 from sdpagraph.logs import log_once, logger
+from sdpagraph.graphs.operands import folds_segments
 from sdpagraph.graphs.support import Support
 from sdpagraph.backends import registry
 from sdpagraph.numerics import gate as numerics_gate
@@ -46,6 +47,11 @@ STRATEGIES = ("ring", "all_to_all", "halo", "auto")
 # T65536 (bench/multi_gpu.py, docs/results/h200x2-2026-11-24-multi-gpu.md). Beyond the longest
 # length measured the ring, whose transfers hide better the longer its blocks, is kept.
 AUTO_ALL_TO_ALL_MAX_LEN = 65536
+# "auto" takes the ring for packed documents on packed graphs (one call a step, `RingPlan.whole_steps`)
+# from this sequence length: on two H100s it beat all_to_all at both lengths measured, 1.262x against
+# 1.221x of one GPU at T32768 and 1.494x against 1.399x at T131072 (docs/results/
+# h100x2-2026-11-26-ring-one-transfer.md). Shorter, unmeasured: the dense rule applies.
+AUTO_DOCUMENTS_RING_MIN_LEN = 32768
 # "auto" takes the halo (windows, chunks) while it moves at most this share of what all_to_all moves
 # (`_halo_traffic_share`): rows (least cp, share) in order, the first whose least cp the call's cp
 # reaches applies.
@@ -120,19 +126,21 @@ def check(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh
 
 
 def choose_strategy(spec: AttentionSpec, cp: int, strategy: str, ring_on_xla: bool = False,
-                    load_balanced: bool = False) -> str:
+                    load_balanced: bool = False, packed_graphs: bool = False) -> str:
     """The strategy a call runs; 'auto' decides here, in this order (`spec`: global lengths):
     1. "halo" for bounded sliding windows and chunks that fit the blocks (`halo.unsupported`), while
        its traffic is at most AUTO_HALO_TRAFFIC's share of all_to_all's (`_halo_traffic_share`), or
        when the heads do not divide cp (no all_to_all; the ring runs windows and chunks on XLA blocks);
-    2. all_to_all when the heads divide cp and either T <= AUTO_ALL_TO_ALL_MAX_LEN, or the ring would
+    2. the ring for packed documents on packed graphs (`packed_graphs`: no score_mod, so the ring's
+       blocks run one packed call a step) when T >= AUTO_DOCUMENTS_RING_MIN_LEN;
+    3. all_to_all when the heads divide cp and either T <= AUTO_ALL_TO_ALL_MAX_LEN, or the ring would
        run XLA blocks (`ring_on_xla`: windows, mask_mods; all_to_all runs those on cuDNN), or the call
-       has packed documents: on 2 H100s the ring's document blocks ran 0.02x of one GPU at T32768 and
-       T131072 (correct, cause not found yet) where all_to_all ran 1.18x / 1.38x
-       (docs/results/h100x2-2026-11-26-context-parallel.md). Measured on two GPUs up to T65536 for
-       dense calls: the ring's transfers hide behind its blocks' compute only when blocks are long,
-       while all_to_all runs one whole-sequence call per device but moves q, k, v and o unhidden;
-    3. else the ring."""
+       has packed documents the ring would run on the dense twin (with a score_mod: per chunk pair,
+       every tile computed; all_to_all runs them on bins per device). Measured on two GPUs up to
+       T65536 for dense calls: the ring's transfers hide behind its blocks' compute only when blocks
+       are long, while all_to_all runs one whole-sequence call per device but moves q, k, v and o
+       unhidden;
+    4. else the ring."""
     if strategy != "auto":
         return strategy
     heads_divide = spec.num_heads % cp == 0 and spec.num_kv_heads % cp == 0
@@ -141,6 +149,8 @@ def choose_strategy(spec: AttentionSpec, cp: int, strategy: str, ring_on_xla: bo
         limit = next(limit for least, limit in AUTO_HALO_TRAFFIC if cp >= least)
         if not heads_divide or share <= limit:
             return "halo"
+    if spec.segments and packed_graphs and not ring_on_xla and spec.q_len >= AUTO_DOCUMENTS_RING_MIN_LEN:
+        return "ring"
     ring_slow = ring_on_xla or bool(spec.segments)
     return "all_to_all" if heads_divide and (spec.q_len <= AUTO_ALL_TO_ALL_MAX_LEN or ring_slow) else "ring"
 
@@ -201,7 +211,8 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
     spec, cp = call.spec, shape[axis]
     ring_reason = ring_plan.cudnn_reason(spec, call.score_mod, call.inputs.python_mods)
     ring_on_xla = ring_reason is not None and implementation != registry.reference().name
-    strategy = choose_strategy(_global(spec, cp, manual), cp, strategy, ring_on_xla, load_balanced)
+    strategy = choose_strategy(_global(spec, cp, manual), cp, strategy, ring_on_xla, load_balanced,
+                               packed_graphs=not folds_segments(spec, call.score_mod))
     # The batch splits over the other mesh axes when they divide it. Inside a shard_map the prepared
     # spec already holds the local batch and sequence blocks: the global lengths are cp times those.
     others = () if manual else tuple(a for a in shape if a != axis)

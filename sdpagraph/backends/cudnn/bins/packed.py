@@ -107,9 +107,16 @@ class _Layout:
     fits: Any  # () bool: every document found a bin
 
 
+# The fewest document slots the layout sizes its arrays for. Inside a batch-sharded shard_map on 2
+# H100s (jax 0.11.2), XLA's GPU compiler crashed (segmentation fault) compiling the layout for 56
+# slots (4 rows of at most 14 documents) and compiled it for 2048 (bench/probe_bins_shard_map.py).
+MIN_DOC_SLOTS = 2048
+
+
 def _layout(ids: Any, plan: BinPlan, max_segments: int, interpret: bool) -> _Layout:
     tokens = ids.size
-    docs = min(tokens, ids.shape[0] * max_segments)  # at most max_segments per row count: the others are padding
+    # at most max_segments per row count (the others are padding), in at least MIN_DOC_SLOTS slots
+    docs = min(tokens, max(ids.shape[0] * max_segments, MIN_DOC_SLOTS))
     run = segment_run_ids(ids)
     valid = ((run > 0) & (run <= max_segments)).reshape(-1)
     position = segment_positions(ids).reshape(-1)
