@@ -1,6 +1,6 @@
 """How evenly context-parallel load balancing spreads causal attention over packed documents.
 
-    python3 bench/cp_balance.py [--draws 200] [--seed 0]      # CPU only, numpy, a few seconds
+    python3 bench/cp_balance.py [--draws 200] [--seed 0]      # CPU only, numpy (jax for doc-mirror's order)
 
 Rows pack documents of uniformly random lengths 512-8192 tokens (the last one cut at T), causal
 within each document. For each scheme every token goes to one of cp devices; the work of a device is
@@ -15,8 +15,8 @@ Schemes:
 - `contiguous`: device i holds tokens [i T/cp, (i+1) T/cp) (load_balanced=False);
 - `mirror`: the sequence in 2cp chunks, device i holds chunks i and 2cp-1-i (`load_balance`);
 - `doc-mirror`: each document cut into 2cp pieces, device i holds pieces i and 2cp-1-i of every document
-  (Transformer Engine's THD scheme; a device's token count then varies unless every document's length
-  is a multiple of 2cp, and the permutation depends on the segment ids);
+  (`load_balance(x, cp, segment_ids=ids)`, `load_balanced="documents"`: Transformer Engine's THD
+  scheme, with the pieces' odd tokens sent round the piece positions so every device holds T/cp);
 - `stripe`: token t on device t mod cp.
 
 Result (200 draws, seed 0, this script's output): `max/mean` mean (worst), then `ring` mean (worst);
@@ -34,22 +34,18 @@ The mirror of `load_balance` is no more even than no balancing for documents, an
 of even: the work of a causal document sits where the document lies, so the dense causal ramp the
 mirror evens out is not there. At T32768 the busiest device does 12% (cp=2) to 64% (cp=8) more than
 the mean, and the ring's critical path is 1.16x-2.46x the ideal. Per-document cuts and striping are
-even (1.00), but neither is taken here:
-- per-document cuts do not fit `load_balance(x, cp)`: where a token goes depends on the segment ids,
-  and equal token counts per device need every document padded to a multiple of 2cp;
-- striping fits it (a fixed permutation, taken by q, k, v and segment ids alike), but it changes what
-  `load_balanced=True` means for every call and strategy (dense ring, all_to_all, halo), and its
-  blocks need a causal diagonal per document that falls between tokens: key b of stripe j precedes
-  query a of stripe i when b < a, or b == a and j <= i. A packed block does that by starting each
-  document's query sequence at its first query that sees a key of the pair (ragged offsets shifted by
-  0 or 1 token, top-left causal), and a dense block by a (T-1, S) diagonal for j > i: a change of the
-  whole ring, left for its own piece of work.
+even (1.00). Per-document cuts are `load_balanced="documents"` (the ring's one packed call a step
+keeps one rectangle of chunk pieces per document). Striping is not taken: its blocks need a causal
+diagonal per document that falls between tokens (key b of stripe j precedes query a of stripe i
+when b < a, or b == a and j <= i), a change of the whole ring.
 """
 from __future__ import annotations
 
 import argparse
 
 import numpy as np
+
+from sdpagraph.parallel.load_balance import document_order
 
 LENGTHS = (32768, 131072)
 CPS = (2, 4, 8)
@@ -75,9 +71,9 @@ def owners(scheme: str, doc: np.ndarray, pos: np.ndarray, cp: int) -> np.ndarray
         return t * cp // len(t)
     if scheme == "mirror":
         return mirror(t * 2 * cp // len(t))
-    if scheme == "doc-mirror":
-        doc_len = np.bincount(doc)[doc]
-        return mirror(pos * 2 * cp // doc_len)
+    if scheme == "doc-mirror":  # the library's order: natural token -> balanced position -> device
+        order = np.asarray(document_order(doc[None] + 1, cp)[0])[0]
+        return np.argsort(order) * cp // len(t)
     if scheme == "stripe":
         return t % cp
     raise ValueError(scheme)

@@ -173,7 +173,7 @@ def cp_inputs(length, heads, head_dim, docs, strategy, load_balanced):
         from packed import random_docs  # here, not at the top: importing it sets XLA_PYTHON_CLIENT_PREALLOCATE
 
         ids = random_docs(1, length, *docs)
-        if strategy is not None and load_balanced:
+        if strategy is not None and load_balanced is True:  # load_balanced="documents" takes them as they are
             ids = sdpagraph.load_balance(ids, CP_DEVICES)
         ids = jax.device_put(jnp.asarray(ids), placement)
     return qkv + [ids], mesh
@@ -251,15 +251,19 @@ def run_cp(quick, cpu, record):
 ALL_STRATEGIES = (("ring", True), ("all_to_all", True), ("halo", False), ("auto", True))
 # Windows and chunks: auto on the halo's natural order too, so it meets the halo on the same inputs.
 HALO_STRATEGIES = ALL_STRATEGIES + (("auto", False),)
+# Documents: also each document cut over the devices (load_balanced="documents", `load_balance`'s segment_ids).
+DOCUMENT_STRATEGIES = ALL_STRATEGIES + (("ring", "documents"), ("all_to_all", "documents"), ("auto", "documents"))
 LONG_CALLS = (
-    ("packed documents 512-8192", 32768, {}, (512, 8192), False, ALL_STRATEGIES, 1.5),
-    ("packed documents 512-8192", 131072, {}, (512, 8192), True, ALL_STRATEGIES, 1.8),
+    ("packed documents 512-8192", 32768, {}, (512, 8192), False, DOCUMENT_STRATEGIES, 1.5),
+    ("packed documents 512-8192", 131072, {}, (512, 8192), True, DOCUMENT_STRATEGIES, 1.8),
     ("window (1024, 0)", 32768, {"local_window_size": (1024, 0)}, None, False, HALO_STRATEGIES, 1.8),
     ("window (1024, 0)", 131072, {"local_window_size": (1024, 0)}, None, False, HALO_STRATEGIES, 1.9),
     ("softcap 30 + packed documents 512-8192", 65536, {"softcap": 30.0}, (512, 8192), False, ALL_STRATEGIES, 1.6),
     ("chunked attention (chunk 8192)", 65536, {"chunk_size": 8192}, None, False, HALO_STRATEGIES, 1.9),
     ("dense causal", 32768, {}, None, False, (("ring", True), ("auto", True)), 1.7),
 )
+BALANCE_LABELS = {False: "", True: ", load-balanced", "documents": ", documents balanced"}
+ORDERS = {False: "natural order", True: "load-balanced", "documents": "documents balanced"}
 CPU_SCALE = 128  # --cpu: lengths, documents, windows and chunks divided by this
 # Longer rings on XLA blocks are skipped on GPUs: 0.02-0.03x of one GPU at T16384-32768 already
 # (docs/results/h100x2-2026-11-26-context-parallel.md), seconds per step beyond.
@@ -338,7 +342,7 @@ def run_cp_long(quick, cpu, record, only):
             else:
                 result = measure_long(**request)
             name = f"{label} T{length}, " + ("1 GPU" if strategy is None else
-                                             f"{strategy}{', load-balanced' if load_balanced else ''}, "
+                                             f"{strategy}{BALANCE_LABELS[load_balanced]}, "
                                              f"{CP_DEVICES} GPUs")
             heads, head_dim = (4, 16) if cpu else (N, H)
             result.update(name=name, shape=f"B1 T{length} N{heads} H{head_dim}", strategy=strategy or "1 GPU",
@@ -351,7 +355,7 @@ def run_cp_long(quick, cpu, record, only):
                     result["memory_ratio"] = result["peak_bytes"] / one["peak_bytes"]
             record(result)
             key = f"{label} T{length}"
-            order = "load-balanced" if load_balanced else "natural order"
+            order = ORDERS[load_balanced]
             if strategy == "auto" and "speedup" in result:
                 summary[f"{key}: auto speedup, {order} (target >= {target})"] = result["speedup"]
             if "memory_ratio" in result:
@@ -362,7 +366,7 @@ def run_cp_long(quick, cpu, record, only):
             summary[f"{label} T{length}: best speedup ({top['strategy']}, target >= {target})"] = top["speedup"]
         for auto in (r for r in best if r["strategy"] == "auto"):  # against the best on the same inputs
             same = max(r["speedup"] for r in best if r["load_balanced"] == auto["load_balanced"])
-            order = "load-balanced" if auto["load_balanced"] else "natural order"
+            order = ORDERS[auto["load_balanced"]]
             summary[f"{label} T{length}: auto / best strategy, {order} (target >= 0.95)"] = auto["speedup"] / same
     return summary
 

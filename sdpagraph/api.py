@@ -106,7 +106,7 @@ def attention(
     dropout_rate: float = 0.0,
     dropout_rng: Any = None,
     context_parallel_axis: str | None = None,
-    load_balanced: bool = False,
+    load_balanced: bool | str = False,
     context_parallel_strategy: str = "ring",
     mesh: Any = None,
 ) -> Any:
@@ -225,18 +225,22 @@ def attention(
         lengths or cross-attention segment ids (use `segment_ids`). Score_mods, masks
         and windows see global positions. T and S must be divisible by the axis size
         (twice it when `load_balanced`), else `ValueError`.
-      load_balanced: the sequence is in `sdpagraph.load_balance` order (device i holds
-        chunks i and 2·cp−1−i of 2·cp), which evens out causal work; the output comes
-        back in that order too (`sdpagraph.unload_balance` restores it).
+      load_balanced: True: the sequence is in `sdpagraph.load_balance` order (device i
+        holds chunks i and 2·cp−1−i of 2·cp), which evens out causal work; the output
+        comes back in that order too (`sdpagraph.unload_balance` restores it).
+        "documents" (packed documents): q, k, v come from `load_balance(x, cp,
+        segment_ids=ids)`, which cuts every document that way, so their causal work is
+        even too; `segment_ids` are given in their natural order. The ring runs it as
+        one packed cuDNN call a step (no score_mod), all_to_all runs any call.
       context_parallel_strategy: "ring" (K/V blocks pass around the ring with
         `ppermute`, overlapped with compute; causal blocks in the future are skipped),
         "all_to_all" (heads <-> sequence with `all_to_all`: each device attends the whole
-        sequence on N/cp heads; N and K must be divisible by cp), or "auto" (all_to_all
-        when the heads divide cp and T <= 65536 or the ring would run XLA blocks, else
-        ring; measured on two H200s, where all_to_all was 1.33x / 1.04x faster at T16384 /
-        T65536), or "halo" (sliding windows: each device receives from its neighbours only the
-        keys its windows reach, then runs one call; natural order, self-attention; only when
-        asked for).
+        sequence on N/cp heads; N and K must be divisible by cp), "halo" (sliding windows
+        and chunks: each device receives from its neighbours only the keys its windows
+        reach, then runs one call), or "auto" (`context_parallel.choose_strategy`: the halo
+        for windows and chunks it takes, the ring for packed documents without a score_mod
+        from T32768, all_to_all when the heads divide cp and T <= 65536 or the ring would
+        run XLA blocks, else the ring; measured on two GPUs, docs/multi-gpu.md).
       mesh: the mesh of `context_parallel_axis`, when no `jax.set_mesh` is active.
 
     Returns:

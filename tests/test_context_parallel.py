@@ -77,6 +77,37 @@ def test_load_balance_of_sharded_arrays_keeps_their_sharding(axis_type):
     assert back.sharding.is_equivalent_to(lses.sharding, 3)
 
 
+def test_load_balance_per_document_cuts_each_document_over_the_devices():
+    """`load_balance(x, cp, segment_ids=ids)`: device i holds pieces i and 2cp-1-i of every document
+    (padding runs too), every device T/cp tokens, and the documents' causal work even across the
+    devices where whole chunks leave it uneven."""
+    ids = np.array([[1, 1, 1, 1, 2, 2, 2, 2]])
+    x = np.arange(8)[None]
+    assert sdpagraph.load_balance(x, 2, segment_ids=ids).tolist() == [[0, 3, 4, 7, 1, 2, 5, 6]]
+    rng = np.random.default_rng()
+    for cp in (2, 4, 8):
+        t = 256 * cp
+        ids = np.zeros((3, t), np.int32)
+        for row in ids:
+            at, doc = 0, 1
+            while at < t:
+                size = int(rng.integers(1, t // 3))
+                row[at:at + size], at, doc = doc if rng.random() < 0.9 else 0, at + size, doc + 1
+        y = rng.standard_normal((3, t, 2)).astype(np.float32)
+        balanced = sdpagraph.load_balance(y, cp, segment_ids=ids)
+        np.testing.assert_array_equal(sdpagraph.unload_balance(balanced, cp, segment_ids=ids), y)
+        lse = rng.standard_normal((3, 2, t)).astype(np.float32)
+        back = sdpagraph.unload_balance(sdpagraph.load_balance(lse, cp, 2, ids), cp, 2, ids)
+        np.testing.assert_array_equal(back, lse)
+        # a document's causal work: each token attends the tokens of its document up to itself
+        work = (np.asarray(segment_positions(jnp.asarray(ids))) + 1) * (ids > 0)
+        per_device = lambda w: w.reshape(3, cp, t // cp).sum(-1)  # noqa: E731
+        by_document = per_device(np.asarray(sdpagraph.load_balance(work, cp, segment_ids=ids)))
+        assert np.all(by_document.max(1) <= 1.03 * by_document.mean(1)), (cp, by_document)  # chunks: up to 1.75
+    with pytest.raises(ValueError, match=r"load_balance: segment_ids \(1, 16\) must match"):
+        sdpagraph.load_balance(np.zeros((1, 32, 2)), 4, segment_ids=np.ones((1, 16), np.int32))
+
+
 def test_load_balance_errors_name_the_numbers():
     with pytest.raises(ValueError, match=r"load_balance: the sequence length 30 .* 2 \* cp_size = 8"):
         sdpagraph.load_balance(np.zeros((1, 30, 2, 2)), 4)

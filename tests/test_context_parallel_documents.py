@@ -44,7 +44,8 @@ def documents(rng, batch, length):
     return ids, max(counts)
 
 
-def run(cp, load_balanced, causal, kv_heads, axis_type="auto", seed=0, implementation="cudnn", **kwargs):
+def run(cp, load_balanced, causal, kv_heads, axis_type="auto", seed=0, implementation="cudnn", strategy="ring",
+        **kwargs):
     """(the cp-device step's value and gradients in natural order, the one-device XLA reference's,
     the compiled HLO) with fresh random float32 inputs."""
     rng = np.random.default_rng(seed)
@@ -55,11 +56,16 @@ def run(cp, load_balanced, causal, kv_heads, axis_type="auto", seed=0, implement
     call = dict(is_causal=causal, max_segments_per_seq=most, **kwargs)
     order = (lambda x: sdpagraph.load_balance(x, cp)) if load_balanced else (lambda x: x)  # noqa: E731
     back = (lambda x: sdpagraph.unload_balance(x, cp)) if load_balanced else (lambda x: x)  # noqa: E731
+    ids_order = order
+    if load_balanced == "documents":  # each document cut over the devices; its ids in natural order
+        order = lambda x: sdpagraph.load_balance(x, cp, segment_ids=ids)  # noqa: E731
+        back = lambda x: sdpagraph.unload_balance(x, cp, segment_ids=ids)  # noqa: E731
+        ids_order = lambda x: x  # noqa: E731
     m = make_mesh((cp,), ("cp",), axis_type)
     with jax.set_mesh(m):
         step = jax.jit(value_and_grads(lambda q, k, v: sdpagraph.attention(
-            q, k, v, segment_ids=order(ids), context_parallel_axis="cp", load_balanced=load_balanced,
-            context_parallel_strategy="ring", implementation=implementation, **call)))
+            q, k, v, segment_ids=ids_order(ids), context_parallel_axis="cp", load_balanced=load_balanced,
+            context_parallel_strategy=strategy, implementation=implementation, **call)))
         args = place(m, *(order(x) for x in (q, k, v, cot)))
         compiled = step.lower(*args).compile()
         (loss, out), grads = compiled(*args)
@@ -94,14 +100,61 @@ def test_documents_on_cudnn_blocks_equal_one_device(cp, load_balanced, causal, k
 
 
 @needs_devices
-def test_support_names_the_ring_on_cudnn(cudnn_ring):
-    rng = np.random.default_rng(3)
+@pytest.mark.parametrize("cp, causal, kv_heads, axis_type", on_axis_types(
+    [(2, True, 4), (4, True, N), (8, True, 4), (4, False, 4)], explicit=[(2, True, 4)]))
+def test_documents_balanced_per_document_on_the_ring_equal_one_device(cp, causal, kv_heads, axis_type, cudnn_ring):
+    """load_balanced="documents": each document cut into 2cp pieces over the devices; the ring's
+    one packed call a step takes every document each side holds."""
+    seed = int(np.random.default_rng().integers(2**31))
+    ours, ref, hlo = run(cp, "documents", causal, kv_heads, axis_type, seed)
+    assert_same(ours, ref, tol=3e-5)
+    assert not re.search(r"\bconditional\(", hlo), seed
+    # every step's graph takes every document of the blocks: each device holds pieces of each
+    local, most = T // cp, max(s.max_segments for s, _, _ in cudnn_ring)
+    assert {(s.segments, s.q_len, s.kv_len, s.max_segments) for s, _, _ in cudnn_ring} == {("self", local, local, most)}
+    assert most >= 4, seed
+
+
+@needs_devices
+@pytest.mark.parametrize("cp, score_mod", [(2, None), (4, mods.softcap(3.0)), (8, None)])
+def test_documents_balanced_per_document_on_all_to_all_equal_one_device(cp, score_mod):
+    seed = int(np.random.default_rng().integers(2**31))
+    ours, ref, _ = run(cp, "documents", True, N, seed=seed, implementation="xla", strategy="all_to_all",
+                       score_mod=score_mod)
+    assert_same(ours, ref)
+
+
+def support_of(seed, **fixed):
+    """(segment ids, their most documents in a row, check_support of q with `fixed` and more arguments)."""
+    rng = np.random.default_rng(seed)
     ids, most = documents(rng, B, T)
     q = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    return ids, most, lambda **kw: sdpagraph.check_support(q, q, q, is_causal=True, context_parallel_axis="cp",
+                                                          **fixed, **kw)
+
+
+@needs_devices
+def test_documents_balanced_per_document_refuse_what_they_cannot_run(cudnn_ring):
+    ids, most, ask = support_of(9, load_balanced="documents")
+    with jax.set_mesh(make_mesh((2,), ("cp",))):
+        with pytest.raises(ValueError, match="segment_ids"):
+            ask()
+        with pytest.raises(ValueError, match="context_parallel_strategy='all_to_all'"):
+            ask(segment_ids=ids, max_segments_per_seq=most, score_mod=mods.softcap(3.0),
+                context_parallel_strategy="ring")
+        answer = ask(segment_ids=ids, max_segments_per_seq=most, score_mod=mods.softcap(3.0),
+                     context_parallel_strategy="auto")
+        assert "all_to_all over 'cp'" in answer.reason, answer
+    with jax.set_mesh(make_mesh((2,), ("cp",))), pytest.raises(TypeError, match="must be a bool or 'documents'"):
+        support_of(9, load_balanced="docs")[2](segment_ids=ids)
+
+
+@needs_devices
+def test_support_names_the_ring_on_cudnn(cudnn_ring):
+    ids, most, given = support_of(3, context_parallel_strategy="ring", load_balanced=True)
     with jax.set_mesh(make_mesh((4,), ("cp",))):
-        ask = lambda **kw: sdpagraph.check_support(  # noqa: E731
-            q, q, q, segment_ids=sdpagraph.load_balance(ids, 4), max_segments_per_seq=most, is_causal=True,
-            context_parallel_axis="cp", context_parallel_strategy="ring", load_balanced=True, **kw)
+        balanced = sdpagraph.load_balance(ids, 4)
+        ask = lambda **kw: given(segment_ids=balanced, max_segments_per_seq=most, **kw)  # noqa: E731
         for answer in (ask(), ask(score_mod=mods.softcap(3.0))):
             assert (answer.supported, answer.backend) == (True, "cudnn"), answer
             assert "ring over 'cp', cp=4" in answer.reason and "blocks run on cuDNN" in answer.reason

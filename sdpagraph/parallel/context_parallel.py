@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sdpagraph.cache import CacheMissError
@@ -35,7 +36,7 @@ from sdpagraph.backends import registry
 from sdpagraph.numerics import gate as numerics_gate
 from sdpagraph.parallel import halo, ring, ring_plan
 from sdpagraph.call import PreparedCall, notify_trace_listeners
-from sdpagraph.parallel.load_balance import load_balance, unload_balance
+from sdpagraph.parallel.load_balance import DOCUMENTS, document_order, gather_tokens, load_balance, unload_balance
 from sdpagraph.segments.metadata import segment_positions, segment_run_ids
 from sdpagraph.backends.cudnn.sharding import Split, local_ir, local_spec
 from sdpagraph.meshes import varying_like, whole_along_sequence
@@ -92,8 +93,13 @@ def check(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh
     spec = call.spec
     if not isinstance(axis, str):
         raise TypeError(f"context_parallel_axis must be a mesh axis name (str), got {type(axis).__name__}")
-    if not isinstance(load_balanced, bool):
-        raise TypeError(f"load_balanced must be a bool, got {type(load_balanced).__name__}")
+    if not (isinstance(load_balanced, bool) or load_balanced == DOCUMENTS):
+        raise TypeError(f"load_balanced must be a bool or {DOCUMENTS!r}, got {load_balanced!r}")
+    if load_balanced == DOCUMENTS and spec.segments != "self":
+        raise _fail(axis, f"load_balanced={DOCUMENTS!r} cuts each packed document over the devices: pass the "
+                          "documents' segment_ids (one array, in their natural order) and q, k, v from "
+                          "sdpagraph.load_balance(x, cp, segment_ids=segment_ids); without documents use "
+                          "load_balanced=True")
     if strategy not in STRATEGIES:
         raise ValueError(f"context_parallel_strategy must be one of {STRATEGIES}, got {strategy!r}")
     shape, manual = _mesh_shape(axis, mesh)
@@ -102,7 +108,7 @@ def check(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh
         raise _fail(axis, "packed segment_ids inside a shard_map over the axis need the whole sequence's "
                           "segments: call attention outside the shard_map")
     pieces = 2 * cp if load_balanced else cp
-    why = "2 * cp, load_balanced=True" if load_balanced else "cp"
+    why = f"2 * cp, load_balanced={load_balanced!r}" if load_balanced else "cp"
     for name, length in (("query", spec.q_len), ("key/value", spec.kv_len)):
         length = length * cp if manual else length  # inside a shard_map the call sees one block
         if length % pieces:
@@ -126,7 +132,7 @@ def check(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh
 
 
 def choose_strategy(spec: AttentionSpec, cp: int, strategy: str, ring_on_xla: bool = False,
-                    load_balanced: bool = False, packed_graphs: bool = False) -> str:
+                    load_balanced: bool | str = False, packed_graphs: bool = False) -> str:
     """The strategy a call runs; 'auto' decides here, in this order (`spec`: global lengths):
     1. "halo" for bounded sliding windows and chunks that fit the blocks (`halo.unsupported`), while
        its traffic is at most AUTO_HALO_TRAFFIC's share of all_to_all's (`_halo_traffic_share`), or
@@ -211,8 +217,8 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
     spec, cp = call.spec, shape[axis]
     ring_reason = ring_plan.cudnn_reason(spec, call.score_mod, call.inputs.python_mods)
     ring_on_xla = ring_reason is not None and implementation != registry.reference().name
-    strategy = choose_strategy(_global(spec, cp, manual), cp, strategy, ring_on_xla, load_balanced,
-                               packed_graphs=not folds_segments(spec, call.score_mod))
+    packed_graphs = not folds_segments(spec, call.score_mod)
+    strategy = choose_strategy(_global(spec, cp, manual), cp, strategy, ring_on_xla, load_balanced, packed_graphs)
     # The batch splits over the other mesh axes when they divide it. Inside a shard_map the prepared
     # spec already holds the local batch and sequence blocks: the global lengths are cp times those.
     others = () if manual else tuple(a for a in shape if a != axis)
@@ -237,6 +243,10 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
         reason = call.inputs.python_mods.reason if call.inputs.python_mods is not None else None
     reason = _cudnn_reason(graphs, implementation, reason, running)
     backend = (registry.primary() if reason is None else registry.reference()).name
+    if load_balanced == DOCUMENTS and strategy == "ring" and (backend != registry.primary().name or not packed_graphs):
+        why = reason or "a score_mod needs the dense twin of the packed graphs, which runs per pair of chunks"
+        raise _fail(axis, f"load_balanced={DOCUMENTS!r} runs the ring only as one packed cuDNN call a step; this "
+                          f"call cannot ({why}): use context_parallel_strategy='all_to_all', or load_balanced=True")
     where = f"context parallel ({strategy} over {axis!r}, cp={cp})"
     reason = f"{where}: blocks run on cuDNN" if reason is None else f"{where}: blocks run on the XLA backend: {reason}"
     return Plan(axis, cp, strategy, manual, others, local, backend, reason)
@@ -251,7 +261,7 @@ def support(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, me
 
 # ----------------------------------------------------------------------------- the strategies
 
-def natural_order(segment_ids: Any, axis: Any, mesh: Any, load_balanced: bool = True) -> Any:
+def natural_order(segment_ids: Any, axis: Any, mesh: Any, load_balanced: bool | str = True) -> Any:
     """The segment ids `attention` prepares a context-parallel call from: in their natural order (a
     segment is a contiguous run of the natural sequence, and `max_segments_per_seq` counts those),
     and, on Explicit mesh axes, whole along the sequence (every device reads the whole sequence's
@@ -260,31 +270,36 @@ def natural_order(segment_ids: Any, axis: Any, mesh: Any, load_balanced: bool = 
         return type(segment_ids)(natural_order(ids, axis, mesh, load_balanced) for ids in segment_ids)
     shape, _ = _mesh_shape(axis, mesh)
     segment_ids = whole_along_sequence(segment_ids)
+    if load_balanced == DOCUMENTS:  # given in their natural order: q, k, v's follows from them
+        return segment_ids
     return unload_balance(segment_ids, shape[axis]) if load_balanced else segment_ids
 
 
-def _token_facts(ids: Any, cp: int, load_balanced: bool, max_segments: int) -> Any:
-    """(position in its segment, valid, segment number) per token of the WHOLE sequence (natural
-    order: they need every earlier token), then in the order of q, k, v. Segments past
-    `max_segments` are padding, as on one device."""
+def _token_facts(ids: Any, cp: int, load_balanced: Any, max_segments: int) -> tuple[Any, Any]:
+    """((position in its segment, valid, segment number), high) per token of the WHOLE sequence
+    (natural order: they need every earlier token), then in the order of q, k, v; `high` (documents
+    balanced, else None): whether the token lies in the later piece its device holds of its document.
+    Segments past `max_segments` are padding, as on one device."""
     run = segment_run_ids(ids)
     facts = (segment_positions(ids), (run > 0) & (run <= max_segments), run)
-    return tuple(load_balance(x, cp) for x in facts) if load_balanced else facts
+    if load_balanced == DOCUMENTS:
+        order, high = document_order(ids, cp)
+        return tuple(gather_tokens(x, order, 1) for x in facts), gather_tokens(high, order, 1)
+    return (tuple(load_balance(x, cp) for x in facts) if load_balanced else facts), None
 
 
-def _whole_token_facts(ids: Any, axis: Any, cp: int, load_balanced: bool, max_segments: int) -> Any:
-    """`_token_facts` of the whole sequence, in the order of q, k, v (the ring cuts each block's out,
-    `ring._block_tok`), from this device's (B, T/cp) natural-order `ids`: computed from the whole
-    sequence's ids, gathered, inside the shard_map. (Over ids split along the sequence, XLA's SPMD
-    partitioner ran the segment numbering's cumulative sum as a loop of T/cp steps: 0.4 s a step on
-    2 GPUs at T32768.)"""
-    return _token_facts(jax.lax.all_gather(ids, axis, axis=1, tiled=True), cp, load_balanced, max_segments)
-
-
-def _ring(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, tok, sinks):
+def _ring(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, ids, sinks):
+    """The ring over this device's blocks; `ids`: its (B, T/cp) natural-order segment ids, or None.
+    Their facts (`_token_facts`) are computed from the whole sequence's, gathered, inside the
+    shard_map (over ids split along the sequence, XLA's SPMD partitioner ran the segment numbering's
+    cumulative sum as a loop of T/cp steps: 0.4 s a step on 2 GPUs at T32768)."""
+    tok = high = None
+    if ids is not None:
+        tok, high = _token_facts(jax.lax.all_gather(ids, axis, axis=1, tiled=True), cp, load_balanced,
+                                 call.spec.max_segments)
     plan = ring_plan.RingPlan(local, axis, cp, load_balanced, backend, call.score_mod,
-                         tuple(sorted((call.inputs.mod_scalars or {}).items())), call.inputs.python_mods)
-    return ring.ring_attention(plan, q, k, v, {"arrays": arrays, "tok": tok}, sinks)
+                              tuple(sorted((call.inputs.mod_scalars or {}).items())), call.inputs.python_mods)
+    return ring.ring_attention(plan, q, k, v, {"arrays": arrays, "tok": tok, "high": high}, sinks)
 
 
 def _halo(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, sinks):
@@ -299,7 +314,12 @@ def _all_to_all(call, local: AttentionSpec, axis, cp, load_balanced, backend, q,
     me = jax.lax.axis_index(axis)
     to_heads = lambda x: jax.lax.all_to_all(x, axis, 2, 1, tiled=True)  # noqa: E731
     q, k, v = (to_heads(x) for x in (q, k, v))
-    if load_balanced:  # the gathered sequence is in device order of the balanced chunks
+    if ids is not None:
+        ids = jax.lax.all_gather(ids, axis, axis=1, tiled=True)  # natural order (`natural_order`)
+    order = document_order(ids, cp)[0] if load_balanced == DOCUMENTS else None
+    if order is not None:  # the gathered sequence is in the documents' balanced order
+        q, k, v = (gather_tokens(x, jnp.argsort(order, axis=1), 1) for x in (q, k, v))
+    elif load_balanced:  # the gathered sequence is in device order of the balanced chunks
         q, k, v = (unload_balance(x, cp) for x in (q, k, v))
     split = Split(head_axes=(axis,), heads=cp, kv_heads=cp)
     spec, ir = local_spec(local, split), local_ir(call.score_mod, local, split)
@@ -308,7 +328,6 @@ def _all_to_all(call, local: AttentionSpec, axis, cp, load_balanced, backend, q,
               for n, x in arrays.items()}
     inputs = dataclasses.replace(call.inputs, mod_arrays=arrays)
     if ids is not None:
-        ids = jax.lax.all_gather(ids, axis, axis=1, tiled=True)  # natural order (`natural_order`)
         inputs = dataclasses.replace(inputs, q_segment_ids=ids, kv_segment_ids=ids)
     # the numerical check, for graphs the call runs in place of the plan's (chunks as documents, sinks)
     verify = numerics_gate.checked
@@ -317,14 +336,16 @@ def _all_to_all(call, local: AttentionSpec, axis, cp, load_balanced, backend, q,
     else:  # this device's heads' sinks
         sinks = jax.lax.dynamic_slice_in_dim(sinks, me * spec.num_heads, spec.num_heads)
         out, lse = registry.get(backend).attention_with_sinks(spec, q, k, v, inputs, ir, sinks, verify=verify)
-    if load_balanced:
+    if order is not None:
+        out, lse = gather_tokens(out, order, 1), gather_tokens(lse, order, 2)
+    elif load_balanced:
         out, lse = load_balance(out, cp), load_balance(lse, cp, seq_axis=2)
     return jax.lax.all_to_all(out, axis, 1, 2, tiled=True), jax.lax.all_to_all(lse, axis, 2, 1, tiled=True)
 
 
 # ----------------------------------------------------------------------------- entry
 
-def attention(call: PreparedCall, q: Any, k: Any, v: Any, *, axis: str, load_balanced: bool, strategy: str,
+def attention(call: PreparedCall, q: Any, k: Any, v: Any, *, axis: str, load_balanced: bool | str, strategy: str,
               mesh: Any, implementation: str | None, sinks: Any = None) -> tuple[Any, Any]:
     """(output (B, T, N, Hv), logsumexp (B, N, T)) of a context-parallel call, q, k, v 4-D; with the
     attention `sinks` (N,) joined once per row (`backends.sinks`) when given."""
@@ -348,8 +369,7 @@ def attention(call: PreparedCall, q: Any, k: Any, v: Any, *, axis: str, load_bal
             return _all_to_all(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, ids, sinks)
         if strategy == "halo":  # takes no segment ids (`halo.unsupported`)
             return _halo(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, sinks)
-        tok = None if ids is None else _whole_token_facts(ids, axis, cp, load_balanced, call.spec.max_segments)
-        return _ring(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, tok, sinks)
+        return _ring(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, ids, sinks)
 
     if how.manual:
         return body(q, k, v, arrays, ids, sinks)

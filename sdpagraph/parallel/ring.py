@@ -187,6 +187,14 @@ def _block_tok(plan: RingPlan, tok: Any, device: Any) -> Any:
     return tuple(jax.lax.dynamic_slice_in_dim(x, device * length, length, axis=1) for x in tok)
 
 
+def _step_high(plan: RingPlan, extras: Mapping[str, Any], step: int, me: Any) -> Any:
+    """(query side, key side) of `extras["high"]` at `step` (documents balanced per document), or None."""
+    if extras.get("high") is None:
+        return None
+    cut = lambda device: _block_tok(plan, (extras["high"],), device)[0]  # noqa: E731
+    return cut(me), cut((me - step) % plan.size)
+
+
 def _pass(plan: RingPlan, tree: Any) -> Any:
     """Send to the next device along the ring."""
     return jax.lax.ppermute(tree, plan.axis, [(i, (i + 1) % plan.size) for i in range(plan.size)])
@@ -218,31 +226,39 @@ def _nothing_attended(q: Any, head_dim_v: int) -> tuple[Any, Any]:
     return jnp.broadcast_to(rows, q.shape[:3] + (head_dim_v,)), lse
 
 
-def _step_call(plan: RingPlan, arrays, q_tok, kv_tok, step: int, me: Any) -> tuple[Any, Any]:
+def _step_call(plan: RingPlan, arrays, q_tok, kv_tok, step: int, me: Any, high: Any = None) -> tuple[Any, Any]:
     """(static graph, operands) of a `whole_steps` step: the device's whole query block against the
     whole key block visiting at `step`, over the documents both hold, limited to the chunks whose
     pairs attend (`pair_status`, traced; a rectangle, `ring_documents`, which
-    test_a_pairs_status_is_static_where_every_device_has_the_same checks for every cp)."""
+    test_a_pairs_status_is_static_where_every_device_has_the_same checks for every cp). Documents
+    balanced per document (`high`: (query side, key side) per-token piece flags) hold a piece of
+    each chunk in every document: the same rule per document, its pieces in place of the chunks."""
     c, first = plan.chunks, step == 0
     q_starts, kv_starts = plan.offsets(me, plan.q_chunk), plan.offsets((me - step) % plan.size, plan.kv_chunk)
     attends = [[pair_status(plan, q_starts[a], kv_starts[j]) != SKIP for j in range(c)] for a in range(c)]
-    per_token = lambda flags, chunk: jnp.repeat(jnp.stack(flags), chunk)[None, :]  # noqa: E731
-    q_allowed = per_token([functools.reduce(jnp.logical_or, attends[a]) for a in range(c)], plan.q_chunk)
+
+    def per_token(flags, chunk, side):  # the flag of each token's chunk (or piece)
+        if high is None:
+            return jnp.repeat(jnp.stack(flags), chunk)[None, :]
+        return jnp.stack(flags)[high[side]]
+
+    q_allowed = per_token([functools.reduce(jnp.logical_or, attends[a]) for a in range(c)], plan.q_chunk, 0)
     kv_allowed = per_token([functools.reduce(jnp.logical_or, [attends[a][j] for a in range(c)]) for j in range(c)],
-                           plan.kv_chunk)
+                           plan.kv_chunk, 1)
     spec = plan.step_spec(first)
     ids = ring_documents.shared_ids(q_tok, kv_tok, q_allowed, kv_allowed, plan.spec.max_segments, spec.max_segments)
     static = registry.primary().block_static(spec, plan.block_ir, dict(plan.scalars))
     return static, _cudnn_operands(plan, static, arrays, None, None, ids)
 
 
-def _step_forward(plan: RingPlan, arrays, acc, q, kv, q_tok, kv_tok, step: int, me: Any) -> list[Any]:
+def _step_forward(plan: RingPlan, arrays, acc, q, kv, q_tok, kv_tok, step: int, me: Any, high: Any) -> list[Any]:
     """`acc` (per local query chunk: output fp32, logsumexp) merged with the key block visiting at
-    `step`: one call over the whole blocks (`RingPlan.whole_steps`, one chunk in `acc`) or one per
-    pair of chunks."""
-    if plan.whole_steps:
-        static, aux = _step_call(plan, arrays, q_tok, kv_tok, step, me)
-        return [merge(acc[0], registry.primary().block_forward(static, q, kv[0], kv[1], aux))]
+    `step`: one call over the whole blocks (`RingPlan.whole_steps`, one chunk in `acc`, None before
+    the first step) or one per pair of chunks."""
+    if plan.whole_steps:  # the first step's result starts the accumulator (no pass merging it with nothing)
+        static, aux = _step_call(plan, arrays, q_tok, kv_tok, step, me, high)
+        result = registry.primary().block_forward(static, q, kv[0], kv[1], aux)
+        return [result if acc[0] is None else merge(acc[0], result)]
     c = plan.chunks
     q_starts, kv_starts = plan.offsets(me, plan.q_chunk), plan.offsets((me - step) % plan.size, plan.kv_chunk)
     qs, q_toks = _split(q, c), _tok_chunks(q_tok, c)
@@ -260,22 +276,22 @@ def _step_forward(plan: RingPlan, arrays, acc, q, kv, q_tok, kv_tok, step: int, 
 def _ring_forward(plan: RingPlan, q, k, v, extras) -> tuple[Any, Any, Any]:
     """(output, logsumexp, the key/value block that arrived first: the backward's first visitor)."""
     me = jax.lax.axis_index(plan.axis)
-    parts = 1 if plan.whole_steps else plan.chunks
-    acc = [_nothing_attended(x, v.shape[-1]) for x in _split(q, parts)]
+    acc = [None] if plan.whole_steps else [_nothing_attended(x, v.shape[-1]) for x in _split(q, plan.chunks)]
     q_tok = _block_tok(plan, extras["tok"], me)
     visits, arrived = _visits(plan, k, v)
     for step, kv in visits:
         kv_tok = _block_tok(plan, extras["tok"], (me - step) % plan.size)
-        acc = _step_forward(plan, extras["arrays"], acc, q, kv, q_tok, kv_tok, step, me)
+        high = _step_high(plan, extras, step, me)
+        acc = _step_forward(plan, extras["arrays"], acc, q, kv, q_tok, kv_tok, step, me, high)
     out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
     return out, jnp.concatenate([lse for _, lse in acc], axis=-1), arrived
 
 
-def _step_backward(plan: RingPlan, arrays, q, kv, q_tok, kv_tok, o, lse, d_o, step: int, me: Any) -> tuple:
+def _step_backward(plan: RingPlan, arrays, q, kv, q_tok, kv_tok, o, lse, d_o, step: int, me: Any, high: Any) -> tuple:
     """(dq, dk, dv) of the local queries against the key block visiting at `step`: one call over the
     whole blocks (`RingPlan.whole_steps`, in the io dtype) or the sum over pairs of chunks (fp32)."""
     if plan.whole_steps:
-        static, aux = _step_call(plan, arrays, q_tok, kv_tok, step, me)
+        static, aux = _step_call(plan, arrays, q_tok, kv_tok, step, me, high)
         return registry.primary().block_backward(static, q, kv[0], kv[1], aux, o.astype(q.dtype), lse, d_o)
     c = plan.chunks
     q_starts, kv_starts = plan.offsets(me, plan.q_chunk), plan.offsets((me - step) % plan.size, plan.kv_chunk)
@@ -305,7 +321,8 @@ def _ring_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o, first) -> tuple
     visits, _ = _visits(plan, k, v, first)
     for step, kv in visits:
         kv_tok = _block_tok(plan, extras["tok"], (me - step) % plan.size)
-        grads = _step_backward(plan, extras["arrays"], q, kv, q_tok, kv_tok, o, lse, d_o, step, me)
+        grads = _step_backward(plan, extras["arrays"], q, kv, q_tok, kv_tok, o, lse, d_o, step, me,
+                               _step_high(plan, extras, step, me))
         dq = dq + grads[0].astype(jnp.float32)
         # the first partial travels as computed; sums of partials in fp32
         d_kv = grads[1:] if d_kv is None else tuple(d + x.astype(jnp.float32) for d, x in zip(d_kv, grads[1:]))
@@ -329,8 +346,9 @@ def ring_attention(plan: RingPlan, q, k, v, extras, sinks=None) -> tuple[Any, An
     """(output (B, T_local, N, Hv), logsumexp (B, N, T_local)) of the local queries over every key.
 
     `extras`: {"arrays": score_mod arrays (B|1, N|1, 1, 1), "tok": (position, valid, segment) per
-    token of the whole sequence, in the order of q, k, v, with packed segments, else None}; constants
-    for differentiation.
+    token of the whole sequence, in the order of q, k, v, with packed segments, else None; "high":
+    with documents balanced per document, whether each token (same order) lies in the later piece
+    its device holds of its document, else None}; constants for differentiation.
     `sinks`: attention sinks (N,) (`backends.sinks`), or None. The logsumexp is returned without a
     gradient, as on the cuDNN path."""
     return _forward_with_sinks(plan, q, k, v, extras, sinks)[:2]

@@ -45,11 +45,12 @@ def keys_after_queries(causal: bool, q_start: Any, kv_start: Any) -> Any:
     return jnp.bool_(False) if not causal else kv_start > q_start
 
 
-def step_slots(max_segments: int, local: int, chunks: int, first: bool) -> int:
-    """Document slots of a step's one call over the device's whole blocks: every local
-    document on the first step (the device's tokens with themselves), else at most one per pair of
-    chunks (two different chunks share at most one document)."""
-    return min(max_segments, local) if first else min(max_segments, chunks * chunks)
+def step_slots(max_segments: int, local: int, chunks: int, every: bool) -> int:
+    """Document slots of a step's one call over the device's whole blocks: every local document
+    (`every`: the first step, the device's tokens with themselves, or documents balanced per
+    document, which puts pieces of each on every device), else at most one per pair of chunks (two
+    different chunks share at most one document)."""
+    return min(max_segments, local) if every else min(max_segments, chunks * chunks)
 
 
 def shared_ids(q_facts: tuple[Any, Any, Any], kv_facts: tuple[Any, Any, Any], q_allowed: Any, kv_allowed: Any,

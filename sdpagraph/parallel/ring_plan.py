@@ -14,7 +14,7 @@ import numpy as np
 
 from sdpagraph.backends import registry
 from sdpagraph.parallel import ring_documents
-from sdpagraph.parallel.load_balance import device_chunks
+from sdpagraph.parallel.load_balance import DOCUMENTS, device_chunks
 from sdpagraph.scoremod.forms import PythonMods
 from sdpagraph.scoremod.ir import ScoreModIR, with_position_offsets
 from sdpagraph.scoremod.masks import KEY_AXIS, QUERY_AXIS
@@ -33,7 +33,7 @@ class RingPlan:
     spec: AttentionSpec
     axis: str
     size: int  # devices along `axis`
-    load_balanced: bool
+    load_balanced: bool | str  # False, True (chunks) or load_balance.DOCUMENTS (`document_order`)
     backend: str  # the primary backend's name (cuDNN: its block graphs) or the reference's (XLA)
     score_mod: ScoreModIR | None
     scalars: tuple[tuple[str, Any], ...]
@@ -111,8 +111,10 @@ class RingPlan:
         local = self.q_chunk * self.chunks
         spec = dataclasses.replace(self.spec, q_len=local, kv_len=self.kv_chunk * self.chunks,
                                    is_causal=first and self.spec.is_causal, causal_alignment="top_left")
+        # Documents balanced per document: every document has pieces on every device.
+        every = first or self.load_balanced == DOCUMENTS
         return dataclasses.replace(spec, max_segments=ring_documents.step_slots(self.spec.max_segments, local,
-                                                                                self.chunks, first),
+                                                                                self.chunks, every),
                                    max_seqlen_q=None, max_seqlen_kv=None)
 
     @property
