@@ -225,6 +225,11 @@ CP_CASES = {  # name: (N, K, strategy, load_balanced, kwargs maker)
         is_causal=True, segment_ids=random_ids(rng, B, T, 3), max_segments_per_seq=3)),
     "ring_documents_softcap_balanced": (8, 8, "ring", True, lambda rng: dict(  # the dense twin per pair
         is_causal=True, score_mod=mods.softcap(20.0), segment_ids=random_ids(rng, B, T, 4), max_segments_per_seq=4)),
+    # each document cut over the devices (load_balance's segment_ids; the ids themselves in natural order)
+    "ring_documents_by_document": (8, 2, "ring", "documents", lambda rng: dict(
+        is_causal=True, segment_ids=random_ids(rng, B, T, 5), max_segments_per_seq=5)),
+    "all_to_all_documents_softcap_by_document": (8, 8, "all_to_all", "documents", lambda rng: dict(
+        is_causal=True, score_mod=mods.softcap(20.0), segment_ids=random_ids(rng, B, T, 4), max_segments_per_seq=4)),
     # sliding windows and chunks: the halo (keys from the neighbour only), natural order and balanced
     "halo_window": (8, 2, "halo", False, lambda rng: dict(is_causal=True, local_window_size=(100, 0))),
     "halo_window_balanced": (8, 8, "halo", True, lambda rng: dict(is_causal=True, local_window_size=(300, 0))),
@@ -247,7 +252,11 @@ def test_context_parallel_matches_one_gpu(name):
     back = (lambda x: sdpagraph.unload_balance(x, 2)) if load_balanced else (lambda x: x)  # noqa: E731
     cp_kwargs = dict(kwargs, context_parallel_axis="x", load_balanced=load_balanced,
                      context_parallel_strategy=strategy)
-    if "segment_ids" in kwargs:
+    if load_balanced == "documents":  # q, k, v cut per document; the ids stay in natural order
+        ids = kwargs["segment_ids"]
+        order = lambda x: np.asarray(sdpagraph.load_balance(x, 2, segment_ids=ids))  # noqa: E731
+        back = lambda x: sdpagraph.unload_balance(x, 2, segment_ids=ids)  # noqa: E731
+    elif "segment_ids" in kwargs:
         cp_kwargs["segment_ids"] = order(kwargs["segment_ids"])
     m = mesh()
     args = [place(jnp.asarray(order(x), jnp.bfloat16 if i < 3 else jnp.float32), m, P(None, "x"))
