@@ -318,18 +318,20 @@ def child_row(request):
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_cp_long(quick, cpu, record, only):
+def run_cp_long(quick, cpu, record, only, strategies=None):
     """LONG_CALLS: each on one GPU, and on 2 GPUs with each strategy, speedup over one GPU. Rows that
     measure peak memory run in a child process each (bench/child.py): a peak covers one row only."""
     from child import run_child
 
     summary = {}
+    wanted = strategies
     for index, (label, length, _, _, memory, strategies, target) in enumerate(LONG_CALLS):
         length = length // CPU_SCALE if cpu else length
         if only and not any(part in f"{label} T{length}" for part in only):
             continue
         one = None
-        for strategy, load_balanced in ((None, False), *strategies):
+        chosen = [(name, lb) for name, lb in strategies if wanted is None or f"{name}{BALANCE_LABELS[lb]}" in wanted]
+        for strategy, load_balanced in ((None, False), *chosen):
             request = dict(index=index, strategy=strategy, load_balanced=load_balanced, quick=quick, cpu=cpu)
             # The one-GPU row runs in a process that sees one GPU, as a one-GPU user's does: some paths
             # (bins for documents with a score_mod) need a process with one device.
@@ -397,14 +399,14 @@ class Recorder:
             json.dump(self.results, f, indent=1)
 
 
-def run(quick, part, cpu, out=None, only=None):
+def run(quick, part, cpu, out=None, only=None, strategies=None):
     record = Recorder(out, quick, cpu)
     if part in ("dp", "all"):
         record.summary.update(run_dp(quick, record))
     if part in ("cp", "all"):
         record.summary.update(run_cp(quick, cpu, record))
     if part == "cp-long":
-        record.summary.update(run_cp_long(quick, cpu, record, only))
+        record.summary.update(run_cp_long(quick, cpu, record, only, strategies))
     record.save()
     return record.results
 
@@ -464,6 +466,9 @@ def main():
                         "rows (packed documents, windows, chunks: LONG_CALLS)")
     parser.add_argument("--only", action="append", help="cp-long: only the calls whose 'label T<length>' holds "
                         "this (repeatable: any of them)")
+    parser.add_argument("--strategy", action="append", help="cp-long: only these strategy rows (besides one GPU), "
+                        "named as in the table: 'ring, load-balanced', 'ring, documents balanced', 'halo', ... "
+                        "(repeatable)")
     parser.add_argument("--cpu", action="store_true", help="the context-parallel rows on 2 CPU devices, tiny "
                         "shapes, XLA backend: checks the bench's code (needs --part cp or cp-long)")
     args = parser.parse_args()
@@ -472,7 +477,7 @@ def main():
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if len(gpus) < 2 and not args.cpu:
         sys.exit(f"bench/multi_gpu.py needs 2 GPUs; JAX sees {len(gpus)} ({jax.devices()})")
-    print(markdown(run(args.quick, args.part, args.cpu, args.out, args.only)))
+    print(markdown(run(args.quick, args.part, args.cpu, args.out, args.only, args.strategy)))
 
 
 if __name__ == "__main__":
