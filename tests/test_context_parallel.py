@@ -384,6 +384,23 @@ def test_ring_on_the_cudnn_path(name, load_balanced, axis_type, cudnn_ring):
 
 
 @needs_devices
+@pytest.mark.parametrize("name, load_balanced", [("causal", True), ("causal", False), ("plain", True),
+                                                 ("gqa_causal", True), ("softcap_causal", True)])
+def test_ring_runs_dense_calls_as_one_document_when_asked(name, load_balanced, cudnn_ring, monkeypatch):
+    """SDPAGRAPH_RING_DENSE_PACKED=1: a call without documents or a score_mod runs the packed
+    graphs' one call a step over one document (no conditional); with a score_mod, the pairs."""
+    monkeypatch.setenv("SDPAGRAPH_RING_DENSE_PACKED", "1")
+    seed = int(np.random.default_rng().integers(2**31))
+    ours, ref, hlo = run(name, "ring", load_balanced, "cudnn", seed)
+    assert_same(ours, ref, tol=3e-5)
+    packed = {s.segments for s, _, _ in cudnn_ring} == {"self"}
+    assert packed == ("softcap" not in name), (name, {s for s, _, _ in cudnn_ring})
+    if packed:
+        assert not re.search(r"\bconditional\(", hlo), f"seed {seed}"
+        assert {s.max_segments for s, _, _ in cudnn_ring} == {1}
+
+
+@needs_devices
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
 def test_all_to_all_on_the_cudnn_path(axis_type, cudnn_ring):
     built = cudnn_ring

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sdpagraph.cache import CacheMissError
+from sdpagraph.config import RING_DENSE_PACKED
 from sdpagraph.logs import log_once, logger
 from sdpagraph.graphs.operands import folds_segments
 from sdpagraph.graphs.support import Support
@@ -229,7 +230,8 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
     else:
         local = dataclasses.replace(spec, batch=spec.batch // math.prod(shape[a] for a in others))
     if strategy == "ring":
-        blocks = ring_plan.RingPlan(local, axis, cp, load_balanced, registry.primary().name, call.score_mod, ())
+        blocks = ring_plan.RingPlan(_ring_spec(call, local, ring_reason), axis, cp, load_balanced,
+                                    registry.primary().name, call.score_mod, ())
         graphs = [(block, blocks.block_ir) for block in blocks.block_specs]
         reason = ring_reason
     elif strategy == "halo":
@@ -288,16 +290,31 @@ def _token_facts(ids: Any, cp: int, load_balanced: Any, max_segments: int) -> tu
     return (tuple(load_balance(x, cp) for x in facts) if load_balanced else facts), None
 
 
+def _ring_spec(call: PreparedCall, local: AttentionSpec, ring_reason: str | None) -> AttentionSpec:
+    """The spec the ring runs: `local`, or with RING_DENSE_PACKED a call without packed documents
+    or a score_mod that the ring's cuDNN blocks take as one document over the whole sequence (so
+    it runs the packed graphs' one call a step, `RingPlan.whole_steps`, with no conditional)."""
+    if not RING_DENSE_PACKED.enabled() or local.segments or ring_reason is not None:
+        return local
+    one = dataclasses.replace(local, segments="self", max_segments=1)
+    return local if folds_segments(one, call.score_mod) else one
+
+
 def _ring(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, ids, sinks):
     """The ring over this device's blocks; `ids`: its (B, T/cp) natural-order segment ids, or None.
     Their facts (`_token_facts`) are computed from the whole sequence's, gathered, inside the
     shard_map (over ids split along the sequence, XLA's SPMD partitioner ran the segment numbering's
-    cumulative sum as a loop of T/cp steps: 0.4 s a step on 2 GPUs at T32768)."""
+    cumulative sum as a loop of T/cp steps: 0.4 s a step on 2 GPUs at T32768). A dense call the ring
+    runs as one document (`_ring_spec`) gets that document's facts, the same on every device."""
     tok = high = None
+    reason = ring_plan.cudnn_reason(call.spec, call.score_mod, call.inputs.python_mods)
+    spec = _ring_spec(call, local, reason) if backend == registry.primary().name else local
+    if ids is None and spec.segments:
+        ids = jnp.ones((q.shape[0], q.shape[1]), jnp.int32)
     if ids is not None:
         tok, high = _token_facts(jax.lax.all_gather(ids, axis, axis=1, tiled=True), cp, load_balanced,
-                                 call.spec.max_segments)
-    plan = ring_plan.RingPlan(local, axis, cp, load_balanced, backend, call.score_mod,
+                                 spec.max_segments)
+    plan = ring_plan.RingPlan(spec, axis, cp, load_balanced, backend, call.score_mod,
                               tuple(sorted((call.inputs.mod_scalars or {}).items())), call.inputs.python_mods)
     return ring.ring_attention(plan, q, k, v, {"arrays": arrays, "tok": tok, "high": high}, sinks)
 
