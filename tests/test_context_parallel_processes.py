@@ -1,6 +1,7 @@
 """Context parallelism across two JAX processes (`jax.distributed`, 4 CPU devices each, gloo
-collectives): the ring, all_to_all and halo strategies over a mesh axis that spans both processes,
-forward and gradients equal to one device's on each process's shards.
+collectives): the ring, all_to_all and halo strategies over a mesh axis that spans both processes
+(all_to_all with packed documents balanced per document too), forward and gradients equal to one
+device's on each process's shards.
 
 The test starts this file twice as a worker (`python this_file WORKER_ID PORT`)."""
 import os
@@ -11,12 +12,16 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROCESSES, LOCAL_DEVICES = 2, 4
 B, T, N, H = 2, 64, 8, 8
+# packed documents of 3-20 tokens, cut per document over the devices (load_balanced="documents")
+DOCUMENTS = [[d for d, size in enumerate([5, 20, 3, 9, 17, 10], 1) for _ in range(size)],
+             [d for d, size in enumerate([12, 4, 19, 8, 6, 15], 1) for _ in range(size)]]
 CASES = [  # (strategy, load_balanced, attention kwargs)
     ("ring", True, dict(is_causal=True)),
     ("all_to_all", False, dict(is_causal=True)),
     ("halo", False, dict(is_causal=True, local_window_size=(11, 0))),
     ("halo", True, dict(local_window_size=(5, 9))),
     ("halo", False, dict(is_causal=True, chunk_size=16)),
+    ("all_to_all", "documents", dict(is_causal=True, segment_ids=DOCUMENTS)),
 ]
 
 
@@ -50,6 +55,8 @@ def worker(process_id: int, port: int) -> None:
     sharding = NamedSharding(mesh, P(None, "cp"))
     rng = np.random.default_rng(0)  # the same arrays in both processes
     for strategy, load_balanced, kwargs in CASES:
+        if "segment_ids" in kwargs:
+            kwargs = dict(kwargs, segment_ids=np.asarray(kwargs["segment_ids"], np.int32))
         q, k, v, cot = (rng.standard_normal((B, T, N, H)).astype(np.float32) for _ in range(4))
 
         def loss(q, k, v, cot, **cp_kwargs):
@@ -58,6 +65,8 @@ def worker(process_id: int, port: int) -> None:
         ref_grads = jax.grad(lambda q, k, v: loss(q, k, v, cot, implementation="xla"), argnums=(0, 1, 2))(q, k, v)
         ref_out = sdpagraph.attention(q, k, v, implementation="xla", **kwargs)
         order = (lambda x: np.asarray(sdpagraph.load_balance(x, cp))) if load_balanced else (lambda x: x)  # noqa: E731
+        if load_balanced == "documents":  # the ids stay in their natural order
+            order = lambda x: np.asarray(sdpagraph.load_balance(x, cp, segment_ids=kwargs["segment_ids"]))  # noqa: E731
         place = lambda x: jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])  # noqa: E731
         args = [place(order(x)) for x in (q, k, v, cot)]
         cp_kwargs = dict(context_parallel_axis="cp", context_parallel_strategy=strategy, load_balanced=load_balanced)
