@@ -202,11 +202,12 @@ def _pass(plan: RingPlan, tree: Any) -> Any:
 
 def _visits(plan: RingPlan, k: Any, v: Any, first: Any = None) -> tuple[list[tuple[int, Any]], Any]:
     """([(step, (k, v) visiting)] in the order the ring runs them, the key/value block that arrived
-    first). Step s holds the block of device me - s. Each transfer is issued before the step that
-    does not need it, so XLA overlaps the two. Forward (`first` None): the own block first, then
-    me - 1, me - 2, ...; backward (`first`: the block that arrived first in the forward, a residual):
-    the other blocks first and the own block last, so the dk/dv accumulators that travel the other
-    way round (`_ring_backward`) reach home during the last step instead of after it."""
+    first). Step s holds the block of device me - s. Each transfer is issued before the compute of
+    the step in hand, which does not need it, so XLA overlaps the two. Forward (`first` None): the
+    own block first, then me - 1, me - 2, ...; backward (`first`: the block that arrived first in the
+    forward, a residual): the other blocks first and the own block last, so the dk/dv accumulators,
+    which follow their blocks one device on (`_ring_backward`), reach home during the last step
+    instead of after it."""
     order = list(range(plan.size)) if first is None else [*range(1, plan.size), 0]
     travelling, arrived, visits = (paired(k, v) if first is None else first), None, []
     for i, step in enumerate(order):
@@ -287,7 +288,8 @@ def _ring_forward(plan: RingPlan, q, k, v, extras) -> tuple[Any, Any, Any]:
     return out, jnp.concatenate([lse for _, lse in acc], axis=-1), arrived
 
 
-def _step_backward(plan: RingPlan, arrays, q, kv, q_tok, kv_tok, o, lse, d_o, step: int, me: Any, high: Any) -> tuple:
+def _step_backward(plan: RingPlan, arrays, q, kv, q_tok, kv_tok, o, lse, d_o, step: int, me: Any,
+                   high: Any) -> tuple:
     """(dq, dk, dv) of the local queries against the key block visiting at `step`: one call over the
     whole blocks (`RingPlan.whole_steps`, in the io dtype) or the sum over pairs of chunks (fp32)."""
     if plan.whole_steps:
