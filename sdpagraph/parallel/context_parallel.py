@@ -207,7 +207,7 @@ class Plan:
     strategy: str  # "ring", "all_to_all" or "halo"
     manual: bool  # inside a shard_map over the axis: q, k, v are the local blocks
     batch_axes: tuple[str, ...]  # the other mesh axes, splitting the batch
-    local: AttentionSpec  # one device's batch, the global sequence lengths
+    local: AttentionSpec  # one device's batch, the global sequence lengths (the ring's: `_ring_spec`)
     backend: str  # the blocks': the primary backend's name (cuDNN) or the reference's (XLA)
     reason: str  # why that backend
 
@@ -229,9 +229,9 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
         local = dataclasses.replace(spec, q_len=spec.q_len * cp, kv_len=spec.kv_len * cp)
     else:
         local = dataclasses.replace(spec, batch=spec.batch // math.prod(shape[a] for a in others))
+    ring_spec = _ring_spec(call, local, ring_reason) if strategy == "ring" else local
     if strategy == "ring":
-        blocks = ring_plan.RingPlan(_ring_spec(call, local, ring_reason), axis, cp, load_balanced,
-                                    registry.primary().name, call.score_mod, ())
+        blocks = ring_plan.RingPlan(ring_spec, axis, cp, load_balanced, registry.primary().name, call.score_mod, ())
         graphs = [(block, blocks.block_ir) for block in blocks.block_specs]
         reason = ring_reason
     elif strategy == "halo":
@@ -251,6 +251,8 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
                           f"call cannot ({why}): use context_parallel_strategy='all_to_all', or load_balanced=True")
     where = f"context parallel ({strategy} over {axis!r}, cp={cp})"
     reason = f"{where}: blocks run on cuDNN" if reason is None else f"{where}: blocks run on the XLA backend: {reason}"
+    if backend == registry.primary().name:  # the ring's cuDNN blocks may take a dense call as one document
+        local = ring_spec
     return Plan(axis, cp, strategy, manual, others, local, backend, reason)
 
 
@@ -305,16 +307,14 @@ def _ring(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v,
     Their facts (`_token_facts`) are computed from the whole sequence's, gathered, inside the
     shard_map (over ids split along the sequence, XLA's SPMD partitioner ran the segment numbering's
     cumulative sum as a loop of T/cp steps: 0.4 s a step on 2 GPUs at T32768). A dense call the ring
-    runs as one document (`_ring_spec`) gets that document's facts, the same on every device."""
+    runs as one document (`local` from `_ring_spec`) gets that document's facts, the same on every device."""
     tok = high = None
-    reason = ring_plan.cudnn_reason(call.spec, call.score_mod, call.inputs.python_mods)
-    spec = _ring_spec(call, local, reason) if backend == registry.primary().name else local
-    if ids is None and spec.segments:
+    if ids is None and local.segments:
         ids = jnp.ones((q.shape[0], q.shape[1]), jnp.int32)
     if ids is not None:
         tok, high = _token_facts(jax.lax.all_gather(ids, axis, axis=1, tiled=True), cp, load_balanced,
-                                 spec.max_segments)
-    plan = ring_plan.RingPlan(spec, axis, cp, load_balanced, backend, call.score_mod,
+                                 local.max_segments)
+    plan = ring_plan.RingPlan(local, axis, cp, load_balanced, backend, call.score_mod,
                               tuple(sorted((call.inputs.mod_scalars or {}).items())), call.inputs.python_mods)
     return ring.ring_attention(plan, q, k, v, {"arrays": arrays, "tok": tok, "high": high}, sinks)
 
@@ -335,7 +335,8 @@ def _all_to_all(call, local: AttentionSpec, axis, cp, load_balanced, backend, q,
         ids = jax.lax.all_gather(ids, axis, axis=1, tiled=True)  # natural order (`natural_order`)
     order = document_order(ids, cp)[0] if load_balanced == DOCUMENTS else None
     if order is not None:  # the gathered sequence is in the documents' balanced order
-        q, k, v = (gather_tokens(x, jnp.argsort(order, axis=1), 1) for x in (q, k, v))
+        natural = jnp.argsort(order, axis=1)
+        q, k, v = (gather_tokens(x, natural, 1) for x in (q, k, v))
     elif load_balanced:  # the gathered sequence is in device order of the balanced chunks
         q, k, v = (unload_balance(x, cp) for x in (q, k, v))
     split = Split(head_axes=(axis,), heads=cp, kv_heads=cp)
