@@ -51,10 +51,10 @@ from sdpagraph.call import RuntimeInputs
 from sdpagraph.numerics import gate as numerics_gate
 from sdpagraph.parallel.halo_split import SplitPlan, split_attention
 from sdpagraph.parallel.load_balance import device_chunks
-from sdpagraph.parallel.ring_plan import OFFSETS, with_offsets
+from sdpagraph.parallel.ring_plan import OffsetMods, with_offsets
 from sdpagraph.parallel.transfer import permute_pair
 from sdpagraph.scoremod.forms import PythonMods
-from sdpagraph.scoremod.ir import ScoreModIR, with_position_offsets
+from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
 
 WHOLE, WITHIN, MISALIGNED = "whole", "within", "misaligned"  # `chunk_fit`
@@ -170,7 +170,7 @@ class HaloLayout:
 
 
 @dataclass(frozen=True)
-class HaloPlan:
+class HaloPlan(OffsetMods):
     """Everything static about one halo call."""
 
     layout: HaloLayout  # its spec: the call's with one device's batch (the sequence lengths stay global)
@@ -183,15 +183,6 @@ class HaloPlan:
     @property
     def spec(self) -> AttentionSpec:
         return self.layout.spec
-
-    @property
-    def reads_positions(self) -> bool:
-        return self.score_mod is not None and self.score_mod.reads_positions
-
-    @functools.cached_property
-    def block_ir(self) -> ScoreModIR | None:
-        """The score_mod of the cuDNN calls: positions shifted by the block's global offsets."""
-        return with_position_offsets(self.score_mod, OFFSETS) if self.reads_positions else self.score_mod
 
     def block_spec(self, case: tuple[int, int]) -> AttentionSpec:
         """The spec of one case's cuDNN call: a block's queries, hl + L + hr keys, the window relative

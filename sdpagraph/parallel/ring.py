@@ -48,7 +48,7 @@ from sdpagraph.backends.masking import TokenLayout
 from sdpagraph.backends.softmax_merge import merge
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.parallel import ring_documents
-from sdpagraph.parallel.transfer import paired
+from sdpagraph.parallel.transfer import paired, permute_pair
 from sdpagraph.parallel.ring_plan import MASKED, SKIP, RingPlan, cudnn_static, pair_status, with_offsets
 
 # ----------------------------------------------------------------------------- one pair of chunks
@@ -195,9 +195,14 @@ def _step_high(plan: RingPlan, extras: Mapping[str, Any], step: int, me: Any) ->
     return cut(me), cut((me - step) % plan.size)
 
 
+def _onwards(plan: RingPlan) -> list[tuple[int, int]]:
+    """The ring's (source, destination) pairs: each device sends to the next."""
+    return [(i, (i + 1) % plan.size) for i in range(plan.size)]
+
+
 def _pass(plan: RingPlan, tree: Any) -> Any:
     """Send to the next device along the ring."""
-    return jax.lax.ppermute(tree, plan.axis, [(i, (i + 1) % plan.size) for i in range(plan.size)])
+    return jax.lax.ppermute(tree, plan.axis, _onwards(plan))
 
 
 def _visits(plan: RingPlan, k: Any, v: Any, first: Any = None) -> tuple[list[tuple[int, Any]], Any]:
@@ -329,8 +334,7 @@ def _ring_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o, first) -> tuple
         # the first partial travels as computed; sums of partials in fp32
         d_kv = grads[1:] if d_kv is None else tuple(d + x.astype(jnp.float32) for d, x in zip(d_kv, grads[1:]))
         if step != 0:
-            d_kv = _pass(plan, paired(*d_kv))
-            d_kv = (d_kv[0], d_kv[1])
+            d_kv = permute_pair(d_kv, plan.axis, _onwards(plan))
     return dq.astype(q.dtype), d_kv[0].astype(k.dtype), d_kv[1].astype(v.dtype)
 
 

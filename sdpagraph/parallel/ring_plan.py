@@ -24,8 +24,24 @@ SKIP, FULL, MASKED = 0, 1, 2
 OFFSETS = {QUERY_AXIS: "__cp_q_offset", KEY_AXIS: "__cp_kv_offset"}  # gen_index axis -> operand name
 
 
+class OffsetMods:
+    """The score_mod of a context-parallel plan's cuDNN blocks (the ring's, the halo's): one that reads
+    positions sees them shifted by the block's global offsets, int32 operands (`OFFSETS`), so one
+    graph serves every block. For a frozen dataclass with a `score_mod` field."""
+
+    score_mod: ScoreModIR | None
+
+    @property
+    def reads_positions(self) -> bool:
+        return self.score_mod is not None and self.score_mod.reads_positions
+
+    @functools.cached_property
+    def block_ir(self) -> ScoreModIR | None:
+        return with_position_offsets(self.score_mod, OFFSETS) if self.reads_positions else self.score_mod
+
+
 @dataclass(frozen=True)
-class RingPlan:
+class RingPlan(OffsetMods):
     """Everything static about one ring (hashable: custom_vjp's non-differentiable argument).
 
     `spec` is the call's spec with the batch of one device (the sequence lengths stay global)."""
@@ -72,16 +88,6 @@ class RingPlan:
                                   table[(me - step) % self.size][kv_chunk] * self.kv_chunk, np))
                  for me in range(self.size)}
         return found.pop() if len(found) == 1 else None
-
-    @property
-    def reads_positions(self) -> bool:
-        return self.score_mod is not None and self.score_mod.reads_positions
-
-    @functools.cached_property
-    def block_ir(self) -> ScoreModIR | None:
-        """The score_mod of the cuDNN block graphs: positions shifted by the pair's global offsets,
-        int32 operands (`OFFSETS`), so one graph serves every pair."""
-        return with_position_offsets(self.score_mod, OFFSETS) if self.reads_positions else self.score_mod
 
     @property
     def documents(self) -> bool:
