@@ -260,10 +260,8 @@ LONG_CALLS = (
     ("window (1024, 0)", 131072, {"local_window_size": (1024, 0)}, None, False, HALO_STRATEGIES, 1.9),
     ("softcap 30 + packed documents 512-8192", 65536, {"softcap": 30.0}, (512, 8192), False, ALL_STRATEGIES, 1.6),
     ("chunked attention (chunk 8192)", 65536, {"chunk_size": 8192}, None, False, HALO_STRATEGIES, 1.9),
-    ("dense causal", 32768, {}, None, False, (("ring", True), ("ring as one document", True), ("auto", True)), 1.7),
+    ("dense causal", 32768, {}, None, False, (("ring", True), ("all_to_all", True), ("auto", True)), 1.7),
 )
-# Strategy rows run with environment variables, in a process of their own: (strategy, environment).
-ENV_VARIANTS = {"ring as one document": ("ring", {"SDPAGRAPH_RING_DENSE_PACKED": "1"})}
 BALANCE_LABELS = {False: "", True: ", load-balanced", "documents": ", documents balanced"}
 ORDERS = {False: "natural order", True: "load-balanced", "documents": "documents balanced"}
 CPU_SCALE = 128  # --cpu: lengths, documents, windows and chunks divided by this
@@ -334,14 +332,13 @@ def run_cp_long(quick, cpu, record, only, strategies=None):
         one = None
         chosen = [(name, lb) for name, lb in strategies if wanted is None or f"{name}{BALANCE_LABELS[lb]}" in wanted]
         for strategy, load_balanced in ((None, False), *chosen):
-            runs, env = ENV_VARIANTS.get(strategy, (strategy, None))
-            request = dict(index=index, strategy=runs, load_balanced=load_balanced, quick=quick, cpu=cpu)
+            request = dict(index=index, strategy=strategy, load_balanced=load_balanced, quick=quick, cpu=cpu)
             # The one-GPU row runs in a process that sees one GPU, as a one-GPU user's does: some paths
             # (bins for documents with a score_mod) need a process with one device.
             one_gpu_process = strategy is None and not cpu
-            if memory or one_gpu_process or env:
+            if memory or one_gpu_process:
                 bench_dir = os.path.dirname(os.path.abspath(__file__))
-                env = {"CUDA_VISIBLE_DEVICES": "0"} if one_gpu_process else env
+                env = {"CUDA_VISIBLE_DEVICES": "0"} if one_gpu_process else None
                 result = run_child(CHILD, [bench_dir] + (["--cpu"] if cpu else []) + [json.dumps(request)],
                                    env=env, timeout=600, label=f"{label} T{length} {strategy}")
             else:

@@ -164,11 +164,6 @@ NATIVE_SINKS = Switch(
     "SDPAGRAPH_NATIVE_SINKS", "1",
     "`0`: attention sinks on cuDNN are composed from the logsumexp in the forward too, never cuDNN's own "
     "`sink_token` forward graph (for comparisons; docs/sinks.md)")
-RING_DENSE_PACKED = Switch(
-    "SDPAGRAPH_RING_DENSE_PACKED", "0",
-    "`1`: the context-parallel ring runs a call without packed documents or a score_mod as one "
-    "document, with its packed graphs: one call a step and no conditional (docs/multi-gpu.md; "
-    "not measured on GPUs yet)")
 PARTITION = Switch(
     "SDPAGRAPH_PARTITION", "1",
     "`0`, `false`, `off` or `no`: cuDNN calls are not partitioned under SPMD: one call over the "
@@ -193,6 +188,6 @@ COMMAND_BUFFER_COMPATIBLE = Variable(
 
 VARIABLES: tuple[Variable, ...] = (
     CACHE_DIR, CACHE_MODE, CACHE_MAX_BYTES, VERIFY, RECORD, DISPATCH_TABLE, CHECK_SEGMENTS, BINS,
-    SMALL_SEQ_KERNEL, PALLAS_TRITON, NATIVE_SINKS, RING_DENSE_PACKED, PARTITION, EXECUTOR_LIBRARY, REQUIRE_FFI,
+    SMALL_SEQ_KERNEL, PALLAS_TRITON, NATIVE_SINKS, PARTITION, EXECUTOR_LIBRARY, REQUIRE_FFI,
     REBUILD_EXECUTOR, COMMAND_BUFFER_COMPATIBLE,
 )

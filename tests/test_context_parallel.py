@@ -25,6 +25,7 @@ from sdpagraph.deploy.specfile import load_specs
 from sdpagraph.scoremod.ir_eval import evaluate
 from sdpagraph.scoremod.masks import SEGMENT_ARRAYS, segment_ir
 from sdpagraph.graphs.operands import ARRAY_PREFIX
+from sdpagraph.graphs.support import Support
 from sdpagraph.backends.cudnn import backend as cudnn_backend
 from sdpagraph.backends.cudnn.graph_on_xla import packed_ids
 from sdpagraph.segments.metadata import segment_positions
@@ -365,39 +366,45 @@ def test_ring_on_the_cudnn_path(name, load_balanced, axis_type, cudnn_ring):
     assert_same(ours, ref, tol=3e-5)
     assert "collective-permute" in hlo, f"seed {seed}"
     assert not re.search(r"\ball-gather(?:-start)?\(", hlo), f"the ring gathers nothing (seed {seed})"
-    # One graph per block kind, whatever the step: (T / chunks) blocks, unmasked and (causal) diagonal.
-    chunk = T // (CP * (2 if load_balanced else 1))
-    specs = {(s.q_len, s.kv_len, s.is_causal, d) for s, _, d in built}
-    want = {(chunk, chunk, c, d) for c in {False, "causal" in name} for d in ("forward", "backward")}
-    assert specs == want, specs
+    if name in ("causal", "plain", "gqa_causal", "mqa_causal"):
+        # No documents, no score_mod: one document over the whole sequence (context_parallel._ring_spec),
+        # so the packed graphs' one call a step over the device's whole block, and no branch.
+        assert {(s.segments, s.max_segments) for s, _, _ in built} == {("self", 1)}, built
+        assert not re.search(r"\bconditional\(", hlo), f"seed {seed}"
+    else:
+        # With a score_mod, the pairs of chunks: one graph per block kind, whatever the step: (T / chunks)
+        # blocks, unmasked and (causal) diagonal.
+        chunk = T // (CP * (2 if load_balanced else 1))
+        specs = {(s.q_len, s.kv_len, s.is_causal, d) for s, _, d in built}
+        want = {(chunk, chunk, c, d) for c in {False, "causal" in name} for d in ("forward", "backward")}
+        assert specs == want, specs
+        if load_balanced and "causal" in name:  # RingPlan.static_status: 2 pairs a step >= 1 branch, fwd and bwd
+            assert len(re.findall(r"\bconditional\(", hlo)) == 4 * (CP - 1), f"seed {seed}"
     # Keys and values travel as one transfer: forward CP - 1; backward at most CP - 2 (the first visitor
     # is the forward's; XLA may merge the others with the forward's) and CP - 1 for the dk/dv
     # accumulators (ring._visits, ring._ring_backward). Keys and values apart, with dk/dv brought
     # home after the last step, made 4 * CP - 2 after that merging.
     permutes = len(re.findall(r"\bcollective-permute(?:-start)?\(", hlo))
     assert 2 * (CP - 1) <= permutes <= 3 * CP - 4, f"{permutes} transfers (seed {seed})"
-    if load_balanced and "causal" in name:  # RingPlan.static_status: 2 pairs a step >= 1 branch, fwd and bwd
-        assert len(re.findall(r"\bconditional\(", hlo)) == 4 * (CP - 1), f"seed {seed}"
     if name in ("alibi_causal", "relative_jnp"):  # global positions: the pair's offsets are operands
         assert all({"__cp_q_offset", "__cp_kv_offset"} <= set(ir.array_names) for _, ir, _ in built)
         assert len({ir.digest for _, ir, _ in built}) == 1
 
 
 @needs_devices
-@pytest.mark.parametrize("name, load_balanced", [("causal", True), ("causal", False), ("plain", True),
-                                                 ("gqa_causal", True), ("softcap_causal", True)])
-def test_ring_runs_dense_calls_as_one_document_when_asked(name, load_balanced, cudnn_ring, monkeypatch):
-    """SDPAGRAPH_RING_DENSE_PACKED=1: a call without documents or a score_mod runs the packed
-    graphs' one call a step over one document (no conditional); with a score_mod, the pairs."""
-    monkeypatch.setenv("SDPAGRAPH_RING_DENSE_PACKED", "1")
+def test_ring_takes_the_pairs_where_one_document_does_not_build(cudnn_ring, monkeypatch):
+    """A dense call whose one-document packed graphs cuDNN refuses still runs its blocks on cuDNN,
+    as pairs of chunks, rather than falling to the XLA backend."""
+    def support(spec, ir, training, verify=None):
+        packed = spec.segments == "self"
+        return Support(not packed, "cudnn", "no packed engine (stand-in)" if packed else "stand-in")
+
+    monkeypatch.setattr(cudnn_backend, "support", support)
     seed = int(np.random.default_rng().integers(2**31))
-    ours, ref, hlo = run(name, "ring", load_balanced, "cudnn", seed)
+    ours, ref, hlo = run("causal", "ring", True, "cudnn", seed)
     assert_same(ours, ref, tol=3e-5)
-    packed = {s.segments for s, _, _ in cudnn_ring} == {"self"}
-    assert packed == ("softcap" not in name), (name, {s for s, _, _ in cudnn_ring})
-    if packed:
-        assert not re.search(r"\bconditional\(", hlo), f"seed {seed}"
-        assert {s.max_segments for s, _, _ in cudnn_ring} == {1}
+    assert cudnn_ring and {s.segments for s, _, _ in cudnn_ring} == {None}, cudnn_ring
+    assert re.search(r"\bconditional\(", hlo), f"the pairs branch per step (seed {seed})"
 
 
 @needs_devices

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sdpagraph.cache import CacheMissError
-from sdpagraph.config import RING_DENSE_PACKED
 from sdpagraph.logs import log_once, logger
 from sdpagraph.graphs.operands import folds_segments
 from sdpagraph.graphs.support import Support
@@ -229,21 +228,25 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
         local = dataclasses.replace(spec, q_len=spec.q_len * cp, kv_len=spec.kv_len * cp)
     else:
         local = dataclasses.replace(spec, batch=spec.batch // math.prod(shape[a] for a in others))
-    ring_spec = _ring_spec(call, local, ring_reason) if strategy == "ring" else local
+    ring_spec = local
     if strategy == "ring":
-        blocks = ring_plan.RingPlan(ring_spec, axis, cp, load_balanced, registry.primary().name, call.score_mod, ())
-        graphs = [(block, blocks.block_ir) for block in blocks.block_specs]
-        reason = ring_reason
-    elif strategy == "halo":
-        blocks = halo.HaloPlan(halo.HaloLayout(local, cp, load_balanced), axis, registry.primary().name,
-                               call.score_mod, ())
-        graphs = [(blocks.block_spec(case), blocks.block_ir) for case in blocks.layout.cases]
-        reason = call.inputs.python_mods.reason if call.inputs.python_mods is not None else None
+        ring_spec = _ring_spec(call, local, ring_reason)
+        reason = _cudnn_reason(_ring_graphs(call, ring_spec, axis, cp, load_balanced), implementation,
+                               ring_reason, running)
+        if reason is not None and ring_spec != local:  # one document's graphs do not build: the pairs'
+            ring_spec = local
+            reason = _cudnn_reason(_ring_graphs(call, local, axis, cp, load_balanced), implementation,
+                                   ring_reason, running)
     else:
-        split = Split(head_axes=(axis,), heads=cp, kv_heads=cp)
-        graphs = [(local_spec(local, split), local_ir(call.score_mod, local, split))]
+        if strategy == "halo":
+            blocks = halo.HaloPlan(halo.HaloLayout(local, cp, load_balanced), axis, registry.primary().name,
+                                   call.score_mod, ())
+            graphs = [(blocks.block_spec(case), blocks.block_ir) for case in blocks.layout.cases]
+        else:
+            split = Split(head_axes=(axis,), heads=cp, kv_heads=cp)
+            graphs = [(local_spec(local, split), local_ir(call.score_mod, local, split))]
         reason = call.inputs.python_mods.reason if call.inputs.python_mods is not None else None
-    reason = _cudnn_reason(graphs, implementation, reason, running)
+        reason = _cudnn_reason(graphs, implementation, reason, running)
     backend = (registry.primary() if reason is None else registry.reference()).name
     if load_balanced == DOCUMENTS and strategy == "ring" and (backend != registry.primary().name or not packed_graphs):
         why = reason or "a score_mod needs the dense twin of the packed graphs, which runs per pair of chunks"
@@ -293,13 +296,20 @@ def _token_facts(ids: Any, cp: int, load_balanced: Any, max_segments: int) -> tu
 
 
 def _ring_spec(call: PreparedCall, local: AttentionSpec, ring_reason: str | None) -> AttentionSpec:
-    """The spec the ring runs: `local`, or with RING_DENSE_PACKED a call without packed documents
-    or a score_mod that the ring's cuDNN blocks take as one document over the whole sequence (so
-    it runs the packed graphs' one call a step, `RingPlan.whole_steps`, with no conditional)."""
-    if not RING_DENSE_PACKED.enabled() or local.segments or ring_reason is not None:
+    """The spec the ring runs: `local`, or for a call without packed documents or a score_mod, one
+    document over the whole sequence, which the ring's cuDNN blocks run as the packed graphs' one
+    call a step (`RingPlan.whole_steps`) with no conditional. On 2 H100s that is as fast as the
+    pairs of chunks and holds a third of their peak memory (docs/multi-gpu.md)."""
+    if local.segments or call.score_mod is not None or ring_reason is not None:
         return local
     one = dataclasses.replace(local, segments="self", max_segments=1)
     return local if folds_segments(one, call.score_mod) else one
+
+
+def _ring_graphs(call: PreparedCall, spec: AttentionSpec, axis: Any, cp: int, load_balanced: Any) -> list:
+    """The (block spec, score_mod IR) graphs the ring runs for `spec`."""
+    blocks = ring_plan.RingPlan(spec, axis, cp, load_balanced, registry.primary().name, call.score_mod, ())
+    return [(block, blocks.block_ir) for block in blocks.block_specs]
 
 
 def _ring(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, ids, sinks):
