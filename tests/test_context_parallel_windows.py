@@ -151,6 +151,10 @@ def test_halo_on_the_cudnn_path(name, cp, load_balanced, axis_type, cudnn_on_cpu
     if split and all(hl in (0, left) for hl, _ in halo_cases(kwargs, blocks)) and left <= block:
         # every device runs the same calls: no lax.switch, whose branch index XLA reads on the host
         assert not re.search(r"\bconditional\(", hlo), "a split halo block runs without a conditional"
+        # the halo rows' results join the block's in place, and the halos' gradients are added in
+        # place where they came from: nothing pads or concatenates a whole block of the device's tokens
+        whole = re.compile(r"= f32\[%d,%d,\d+,%d\]\{[^}]*\} (pad|concatenate)\(" % (B, T // cp, H))
+        assert not [line for line in hlo.splitlines() if whole.search(line)], "a pass over the whole block"
 
 
 @needs_devices

@@ -18,7 +18,7 @@ Chunks that cut blocks unevenly are not taken (`unsupported`).
 The halos come from the devices holding the neighbouring blocks, one `jax.lax.ppermute` per block
 step they reach across (a window wider than a block spans several), each carrying only the tokens
 needed; a device sending two pieces of one step (load-balanced) sends them in two rounds, and a
-piece of its own other block is a local slice (`_receive`). Then one attention call per block runs
+piece of its own other block is a local slice (`halo_exchange`). Then one attention call per block runs
 its queries over [left halo ++ its keys ++ right halo], or, for causal blocks on cuDNN, two calls
 that take the block's own keys and the halo apart, never joined into one buffer (`_split_block`). Under autodiff the transpose of each
 ppermute sends the halo's dk/dv back to the device that holds those keys: gradients need no code of
@@ -49,10 +49,10 @@ from sdpagraph.backends import registry, sinks as sinks_mod
 from sdpagraph.backends.masking import TokenLayout
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.numerics import gate as numerics_gate
-from sdpagraph.parallel.halo_split import SplitPlan, split_attention
+from sdpagraph.parallel import halo_exchange
+from sdpagraph.parallel.halo_split import Exchange, SplitPlan, exchanged_attention, split_attention
 from sdpagraph.parallel.load_balance import device_chunks
 from sdpagraph.parallel.ring_plan import OffsetMods, with_offsets
-from sdpagraph.parallel.transfer import permute_pair
 from sdpagraph.scoremod.forms import PythonMods
 from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
@@ -199,43 +199,6 @@ class HaloPlan(OffsetMods):
 
 # ----------------------------------------------------------------------------- the halos
 
-def _receive(plan: HaloPlan, kv: tuple[Any, Any], wanted: list, offset: int, length: int) -> tuple[Any, ...]:
-    """The `length` tokens from `offset` of a block, per device: `wanted[d]` = (device, slot) of the
-    block device d reads them from, or None (it receives zeros or anything there: its case never
-    reads them). Pieces of another device's block travel by ppermute, in as many rounds as one
-    device has pieces to send; a piece of the device's own other block is a local slice."""
-    me, block = jax.lax.axis_index(plan.axis), plan.layout.block
-
-    def piece(slots):  # slots[d]: the slot device d takes the piece from
-        if len(set(slots)) == 1:
-            return tuple(x[:, slots[0] * block + offset:slots[0] * block + offset + length] for x in kv)
-        start = jnp.asarray(slots, jnp.int32)[me] * block + offset
-        return tuple(jax.lax.dynamic_slice_in_dim(x, start, length, axis=1) for x in kv)
-
-    candidates, choice = [], [0] * len(wanted)
-    own = {d: w[1] for d, w in enumerate(wanted) if w is not None and w[0] == d}
-    if own:
-        candidates.append(piece([own.get(d, 0) for d in range(len(wanted))]))
-    remote = {d: w for d, w in enumerate(wanted) if w is not None and w[0] != d}
-    while remote:
-        round_, senders = {}, set()
-        for d, (source, slot) in remote.items():
-            if source not in senders:
-                round_[d], senders = (source, slot), senders | {source}
-        slots = [0] * len(wanted)
-        for source, slot in round_.values():
-            slots[source] = slot
-        pairs = [(source, d) for d, (source, _) in round_.items()]
-        candidates.append(permute_pair(piece(slots), plan.axis, pairs))
-        for d in round_:
-            choice[d] = len(candidates) - 1
-            del remote[d]
-    if len(candidates) == 1:
-        return candidates[0]
-    which = jnp.asarray(choice, jnp.int32)[me]
-    return tuple(jax.lax.select_n(which, *(c[i] for c in candidates)) for i in range(len(kv)))
-
-
 def _halos(plan: HaloPlan, kv: tuple[Any, Any], slot: int) -> tuple[tuple[Any, ...] | None, tuple[Any, ...] | None]:
     """(left halo, right halo) of k and v for the block in `slot`, each `HaloLayout.reach` long (the
     farthest block's tokens first on the left), or None where the reach is 0."""
@@ -251,7 +214,8 @@ def _halos(plan: HaloPlan, kv: tuple[Any, Any], slot: int) -> tuple[tuple[Any, .
                 mine = blocks[slot]
                 needs = layout.case_of(mine)[0 if before else 1] > (step - 1) * block
                 wanted.append(layout.holder[mine - step if before else mine + step] if needs else None)
-            got = _receive(plan, kv, wanted, block - length if before else 0, length)
+            got = halo_exchange.receive(halo_exchange.route(block, wanted, block - length if before else 0, length),
+                                        plan.axis, kv)
             parts = [got, *parts] if before else [*parts, got]
         halos.append(tuple(jnp.concatenate([p[i] for p in parts], axis=1) for i in range(len(kv))) if parts else None)
     return halos[0], halos[1]
@@ -386,30 +350,24 @@ def _stacked_split(plan: HaloPlan, arrays: Mapping[str, Any]) -> SplitPlan | Non
     return split
 
 
-def _stacked_blocks(plan: HaloPlan, split: SplitPlan, me, q, k, v, arrays, sinks) -> tuple[Any, Any]:
+def _stacked_blocks(plan: HaloPlan, split: SplitPlan, q, k, v, arrays, sinks) -> tuple[Any, Any]:
     """A device's blocks as the batch rows of one split call (`_stacked_split`, `split` one block's):
     its queries and own keys, (B, slots·L) -> (B·slots, L), a free reshape; the halos, received per
     block, stacked the same way; where a block has no halo, its row's halo part adds nothing
-    (`halo_split`, `present`). Every device runs the same two calls, with no branch on its index."""
+    (`halo_split`, `present`). Every device runs the same two calls, with no branch on its index,
+    and the halos' gradients are added in place where they came from (`halo_split.exchanged_attention`)."""
     layout = plan.layout
-    slots, block, batch, hl = layout.slots, layout.block, q.shape[0], split.halo.kv_len
-    rows = lambda x: x.reshape((batch * slots, block) + x.shape[2:])  # noqa: E731
-    halos, present = [], []
+    slots, block, hl = layout.slots, layout.block, split.halo.kv_len
+    routes, present = [], []
     for slot in range(slots):
-        before, _ = _halos(plan, (k, v), slot)
-        if before is None:  # no block in this slot has a halo
-            before = tuple(jnp.zeros((batch, hl) + x.shape[2:], x.dtype) for x in (k, v))
-        halos.append(tuple(x[:, x.shape[1] - hl:] for x in before))
-        present.append(jnp.asarray([layout.case_of(blocks[slot]) == (hl, 0) for blocks in layout.blocks_of])[me])
-    halo_kv = tuple(jnp.stack([h[i] for h in halos], axis=1).reshape((batch * slots, hl) + h_shape[2:])
-                    for i, h_shape in enumerate(x.shape for x in halos[0]))
-    present = jnp.broadcast_to(jnp.stack(present), (batch, slots)).reshape(batch * slots)
-    split = dataclasses.replace(split, local=dataclasses.replace(split.local, batch=batch * slots),
-                                halo=dataclasses.replace(split.halo, batch=batch * slots))
-    out, lse = split_attention(split, rows(q), (rows(k), rows(v)), halo_kv, arrays, sinks, present)
-    heads = lse.shape[1]
-    lse = jnp.swapaxes(lse.reshape(batch, slots, heads, block), 1, 2).reshape(batch, heads, slots * block)
-    return out.reshape(q.shape[:2] + out.shape[2:]), lse
+        wanted = [layout.holder[blocks[slot] - 1] if layout.case_of(blocks[slot]) == (hl, 0) else None
+                  for blocks in layout.blocks_of]
+        routes.append(None if wanted == [None] * len(wanted) else halo_exchange.route(block, wanted, block - hl, hl))
+        present.append(tuple(layout.case_of(blocks[slot]) == (hl, 0) for blocks in layout.blocks_of))
+    rows = q.shape[0] * slots
+    split = dataclasses.replace(split, local=dataclasses.replace(split.local, batch=rows),
+                                halo=dataclasses.replace(split.halo, batch=rows))
+    return exchanged_attention(split, Exchange(plan.axis, tuple(routes), tuple(present)), q, k, v, arrays, sinks)
 
 
 def halo_attention(plan: HaloPlan, q, k, v, arrays: Mapping[str, Any], sinks: Any = None) -> tuple[Any, Any]:
@@ -418,7 +376,7 @@ def halo_attention(plan: HaloPlan, q, k, v, arrays: Mapping[str, Any], sinks: An
     when given, join it). `arrays`: the score_mod arrays (B|1, N|1, 1, 1)."""
     me = jax.lax.axis_index(plan.axis)
     if (split := _stacked_split(plan, arrays)) is not None:
-        return _stacked_blocks(plan, split, me, q, k, v, arrays, sinks)
+        return _stacked_blocks(plan, split, q, k, v, arrays, sinks)
     results = [_block_attention(plan, slot, me, q, k, v, arrays, sinks) for slot in range(plan.layout.slots)]
     if len(results) == 1:
         return results[0]

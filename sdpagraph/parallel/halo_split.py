@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from sdpagraph.backends import registry, sinks as sinks_mod
 from sdpagraph.backends.softmax_merge import merge
 from sdpagraph.call import RuntimeInputs
+from sdpagraph.parallel import halo_exchange
+from sdpagraph.parallel.halo_exchange import Route
 from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.spec import AttentionSpec
 
@@ -69,7 +71,17 @@ def _per_row(present: Any, x: Any) -> Any:
     return jnp.reshape(present, (-1,) + (1,) * (x.ndim - 1))
 
 
-def _forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present) -> tuple[Any, Any]:
+def _in_place(x: Any, head: Any, axis: int) -> Any:
+    """`x` with its first rows along `axis` replaced by `head`, in place. The optimization barrier
+    keeps XLA from wrapping the update and the graph call that produced `head` into one
+    dynamic-slice fusion (with the update straight after the merge, XLA 0.11 reported a cycle in
+    one on 2 H100s); a concatenation instead copies the whole block a step."""
+    x, head = jax.lax.optimization_barrier((x, head.astype(x.dtype)))
+    return jax.lax.dynamic_update_slice_in_dim(x, head, 0, axis=axis)
+
+
+def forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present) -> tuple[Any, Any]:
+    """(output, logsumexp) of the block: both calls, merged (module docstring)."""
     primary = registry.primary()
     local, halo = plan.statics()
     inputs = RuntimeInputs(mod_arrays=arrays)
@@ -80,31 +92,14 @@ def _forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present) -> t
         h_out, h_lse = _flip(h_out), _flip(h_lse, axis=-1)
     if present is not None:
         h_lse = jnp.where(_per_row(present, h_lse), h_lse, -jnp.inf)
-    # only the first `rows` rows change (joined by concatenation: an in-place update of the graph's
-    # result made XLA 0.11 report a cycle in a dynamic-slice fusion on 2 H100s)
-    head, head_lse = merge((out[:, :plan.rows], lse[..., :plan.rows]), (h_out, h_lse))
-    out = jnp.concatenate([head.astype(out.dtype), out[:, plan.rows:]], axis=1).astype(q.dtype)
-    lse = jnp.concatenate([head_lse, lse[..., plan.rows:]], axis=-1)
+    head, head_lse = merge((out[:, :plan.rows], lse[..., :plan.rows]), (h_out, h_lse))  # only these rows change
+    out, lse = _in_place(out, head, 1).astype(q.dtype), _in_place(lse, head_lse, 2)
     return (out, lse) if sinks is None else sinks_mod.apply(out, lse, sinks)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def split_attention(plan: SplitPlan, q, local_kv, halo_kv, arrays: Mapping[str, Any], sinks,
-                    present=None) -> tuple[Any, Any]:
-    """(output (B, L, N, Hv), logsumexp (B, N, L)) of a block's queries over its halo (`halo_kv`, hl
-    keys before the block; `plan.halo` set) and its own keys (`local_kv`); `arrays` (the score_mod's)
-    are constants; `present`: whether the halo exists (module docstring)."""
-    return _forward(plan, q, local_kv, halo_kv, arrays, sinks, present)
-
-
-def _split_fwd(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present):
-    out, lse = _forward(plan, q, local_kv, halo_kv, arrays, sinks, present)
-    return (out, lse), (q, local_kv, halo_kv, arrays, sinks, present, out, lse)
-
-
-def _split_bwd(plan: SplitPlan, residuals, cotangents):
-    q, local_kv, halo_kv, arrays, sinks, present, out, lse = residuals
-    d_o = cotangents[0]
+def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out, lse, d_o) -> tuple[Any, ...]:
+    """(dq, (dk, dv) of the block's own keys, (dk, dv) of the halo, d_sinks) given the FINAL output
+    and logsumexp and the output's cotangent."""
     primary = registry.primary()
     local, halo = plan.statics()
     inputs = RuntimeInputs(mod_arrays=arrays)
@@ -119,11 +114,104 @@ def _split_bwd(plan: SplitPlan, residuals, cotangents):
                                               h_out, h_lse, h_do)
     if plan.reverse:
         h_dq, h_dk, h_dv = _flip(h_dq), _flip(h_dk), _flip(h_dv)
-    head = dq[:, :plan.rows].astype(jnp.float32) + h_dq.astype(jnp.float32)
-    dq = jnp.concatenate([head.astype(dq.dtype), dq[:, plan.rows:]], axis=1)
-    d_halo = (h_dk, h_dv)
+    dq = _in_place(dq, dq[:, :plan.rows].astype(jnp.float32) + h_dq.astype(jnp.float32), 1)
     d_sinks = None if sinks is None else sinks_mod.gradient(d_o, out, lse, sinks)
-    return dq, (dk, dv), d_halo, jax.tree.map(lambda _: None, arrays), d_sinks, None
+    return dq, (dk, dv), (h_dk, h_dv), d_sinks
+
+
+def _no_gradient(arrays: Mapping[str, Any]) -> Any:
+    return jax.tree.map(lambda _: None, arrays)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def split_attention(plan: SplitPlan, q, local_kv, halo_kv, arrays: Mapping[str, Any], sinks,
+                    present=None) -> tuple[Any, Any]:
+    """(output (B, L, N, Hv), logsumexp (B, N, L)) of a block's queries over its halo (`halo_kv`, hl
+    keys before the block; `plan.halo` set) and its own keys (`local_kv`); `arrays` (the score_mod's)
+    are constants; `present`: whether the halo exists (module docstring)."""
+    return forward(plan, q, local_kv, halo_kv, arrays, sinks, present)
+
+
+def _split_fwd(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present):
+    out, lse = forward(plan, q, local_kv, halo_kv, arrays, sinks, present)
+    return (out, lse), (q, local_kv, halo_kv, arrays, sinks, present, out, lse)
+
+
+def _split_bwd(plan: SplitPlan, residuals, cotangents):
+    q, local_kv, halo_kv, arrays, sinks, present, out, lse = residuals
+    dq, d_local, d_halo, d_sinks = backward(plan, q, local_kv, halo_kv, arrays, sinks, present, out, lse,
+                                            cotangents[0])
+    return dq, d_local, d_halo, _no_gradient(arrays), d_sinks, None
 
 
 split_attention.defvjp(_split_fwd, _split_bwd)
+
+
+# ----------------------------------------------------------------------------- a device's blocks as rows
+
+@dataclass(frozen=True)
+class Exchange:
+    """Where the halos of a device's blocks come from, when they all run as the batch rows of one
+    split call (`halo._stacked_split`): per slot, the route of its blocks' left halo
+    (`halo_exchange.route`, None where no block in the slot has one), and whether each device's
+    block in the slot has it (`present[slot][device]`)."""
+
+    axis: str
+    routes: tuple[Route | None, ...]
+    present: tuple[tuple[bool, ...], ...]
+
+
+def _rows(x: Any, slots: int) -> Any:
+    """(B, slots·L, ...) -> (B·slots, L, ...): a device's blocks as batch rows (a free reshape)."""
+    return x.reshape((x.shape[0] * slots, x.shape[1] // slots) + x.shape[2:])
+
+
+def _halo_rows(exchange: Exchange, k, v, hl: int) -> tuple[tuple[Any, Any], Any]:
+    """The halos of k and v received for each slot, as batch rows (B·slots, hl, ...), and `present`
+    per row."""
+    batch, slots, me = k.shape[0], len(exchange.routes), jax.lax.axis_index(exchange.axis)
+    halos = [tuple(jnp.zeros((batch, hl) + x.shape[2:], x.dtype) for x in (k, v)) if r is None
+             else halo_exchange.receive(r, exchange.axis, (k, v)) for r in exchange.routes]
+    kv = tuple(jnp.stack([h[i] for h in halos], axis=1).reshape((batch * slots, hl) + x.shape[2:])
+               for i, x in enumerate((k, v)))
+    present = jnp.asarray(exchange.present)[:, me]
+    return kv, jnp.broadcast_to(present, (batch, slots)).reshape(batch * slots)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def exchanged_attention(plan: SplitPlan, exchange: Exchange, q, k, v, arrays: Mapping[str, Any],
+                        sinks) -> tuple[Any, Any]:
+    """(output (B, slots·L, N, Hv), logsumexp (B, N, slots·L)) of a device's blocks (q, k, v: its
+    tokens), each over its own keys and the halo `exchange` brings it, all as the rows of one split
+    call (`plan`: one row's, batch B·slots). The halos' gradients go back to where they came from
+    and are added there in place (`halo_exchange.send_back`)."""
+    return _exchanged_fwd(plan, exchange, q, k, v, arrays, sinks)[0]
+
+
+def _exchanged_fwd(plan: SplitPlan, exchange: Exchange, q, k, v, arrays, sinks):
+    slots = len(exchange.routes)
+    halo_kv, present = _halo_rows(exchange, k, v, plan.halo.kv_len)
+    local_kv = (_rows(k, slots), _rows(v, slots))
+    out, lse = forward(plan, _rows(q, slots), local_kv, halo_kv, arrays, sinks, present)
+    batch, heads, block = q.shape[0], lse.shape[1], q.shape[1] // slots
+    joined = (out.reshape(q.shape[:2] + out.shape[2:]),
+              jnp.swapaxes(lse.reshape(batch, slots, heads, block), 1, 2).reshape(batch, heads, slots * block))
+    return joined, (q, k, v, halo_kv, present, arrays, sinks, out, lse)
+
+
+def _exchanged_bwd(plan: SplitPlan, exchange: Exchange, residuals, cotangents):
+    q, k, v, halo_kv, present, arrays, sinks, out, lse = residuals
+    slots = len(exchange.routes)
+    dq, (dk, dv), (h_dk, h_dv), d_sinks = backward(
+        plan, _rows(q, slots), (_rows(k, slots), _rows(v, slots)), halo_kv, arrays, sinks, present, out, lse,
+        _rows(cotangents[0], slots))
+    dq, dk, dv = (x.reshape(y.shape) for x, y in ((dq, q), (dk, k), (dv, v)))
+    per_slot = lambda x: x.reshape((q.shape[0], slots) + x.shape[1:])  # noqa: E731
+    h_dk, h_dv = per_slot(h_dk), per_slot(h_dv)
+    for slot, r in enumerate(exchange.routes):
+        if r is not None:
+            dk, dv = halo_exchange.send_back(r, exchange.axis, (h_dk[:, slot], h_dv[:, slot]), (dk, dv))
+    return dq, dk, dv, _no_gradient(arrays), d_sinks
+
+
+exchanged_attention.defvjp(_exchanged_fwd, _exchanged_bwd)
