@@ -87,8 +87,16 @@ def send_back(r: Route, axis: Any, grads: tuple[Any, Any], kv_grads: tuple[Any, 
         if pairs:  # devices that sent nothing this round receive zeros and add them
             mine = permute_pair(mine, axis, [(receiver, sender) for sender, receiver in pairs])
         start = _start(r, slots, me)
-        kv_grads = tuple(
-            jax.lax.dynamic_update_slice_in_dim(
-                x, jax.lax.dynamic_slice_in_dim(x, start, r.length, axis=1) + g.astype(x.dtype), start, axis=1)
-            for x, g in zip(kv_grads, mine))
+        kv_grads = tuple(add_rows(x, g, start) for x, g in zip(kv_grads, mine))
     return kv_grads
+
+
+def add_rows(x: Any, rows: Any, start: Any) -> Any:
+    """`x` with `rows` added to its tokens from `start` (axis 1), in place (a scatter-add: XLA 0.11
+    on GPU failed to compile the same update as a dynamic-update-slice of a graph call's result,
+    "DynamicSliceFusion: DUS target must be a fusion parameter")."""
+    index = jnp.reshape(jnp.asarray(start, jnp.int32), (1,))
+    numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=tuple(range(x.ndim)), inserted_window_dims=(),
+                                              scatter_dims_to_operand_dims=(1,))
+    return jax.lax.scatter_add(x, index, rows.astype(x.dtype), numbers, indices_are_sorted=True,
+                               unique_indices=True, mode="promise_in_bounds")
