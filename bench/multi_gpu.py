@@ -260,7 +260,7 @@ LONG_CALLS = (
     ("window (1024, 0)", 131072, {"local_window_size": (1024, 0)}, None, False, HALO_STRATEGIES, 1.9),
     ("softcap 30 + packed documents 512-8192", 65536, {"softcap": 30.0}, (512, 8192), False, ALL_STRATEGIES, 1.6),
     ("chunked attention (chunk 8192)", 65536, {"chunk_size": 8192}, None, False, HALO_STRATEGIES, 1.9),
-    ("dense causal", 32768, {}, None, False, (("ring", True), ("all_to_all", True), ("auto", True)), 1.7),
+    ("dense causal", 32768, {}, None, True, (("ring", True), ("all_to_all", True), ("auto", True)), 1.7),
 )
 BALANCE_LABELS = {False: "", True: ", load-balanced", "documents": ", documents balanced"}
 ORDERS = {False: "natural order", True: "load-balanced", "documents": "documents balanced"}

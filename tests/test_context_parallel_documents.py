@@ -189,3 +189,30 @@ def test_softcap_with_documents_on_dense_twin_blocks(cp, load_balanced, causal, 
     ours, ref, _ = run(cp, load_balanced, causal, 4, seed=seed, score_mod=mods.softcap(3.0))
     assert_same(ours, ref, tol=3e-5)
     assert cudnn_ring and all(graph_spec(s, ir).segment_mask for s, ir, _ in cudnn_ring), seed
+
+
+@needs_devices
+@pytest.mark.parametrize("seed", range(6))
+def test_shared_ids_number_the_documents_both_sides_hold(seed):
+    """`ring_documents.shared_ids` against a per-token NumPy count: runs of segment numbers that may
+    repeat apart, invalid tokens, tokens not allowed, and fewer slots than shared documents."""
+    from sdpagraph.parallel.ring_documents import shared_ids
+
+    rng = np.random.default_rng(seed)
+    batch, length, max_segments, slots = 3, 48, 9, int(rng.integers(2, 8))
+
+    def side():
+        run = np.sort(rng.integers(0, max_segments + 3, (batch, length)), axis=1).astype(np.int32)
+        run[:, rng.integers(0, length, 5)] = rng.integers(1, max_segments + 1)  # a number back after others
+        valid = (run > 0) & (run <= max_segments) & (rng.random((batch, length)) > 0.1)
+        return (np.zeros_like(run), valid, run), rng.random((batch, length)) > 0.2
+
+    (q_facts, q_allowed), (kv_facts, kv_allowed) = side(), side()
+    got = shared_ids(q_facts, kv_facts, q_allowed, kv_allowed, max_segments, slots)
+    for b in range(batch):
+        held = [{int(r) for r, ok in zip(f[2][b], f[1][b] & allowed[b]) if ok}
+                for f, allowed in ((q_facts, q_allowed), (kv_facts, kv_allowed))]
+        slot = {r: i + 1 for i, r in enumerate(sorted(held[0] & held[1])) if i < slots}
+        for ids, f, allowed in zip(got, (q_facts, kv_facts), (q_allowed, kv_allowed)):
+            want = [slot.get(int(r), 0) if ok else 0 for r, ok in zip(f[2][b], f[1][b] & allowed[b])]
+            np.testing.assert_array_equal(np.asarray(ids[b]), want)

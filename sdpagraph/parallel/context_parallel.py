@@ -298,8 +298,8 @@ def _token_facts(ids: Any, cp: int, load_balanced: Any, max_segments: int) -> tu
 def _ring_spec(call: PreparedCall, local: AttentionSpec, ring_reason: str | None) -> AttentionSpec:
     """The spec the ring runs: `local`, or for a call without packed documents or a score_mod, one
     document over the whole sequence, which the ring's cuDNN blocks run as the packed graphs' one
-    call a step (`RingPlan.whole_steps`) with no conditional. On 2 H100s that is as fast as the
-    pairs of chunks and holds a third of their peak memory (docs/multi-gpu.md)."""
+    call a step (`RingPlan.whole_steps`) with no conditional: on 2 H100s as fast as the pairs of
+    chunks, with fewer graphs and no branches (docs/multi-gpu.md)."""
     if local.segments or call.score_mod is not None or ring_reason is not None:
         return local
     one = dataclasses.replace(local, segments="self", max_segments=1)

@@ -92,9 +92,11 @@ def send_back(r: Route, axis: Any, grads: tuple[Any, Any], kv_grads: tuple[Any, 
 
 
 def add_rows(x: Any, rows: Any, start: Any) -> Any:
-    """`x` with `rows` added to its tokens from `start` (axis 1), in place (a scatter-add: XLA 0.11
-    on GPU failed to compile the same update as a dynamic-update-slice of a graph call's result,
-    "DynamicSliceFusion: DUS target must be a fusion parameter")."""
+    """`x` with `rows` added to its tokens from `start` (axis 1), in place. The optimization barrier
+    keeps XLA 0.11 on GPUs from fusing the update with the graph call that produced `x`, which it
+    then failed to compile ("DynamicSliceFusion: DUS target must be a fusion parameter"); of the
+    forms that compile, a scatter-add was the fastest on 2 H100s (bench/probe_halo_in_place.py)."""
+    x, rows = jax.lax.optimization_barrier((x, rows))
     index = jnp.reshape(jnp.asarray(start, jnp.int32), (1,))
     numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=tuple(range(x.ndim)), inserted_window_dims=(),
                                               scatter_dims_to_operand_dims=(1,))

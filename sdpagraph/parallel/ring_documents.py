@@ -68,7 +68,13 @@ def shared_ids(q_facts: tuple[Any, Any, Any], kv_facts: tuple[Any, Any, Any], q_
     rows = jnp.arange(q_run.shape[0])[:, None]
 
     def holds(run, valid):  # (B, max_segments + 1): which segment numbers the side holds
-        return jnp.zeros((run.shape[0], max_segments + 1), bool).at[rows, jnp.where(valid, run, 0)].max(valid)
+        # Only the first token of each run of equal numbers writes (the others' index is past the
+        # end: dropped): a scatter of every token into a few slots serialized on them, 0.03 ms a call
+        # on an H100 at T/cp = 16384.
+        marked = jnp.where(valid, run, 0)
+        starts = valid & jnp.concatenate([jnp.ones_like(valid[:, :1]), marked[:, 1:] != marked[:, :-1]], axis=1)
+        index = jnp.where(starts, marked, max_segments + 1)
+        return jnp.zeros((run.shape[0], max_segments + 1), bool).at[rows, index].set(True, mode="drop")
 
     shared = holds(q_run, q_valid) & holds(kv_run, kv_valid)
     slot = jnp.where(shared, jnp.cumsum(shared, axis=1), 0).astype(jnp.int32)
