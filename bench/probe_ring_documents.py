@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 import sdpagraph
-from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.backends.cudnn import execute as cudnn_execute
 
 from jax_timing import time_ms  # bench/ is on sys.path when a script here runs
 from packed import random_docs
@@ -41,8 +41,8 @@ def main():
     bound = t // 512 + 1
     mesh = Mesh(np.array(jax.devices()[:devices]), ("cp",))
     built = []
-    real = cudnn_backend.cached_graph
-    cudnn_backend.cached_graph = lambda spec, ir, direction, *a: (built.append((spec.summary(), direction)),
+    real = cudnn_execute.cached_graph
+    cudnn_execute.cached_graph = lambda spec, ir, direction, *a: (built.append((spec.summary(), direction)),
                                                                   real(spec, ir, direction, *a))[1]
 
     def step(cp, documents=True):

@@ -22,6 +22,7 @@ from sdpagraph import mods
 from sdpagraph.cache import GraphCache, set_default_cache
 from sdpagraph.graphs import support as graphs_support
 from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.backends.cudnn import execute as cudnn_execute
 
 SHAPE = jax.ShapeDtypeStruct((4, 4096, 16, 128), jnp.bfloat16)
 CASES = {
@@ -47,7 +48,7 @@ def stand_in_gpu():
     return [
         mock.patch.object(graphs_support, "environment_reason", lambda: None),
         mock.patch.object(cudnn_backend, "environment_reason", lambda: None),
-        mock.patch.object(cudnn_backend.ffi, "unavailable_reason", lambda: None),
+        mock.patch.object(cudnn_execute.ffi, "unavailable_reason", lambda: None),
         mock.patch.object(graphs_support, "build", lambda spec, ir, direction, cache: None),
     ]
 

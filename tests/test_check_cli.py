@@ -5,7 +5,7 @@ import pytest
 
 from sdpagraph.cli import main
 from sdpagraph.graphs.support import Support
-from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.backends.cudnn import execute as cudnn_execute
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def verdicts(monkeypatch):
             return Support(False, "xla", f"head dim {spec.head_dim} is not a multiple of 8")
         return Support(True, "cudnn", "cuDNN builds the forward and backward graphs")
 
-    monkeypatch.setattr(cudnn_backend, "support", support)
+    monkeypatch.setattr(cudnn_execute, "support", support)
     return asked
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import sdpagraph
 from sdpagraph import mods
-from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.backends.cudnn import execute as cudnn_execute
 from sdpagraph.call import prepare_call
 from sdpagraph.graphs.chunk_documents import chunk_documents
 from tests.cudnn_standin import stats_backward_executor
@@ -21,7 +21,7 @@ from tests.test_sharding import cudnn_on_cpu  # noqa: F401 (a fixture)
                                     dict(is_causal=True, chunk_size=12, local_window_size=(5, 0)),
                                     dict(is_causal=True, chunk_size=16, causal_alignment="bottom_right")])
 def test_chunks_run_as_packed_documents(rng, kwargs, cudnn_on_cpu, monkeypatch):
-    monkeypatch.setattr(cudnn_backend, "_call_executor", stats_backward_executor)
+    monkeypatch.setattr(cudnn_execute, "call_executor", stats_backward_executor)
     built = cudnn_on_cpu[0]
     q = jnp.asarray(rng.standard_normal((2, 40, 4, 8)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((2, 40, 2, 8)), jnp.float32) for _ in range(2))

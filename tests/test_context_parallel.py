@@ -26,7 +26,7 @@ from sdpagraph.scoremod.ir_eval import evaluate
 from sdpagraph.scoremod.masks import SEGMENT_ARRAYS, segment_ir
 from sdpagraph.graphs.operands import ARRAY_PREFIX
 from sdpagraph.graphs.support import Support
-from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.backends.cudnn import execute as cudnn_execute
 from sdpagraph.backends.cudnn.graph_on_xla import packed_ids
 from sdpagraph.segments.metadata import segment_positions
 from tests.devices import AXIS_TYPES, has_cpu_devices, make_mesh, on_axis_types, rerun_with_cpu_devices
@@ -350,7 +350,7 @@ def cudnn_like_executor(static, graph, operands, results):
 
 @pytest.fixture
 def cudnn_ring(cudnn_on_cpu, monkeypatch):
-    monkeypatch.setattr(cudnn_backend, "_call_executor", cudnn_like_executor)
+    monkeypatch.setattr(cudnn_execute, "call_executor", cudnn_like_executor)
     return cudnn_on_cpu[0]
 
 
@@ -399,7 +399,7 @@ def test_ring_takes_the_pairs_where_one_document_does_not_build(cudnn_ring, monk
         packed = spec.segments == "self"
         return Support(not packed, "cudnn", "no packed engine (stand-in)" if packed else "stand-in")
 
-    monkeypatch.setattr(cudnn_backend, "support", support)
+    monkeypatch.setattr(cudnn_execute, "support", support)
     seed = int(np.random.default_rng().integers(2**31))
     ours, ref, hlo = run("causal", "ring", True, "cudnn", seed)
     assert_same(ours, ref, tol=3e-5)

@@ -20,7 +20,7 @@ from sdpagraph.spec import AttentionSpec
 from tests.devices import make_mesh, on_axis_types, rerun_with_cpu_devices
 from tests.test_context_parallel_windows import (B, DEVICES, HERE_WITH_DEVICES, H, N, T, assert_same_step, needs_devices,
                                                  run, seed_of)
-from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.backends.cudnn import execute as cudnn_execute
 from tests.cudnn_standin import stats_backward_executor
 from tests.test_sharding import cudnn_on_cpu  # noqa: F401 (a fixture)
 
@@ -97,7 +97,7 @@ def test_misaligned_chunks_run_another_strategy(name, cp, load_balanced, strateg
     ("plain_32", 8, True), ("two_sided_32", 4, False), ("alibi_32", 8, True)])
 def test_chunks_on_the_cudnn_path(name, cp, load_balanced, cudnn_on_cpu, monkeypatch):
     # Backward graphs that read the o and stats they are given, as cuDNN's (a split block merges two)
-    monkeypatch.setattr(cudnn_backend, "_call_executor", stats_backward_executor)
+    monkeypatch.setattr(cudnn_execute, "call_executor", stats_backward_executor)
     check(name, cp, load_balanced, "auto", "cudnn", tol=3e-5)
     kwargs, _ = case(name)
     size, blocks = kwargs["chunk_size"], cp * (2 if load_balanced else 1)

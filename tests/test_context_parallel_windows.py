@@ -20,7 +20,7 @@ from sdpagraph.parallel.context_parallel import choose_strategy
 from sdpagraph.spec import AttentionSpec
 from tests.devices import has_cpu_devices, make_mesh, on_axis_types, rerun_with_cpu_devices
 from tests.test_context_parallel import assert_same, value_and_grads
-from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.backends.cudnn import execute as cudnn_execute
 from tests.cudnn_standin import stats_backward_executor
 from tests.test_sharding import cudnn_on_cpu, random_ids  # noqa: F401 (a fixture)
 
@@ -128,7 +128,7 @@ def halo_cases(kwargs, blocks):
     explicit=[("wide", 4, False), ("wide", 4, True), ("narrow", 4, True)]))
 def test_halo_on_the_cudnn_path(name, cp, load_balanced, axis_type, cudnn_on_cpu, monkeypatch):
     # Backward graphs that read the o and stats they are given, as cuDNN's (a split block merges two)
-    monkeypatch.setattr(cudnn_backend, "_call_executor", stats_backward_executor)
+    monkeypatch.setattr(cudnn_execute, "call_executor", stats_backward_executor)
     ours, ref, hlo = run(name, cp, axis_type, "cudnn", seed=seed_of(name, cp, load_balanced, "cudnn"),
                          load_balanced=load_balanced)
     assert_same_step(ours, ref, tol=3e-5)

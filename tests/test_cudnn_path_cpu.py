@@ -16,6 +16,7 @@ from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graph_store import CachedGraph, graph_key
 from sdpagraph.graphs.operands import graph_io, graph_spec, uid_map
 from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.backends.cudnn import execute as cudnn_execute
 from sdpagraph.call import prepare_call
 
 
@@ -36,7 +37,7 @@ def fake_gpu(monkeypatch, tmp_path):
         key = graph_key(spec, ir, direction, BuildEnvironment("9.19.0", "1.32.0", "sm90 fake"))
         return CachedGraph(key, compiled, cache.entry_path(key))
 
-    monkeypatch.setattr(cudnn_backend, "cached_graph", fake_cached_graph)
+    monkeypatch.setattr(cudnn_execute, "cached_graph", fake_cached_graph)
     monkeypatch.setattr(ffi, "register_graph", lambda digest, blob: registered.__setitem__(digest, blob))
     return built, registered
 

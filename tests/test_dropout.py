@@ -15,7 +15,7 @@ import pytest
 
 import sdpagraph
 from sdpagraph import dropout
-from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.backends.cudnn import execute as cudnn_execute
 from sdpagraph.backends.xla import xla_attention
 from sdpagraph.call import prepare_call
 from sdpagraph.graphs.operands import DROPOUT, describe, graph_io
@@ -150,7 +150,7 @@ def test_every_batch_row_and_head_draws_its_own_mask():
 
 @pytest.fixture
 def cudnn_standin(cudnn_on_cpu, monkeypatch):
-    monkeypatch.setattr(cudnn_backend, "_call_executor", stats_backward_executor)
+    monkeypatch.setattr(cudnn_execute, "call_executor", stats_backward_executor)
     return cudnn_on_cpu[0]
 
 

@@ -16,7 +16,7 @@ from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.lowering import mod_stages
 from sdpagraph.graphs.mod_lowering import pass_by_value_plan
 from sdpagraph.graphs.operands import graph_io, graph_spec, uid_map
-from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.backends.cudnn import execute as cudnn_execute
 from sdpagraph.call import prepare_call
 from sdpagraph.spec import DIRECTIONS
 from tests.reference import allowed, attention_fwd_bwd, softcap_mod
@@ -127,15 +127,15 @@ def test_the_cudnn_path_binds_each_value_into_one_graph(rng, cudnn_on_cpu, monke
 
     def executor(static, graph, operands, results):
         """The stand-in computes with the scalars as the executor gets them: bits bound to uids."""
-        uids, bits = cudnn_backend.scalar_bits(graph.compiled, dict(static.scalars))
+        uids, bits = cudnn_execute.scalar_bits(graph.compiled, dict(static.scalars))
         by_uid = dict(zip(uids.tolist(), bits.view(np.float32).tolist()))
         scalars = {source: by_uid[uid] for uid, (kind, source), _ in graph.compiled.pass_by_value if kind == "scalar"}
         bound.append(scalars)
         return fake_executor(dataclasses.replace(static, scalars=tuple(sorted(scalars.items()))), graph, operands,
                              results)
 
-    monkeypatch.setattr(cudnn_backend, "cached_graph", cached_graph)
-    monkeypatch.setattr(cudnn_backend, "_call_executor", executor)
+    monkeypatch.setattr(cudnn_execute, "cached_graph", cached_graph)
+    monkeypatch.setattr(cudnn_execute, "call_executor", executor)
     check_each_cap(rng, "cudnn", T=24, S=24)
     assert set(keys) == {"forward", "backward"} and all(len(digests) == 1 for digests in keys.values())
     assert {tuple(sorted(set(scalars.values()))) for scalars in bound} == {(cap,) for cap in CAPS}

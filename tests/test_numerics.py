@@ -33,6 +33,7 @@ from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.operands import graph_io, graph_spec, uid_map
 from sdpagraph.numerics.reference import reference
 from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.backends.cudnn import execute as cudnn_execute
 from sdpagraph.numerics import check as numerics
 from sdpagraph.numerics import draw as numerics_draw
 from sdpagraph.numerics import gate as numerics_gate
@@ -99,7 +100,7 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(builder, "build_environment", lambda: ENV)
     monkeypatch.setattr(builder, "compile_graph", fake_compile)
     monkeypatch.setattr(support_module, "environment_reason", lambda: None)
-    monkeypatch.setattr(cudnn_backend, "environment_reason", lambda: None)
+    monkeypatch.setattr(cudnn_execute, "environment_reason", lambda: None)
     monkeypatch.setattr(ffi, "unavailable_reason", lambda: None)
     monkeypatch.setattr(cudnn_backend, "_core", xla_core)
     monkeypatch.setattr(logs, "_logged", BoundedMemo(64))

@@ -16,7 +16,7 @@ import pytest
 
 from sdpagraph import mods
 from sdpagraph.graphs.operands import graph_spec
-from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.backends.cudnn import execute as cudnn_execute
 from sdpagraph.numerics import check as numerics
 from sdpagraph.numerics import direct as numerics_direct
 from sdpagraph.numerics import draw as numerics_draw
@@ -52,7 +52,7 @@ CONFIGS = {
 def standin(spec, ir, wrong=None):
     """The graph on XLA; `wrong`: "scale" (q scaled by 1.5 in every graph) or "dk" (dk off by 50%)."""
     def execute(graph, operands, results, scalars):
-        static = cudnn_backend._Static(spec, graph_spec(spec, ir), ir, tuple(sorted(scalars.items())), True)
+        static = cudnn_execute.Static(spec, graph_spec(spec, ir), ir, tuple(sorted(scalars.items())), True)
         given = {role: jnp.asarray(np.asarray(x)) for role, x in operands.items()}  # Tiled, Sparse: whole
         if wrong == "scale":
             given["q"] = (given["q"].astype(jnp.float32) * 1.5).astype(given["q"].dtype)

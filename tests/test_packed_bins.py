@@ -271,7 +271,7 @@ def test_the_cudnn_backend_runs_bins_only_where_their_graphs_are_supported(bins_
     them) the call runs unbinned rather than failing."""
     from sdpagraph.cache.graph_cache import CacheMissError
     from sdpagraph.graphs.support import Support
-    from sdpagraph.backends.cudnn import backend as cudnn
+    from sdpagraph.backends.cudnn import backend as cudnn, execute as cudnn_execute
 
     rng = np.random.default_rng()
     call, q, k, v = prepared(rng, random_documents(rng, 2, 1024, 9, 120), 128)
@@ -284,7 +284,7 @@ def test_the_cudnn_backend_runs_bins_only_where_their_graphs_are_supported(bins_
         return Support(bins_answer == "supported", "cudnn", "")
 
     monkeypatch.setattr(packed_bins, "usable", lambda: True)
-    monkeypatch.setattr(cudnn, "support", support)
+    monkeypatch.setattr(cudnn_execute, "support", support)
     monkeypatch.setattr(packed_bins, "attention", lambda plan, *a: taken.append("bins") or (q, None))
     monkeypatch.setattr(cudnn, "_attention", lambda spec, *a, **kw: taken.append(spec.batch) or (q, None))
     cudnn.attention(call.spec, q, k, v, call.inputs, call.score_mod, training=False)

@@ -8,7 +8,7 @@ import pytest
 import sdpagraph
 from sdpagraph import mods
 from sdpagraph.cache import CacheMissError
-from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.backends.cudnn import execute as cudnn_execute
 
 
 def qkv(seq=16):
@@ -34,7 +34,7 @@ def test_strict_mode_miss_names_the_spec_and_the_fix(monkeypatch):
     def missing(spec, ir, training, verify=None):
         raise CacheMissError("no cached graph for spec ... in cache directory /srv/graphs.")
 
-    monkeypatch.setattr(cudnn_backend, "support", missing)
+    monkeypatch.setattr(cudnn_execute, "support", missing)
     q, k, v = qkv()
     with pytest.raises(CacheMissError, match=r"B2 T16 S16 N4/K4 H8 float32 causal.*sdpagraph precompile"):
         sdpagraph.attention(q, k, v, is_causal=True)

@@ -6,7 +6,7 @@ run (and that first one skips).
 
 Both backends run: the XLA backend as it is, and the cuDNN path's own code (operands, custom_vjp,
 the partitioning in `backends.cudnn.sharding`) around an XLA stand-in for the FFI executor
-(`cudnn._call_executor`) and for the graph builder (`cudnn.cached_graph`). The stand-in computes
+(`execute.call_executor`) and for the graph builder (`execute.cached_graph`). The stand-in computes
 what the graph computes from the graph's own operands, on the shapes it is given (one device's
 shard when partitioned): packed sequences from the ragged offsets, padding from the sequence
 lengths, masks and folded padding from the bias operand, segment bounds, score_mod arrays.
@@ -32,7 +32,7 @@ from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.graphs.operands import graph_io, graph_spec, uid_map
 from sdpagraph.graphs.support import Support
 from sdpagraph.memo import BoundedMemo
-from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.backends.cudnn import execute as cudnn_execute
 from sdpagraph.graphs import operands as operands_module
 from sdpagraph.numerics import gate as numerics_gate
 from sdpagraph.config import PARTITION
@@ -81,10 +81,10 @@ def cudnn_on_cpu(monkeypatch, tmp_path):
         key = graph_key(spec, ir, direction, env)
         return CachedGraph(key, compiled, cache.entry_path(key))
 
-    monkeypatch.setattr(cudnn_backend, "support", lambda spec, ir, training, verify=None: Support(True, "cudnn", "stand-in"))
-    monkeypatch.setattr(cudnn_backend, "cached_graph", fake_cached_graph)
-    monkeypatch.setattr(cudnn_backend.ffi, "register_graph", lambda digest, blob: None)
-    monkeypatch.setattr(cudnn_backend, "_call_executor", fake_executor)
+    monkeypatch.setattr(cudnn_execute, "support", lambda spec, ir, training, verify=None: Support(True, "cudnn", "stand-in"))
+    monkeypatch.setattr(cudnn_execute, "cached_graph", fake_cached_graph)
+    monkeypatch.setattr(cudnn_execute.ffi, "register_graph", lambda digest, blob: None)
+    monkeypatch.setattr(cudnn_execute, "call_executor", fake_executor)
     monkeypatch.setitem(operands_module.MASKED_BIAS, "float32", -1e30)
     monkeypatch.delenv(PARTITION.name, raising=False)
     yield built, env
@@ -395,14 +395,14 @@ def test_partitioning_switched_off_is_one_call_over_global_shapes(cudnn_on_cpu, 
 def test_strict_mode_miss_of_a_per_device_graph_says_how_to_fix_it(cudnn_on_cpu, monkeypatch):
     from sdpagraph.cache import CacheMissError
 
-    fake = cudnn_backend.cached_graph
+    fake = cudnn_execute.cached_graph
 
     def strict(spec, ir, direction, cache_arg=None):
         if spec.batch < B:  # the global graphs are there; the per-device ones were never precompiled
             raise CacheMissError("no cached graph for this spec in the cache directory.")
         return fake(spec, ir, direction)
 
-    monkeypatch.setattr(cudnn_backend, "cached_graph", strict)
+    monkeypatch.setattr(cudnn_execute, "cached_graph", strict)
     with pytest.raises(Exception, match="per-device graph of a sharded call.*SDPAGRAPH_RECORD"):
         run_case("causal", "cudnn", np.random.default_rng(11))
 
@@ -414,7 +414,7 @@ def test_per_device_graphs_that_fail_their_check_run_on_xla(name, cudnn_on_cpu, 
     check fails there, each shard runs the graphs' computation on XLA: the executor never runs
     them, and the step still gives XLA's values and gradients."""
     asked, executed = [], []
-    stand_in = cudnn_backend._call_executor
+    stand_in = cudnn_execute.call_executor
 
     def support(spec, ir, training, verify=None):
         asked.append((spec.batch, verify))
@@ -426,8 +426,8 @@ def test_per_device_graphs_that_fail_their_check_run_on_xla(name, cudnn_on_cpu, 
         executed.append(static.spec.batch)
         return stand_in(static, graph, operands, results)
 
-    monkeypatch.setattr(cudnn_backend, "support", support)
-    monkeypatch.setattr(cudnn_backend, "_call_executor", executor)
+    monkeypatch.setattr(cudnn_execute, "support", support)
+    monkeypatch.setattr(cudnn_execute, "call_executor", executor)
     (value, grads), reference, _, _ = run_case(name, "cudnn", np.random.default_rng(5))
     assert_same((value, grads), reference)
     # No per-device graph reached the executor. (The global call is traced too, as the op's body that
@@ -440,13 +440,13 @@ def test_per_device_graphs_that_fail_their_check_run_on_xla(name, cudnn_on_cpu, 
 @needs_devices
 def test_per_device_graphs_that_pass_their_check_run_on_the_executor(cudnn_on_cpu, monkeypatch):
     executed = []
-    stand_in = cudnn_backend._call_executor
+    stand_in = cudnn_execute.call_executor
 
     def executor(static, graph, operands, results):
         executed.append(static.spec.batch)
         return stand_in(static, graph, operands, results)
 
-    monkeypatch.setattr(cudnn_backend, "_call_executor", executor)
+    monkeypatch.setattr(cudnn_execute, "call_executor", executor)
     (value, grads), reference, _, _ = run_case("causal", "cudnn", np.random.default_rng(6))
     assert_same((value, grads), reference)
     assert B // 4 in executed  # the per-device graphs reached the executor

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import sdpagraph
 from sdpagraph.backends import registry, sinks as sinks_mod
 from sdpagraph.backends.cudnn import backend as cudnn_backend
+from sdpagraph.backends.cudnn import execute as cudnn_execute
 from sdpagraph.call import prepare_call
 from tests.devices import has_cpu_devices, make_mesh, rerun_with_cpu_devices
 from tests.cudnn_standin import stats_backward_executor
@@ -224,7 +225,7 @@ def cudnn_graphs_on_cpu(request, cudnn_on_cpu, monkeypatch):
     """The cuDNN path with `stats_backward_executor`: cuDNN's own sinks (`spec.sinks` graphs), or,
     with SDPAGRAPH_NATIVE_SINKS=0 (as where those graphs do not build), the sinks composed."""
     monkeypatch.setenv("SDPAGRAPH_NATIVE_SINKS", "1" if request.param == "native" else "0")
-    monkeypatch.setattr(cudnn_backend, "_call_executor", stats_backward_executor)
+    monkeypatch.setattr(cudnn_execute, "call_executor", stats_backward_executor)
     return cudnn_on_cpu[0], request.param == "native"
 
 
@@ -232,7 +233,7 @@ def cudnn_graphs_on_cpu(request, cudnn_on_cpu, monkeypatch):
 def test_the_stand_in_backward_ignores_the_logsumexp_cotangent(rng, cudnn_on_cpu, monkeypatch):
     """As cuDNN's: a loss on the logsumexp alone has no gradient through it (what made a composition
     outside the graph's custom_vjp wrong), while the XLA backend's has one."""
-    monkeypatch.setattr(cudnn_backend, "_call_executor", stats_backward_executor)
+    monkeypatch.setattr(cudnn_execute, "call_executor", stats_backward_executor)
     x = inputs(rng, (2, 3, 7, 4, 2, 8))
     q, k, v = x["q"], x["k"], x["v"]
     call = prepare_call(q, k, v)

@@ -164,7 +164,7 @@ def _allowed_on_slice(spec: AttentionSpec, layout: _Layout, picks: Mapping[str, 
 # ----------------------------------------------------------------------------- operands
 
 def _packed_operands(spec: AttentionSpec, layout: _Layout) -> dict[str, np.ndarray]:
-    """THD operands (`cudnn._packed_operands` + `_ragged_operands`): B*M sequence lengths and ragged
+    """THD operands (`call_operands.packed_operands` + `ragged_operands`): B*M sequence lengths and ragged
     element offsets, segments past M = max_segments dropped, unused slots empty at the row's end."""
     operands = {}
     sides = (("q", layout.q_pos, layout.q_valid, layout.q_run_len, spec.q_len, spec.num_heads * spec.head_dim),
@@ -191,7 +191,7 @@ def _packed_operands(spec: AttentionSpec, layout: _Layout) -> dict[str, np.ndarr
 
 def _bias_operand(plan: LayoutPlan, layout: _Layout, bias: np.ndarray | None,
                   mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
-    """(the graph's bias operand, where it keeps the user's bias or None): `cudnn._bias_operand`."""
+    """(the graph's bias operand, where it keeps the user's bias or None): `call_operands.bias_operand`."""
     keep = mask
     if plan.folds_padding and plan.graph_spec.has_kv_lengths:
         kv_valid = layout.kv_valid[:, None, None, :]
@@ -298,7 +298,7 @@ def _run(spec: AttentionSpec, ir: ScoreModIR | None, training: bool, chosen: Sli
     inputs = draw_inputs(spec, ir, seed)
     layout = _layout(spec, host["arrays"])
     allowed = _allowed_on_slice(spec, layout, picks, inputs["mask"], on_score)
-    # The rows `attention` keeps (`cudnn._Validity`): valid tokens when the graph has padding or
+    # The rows `attention` keeps (`call_operands.Validity`): valid tokens when the graph has padding or
     # segments, and when the bias carries a mask, rows that attend to some key.
     validity = bool(g.segments or g.segment_mask or g.has_padding)
     q_kept = layout.q_valid[rows, queries] if validity else np.ones(queries.shape, bool)  # (B', N', T')
@@ -376,7 +376,7 @@ def _cut(x: np.ndarray | Tiled, cut: Callable, *index: np.ndarray) -> np.ndarray
 
 def _user_bias_gradient(dbias: np.ndarray, keep: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
     """The gradient of the user's bias from the bias operand's: zero where a mask replaced it, summed
-    over the axes the operand broadcast it along (what autodiff of `cudnn._bias_operand` gives)."""
+    over the axes the operand broadcast it along (what autodiff of `call_operands.bias_operand` gives)."""
     grad = dbias.astype(np.float32)
     if keep is not None:
         grad = np.where(keep, grad, 0.0)

@@ -7,7 +7,7 @@ folding, packed offsets, custom_vjp, row zeroing) around two stand-ins:
   (`graphs.lowering._check_lowerable`, the declines that come before cuDNN is asked), lays out the
   graph's operands (`graphs.operands.describe`) and returns a plan-less graph; cuDNN's own declines
   (a dtype, an engine) are a GPU's to give;
-- the FFI executor (`_call_executor`): `backends.cudnn.graph_on_xla.run_on_xla`, what the graph
+- the FFI executor (`execute.call_executor`): `backends.cudnn.graph_on_xla.run_on_xla`, what the graph
   computes, evaluated on XLA from the graph's own operands (packed sequences decoded from the ragged
   offsets, padding from sequence lengths, masks from the bias operand), as in tests/test_sharding.py.
 Floating point 32 runs through it too (cuDNN itself takes bf16/fp16 only), so the CPU cases are tight.
@@ -92,7 +92,7 @@ def cudnn_stand_in(monkeypatch):
         yield None
         return
     from sdpagraph import ffi
-    from sdpagraph.backends.cudnn import backend as cudnn_backend
+    from sdpagraph.backends.cudnn import execute as cudnn_execute
     from sdpagraph.graphs import operands as operands_module
     from sdpagraph.cache import GraphCache
     from sdpagraph.graph_store import using_cache
@@ -101,7 +101,7 @@ def cudnn_stand_in(monkeypatch):
 
     env = builder.BuildEnvironment("9.19.0", "1.32.0", "sm90 stand-in")
     monkeypatch.setattr(graph_support, "environment_reason", lambda: None)
-    monkeypatch.setattr(cudnn_backend, "environment_reason", lambda: None)
+    monkeypatch.setattr(cudnn_execute, "environment_reason", lambda: None)
     monkeypatch.setattr(ffi, "unavailable_reason", lambda: None)
     monkeypatch.setattr(ffi, "register_graph", lambda digest, blob: None)
     monkeypatch.setattr(builder, "build_environment", lambda: env)
@@ -112,7 +112,7 @@ def cudnn_stand_in(monkeypatch):
         executed.append(graph.compiled.direction)
         return _stand_in_executor(static, graph, operands, results)
 
-    monkeypatch.setattr(cudnn_backend, "_call_executor", executor)
+    monkeypatch.setattr(cudnn_execute, "call_executor", executor)
     # cuDNN's masked-bias value per io type has no float32 entry (cuDNN takes no float32).
     monkeypatch.setitem(operands_module.MASKED_BIAS, "float32", -1e30)
     monkeypatch.setenv("SDPAGRAPH_VERIFY", "off")  # the numerical check would run the (plan-less) graphs

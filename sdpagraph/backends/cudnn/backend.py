@@ -1,7 +1,7 @@
 """The cuDNN backend of `attention`: the support query, and execution through the FFI executor.
 
 Graphs are built (or loaded from the cache) at trace time, registered with the C++
-executor, and called with `jax.ffi.ffi_call`. A `jax.custom_vjp` runs the forward
+executor, and called with `jax.ffi.ffi_call` (`execute`). A `jax.custom_vjp` runs the forward
 graph (O and softmax stats) when differentiating and the backward graph for the
 gradients of query, key, value and bias; a call that is not differentiated runs the
 forward graph when `training=True` and the smaller inference graph otherwise.
@@ -14,133 +14,41 @@ from __future__ import annotations
 
 import functools
 import dataclasses
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from sdpagraph import ffi
 from sdpagraph.config import NATIVE_SINKS
-from sdpagraph.meshes import varying_like
 from sdpagraph.backends import registry, sinks as sinks_mod
 from sdpagraph.backends.base import Backend, Verify
+from sdpagraph.backends.cudnn import fp8, paged_decode
+from sdpagraph.backends.cudnn.bins import packed as packed_bins
+from sdpagraph.backends.cudnn.call_operands import Validity, attended, bias_operand, call_operands, zero_rows
+from sdpagraph.backends.cudnn import execute
+from sdpagraph.backends.cudnn.execute import Static, run_graph
 from sdpagraph.cache.graph_cache import CacheMissError
-from sdpagraph.graph_store import CachedGraph, cached_graph, check_graphs
-from sdpagraph.graphs.binning import bin_plan
-from sdpagraph.scoremod.ir import ScoreModIR
-from sdpagraph.scoremod.masks import SEGMENT_ARRAYS
-from sdpagraph.graphs.compiled import scalar_bits
-from sdpagraph.graphs.operands import ARRAY_PREFIX, SINK_TOKEN, graph_io, plan_layout, stats_shape
-from sdpagraph.graphs.support import Support, environment_reason, graph_answer
-from sdpagraph.backends.cudnn.bins import packed as packed_bins, packer as bin_packer
-from sdpagraph.backends.cudnn import fp8, paged_decode, sharding
-from sdpagraph.backends.cudnn.call_operands import (SEGMENT_OFFSETS, Validity, attended, bias_operand, call_operands,
-                                                   ragged_operands, zero_rows)
+from sdpagraph.call import RuntimeInputs
 from sdpagraph.graphs.alternatives import alternatives
 from sdpagraph.graphs.chunk_documents import chunk_documents, chunk_ids
+from sdpagraph.graphs.binning import bin_plan
 from sdpagraph.graphs.decode_fold import decode_fold
-from sdpagraph.call import RuntimeInputs
-from sdpagraph.backends.cudnn.graph_on_xla import run_on_xla
+from sdpagraph.graphs.operands import ARRAY_PREFIX, SINK_TOKEN, plan_layout, stats_shape
+from sdpagraph.graphs.support import Support
+from sdpagraph.scoremod.ir import ScoreModIR
+from sdpagraph.scoremod.masks import SEGMENT_ARRAYS
 from sdpagraph.segments.metadata import at_runs, segment_metadata, segment_run_ids
 from sdpagraph.spec import AttentionSpec
 
 
-def support(spec: AttentionSpec, score_mod: ScoreModIR | None, *, training: bool,
-            verify: Callable[..., Any] | None = None) -> Support:
-    """Whether the cuDNN graphs this call needs build here (forward, and backward when training),
-    and, with `verify` (the numerical check's gate, `numerics.gate.checked`), compute the right values."""
-    reason = environment_reason() or ffi.unavailable_reason()
-    if reason is not None:
-        return graph_answer(False, reason)
-    answer = check_graphs(spec, score_mod, training, verify=verify)
-    if answer.supported and bin_plan(spec, score_mod) is not None:  # how the documents are placed, too
-        return Support(True, answer.backend, f"{answer.reason}; {bin_packer.formulation()}")
-    return answer
-
-
-@dataclass(frozen=True)
-class _Static:
-    """Everything static about one call (hashable: custom_vjp's non-differentiable argument)."""
-
-    spec: AttentionSpec  # the call's own spec: graphs are keyed and built from it
-    graph_spec: AttentionSpec  # the spec the graph runs (`LayoutPlan.graph_spec`): shapes of results
-    ir: ScoreModIR | None
-    scalars: tuple[tuple[str, Any], ...]
-    training: bool
-    # The numerical check's gate dispatch chose cuDNN with (`numerics.gate.checked`), or None: the
-    # graphs of a per-device spec, built at XLA compile time, are checked with it (`_execute`).
-    verify: Callable[..., Any] | None = None
-
-
-# ----------------------------------------------------------------------------- one FFI call
-
-
-
-def _run_graph(static: _Static, direction: str, operands: Mapping[str, Any],
-               results: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
-    """Run the `direction` graph on `operands` (as `call_operands` gives them: sliceable along batch and
-    heads): one op, once per device on its shard when the inputs are sharded (`sharding`)."""
-    operand_roles, result_roles = graph_io(static.graph_spec, static.ir, direction)
-    needed = {role: x for role, x in operands.items() if role in operand_roles or role.startswith(SEGMENT_OFFSETS)}
-    outputs = sharding.call_per_shard(_execute, static, direction, needed, {r: results[r] for r in result_roles})
-    return {role: varying_like(x, needed.values()) for role, x in outputs.items()}
-
-
-def _execute(static: _Static, direction: str, operands: Mapping[str, Any],
-             results: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
-    """Build or fetch the `direction` graph of `static` (the whole call, or one device's shard of
-    it), register it with the executor, and call it on operands of those shapes; graphs that
-    failed their numerical check are not run: their computation runs on XLA instead."""
-    if static.graph_spec.segments:
-        operands = ragged_operands(static.graph_spec, operands)
-    if not _checked(static):
-        return run_on_xla(static, operands, results)
-    graph = cached_graph(static.spec, static.ir, direction)
-    ffi.register_graph(graph.digest, graph.compiled.blob)
-    return _call_executor(static, graph, operands, results)
-
-
-def _checked(static: _Static) -> bool:
-    """Whether the graphs of `static` passed the numerical check it carries (True without one).
-    For the call's own spec this is the answer dispatch already got (remembered per cache). A
-    sharded call's per-device spec (`sharding.localize`) is first seen here, at XLA compile time:
-    its graphs are built and checked now, once, and a failure (logged once) runs the shard on XLA."""
-    if static.verify is None:
-        return True
-    verify = functools.partial(static.verify, scalars=dict(static.scalars))
-    return support(static.spec, static.ir, training=static.training, verify=verify).supported
-
-
-def _call_executor(static: _Static, graph: CachedGraph, operands: Mapping[str, Any],
-                   results: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
-    """The FFI call (CPU tests put an XLA stand-in here)."""
-    compiled, digest = graph.compiled, graph.digest
-    scalar_uids, scalar_values = scalar_bits(compiled, dict(static.scalars))
-    result_shapes = [results[role] for role in compiled.result_roles]
-    result_shapes.append(jax.ShapeDtypeStruct((compiled.workspace_size,), jnp.uint8))
-    call = jax.ffi.ffi_call(ffi.EXECUTOR_TARGET, result_shapes, vmap_method="sequential")
-    outputs = call(
-        *(operands[role] for role in compiled.operand_roles),
-        graph_key=digest,
-        entry_path=graph.entry_path or "",
-        uids=np.array([compiled.uids[r] for r in compiled.operand_roles + compiled.result_roles], np.int64),
-        scalar_uids=scalar_uids,
-        scalar_values=scalar_values,
-        workspace_size=np.int64(compiled.workspace_size),
-    )
-    return dict(zip(compiled.result_roles, outputs[:-1]))
-
-
 # ----------------------------------------------------------------------------- custom_vjp
 
-def _forward(static: _Static, q, k, v, bias, aux, direction: str):
+def _forward(static: Static, q, k, v, bias, aux, direction: str):
     spec = static.graph_spec
     results = {"o": jax.ShapeDtypeStruct((spec.batch, spec.q_len, spec.num_heads, spec.head_dim_v), q.dtype),
                "stats": jax.ShapeDtypeStruct(stats_shape(spec), jnp.float32)}
     operands = {"q": q, "k": k, "v": v, "bias": bias, **aux}
-    out = _run_graph(static, direction, operands, results)
+    out = run_graph(static, direction, operands, results)
     return out["o"], out.get("stats")
 
 
@@ -149,7 +57,7 @@ def _stats_as_lse(spec: AttentionSpec, stats: Any) -> Any:
     return jnp.swapaxes(stats, 1, 2) if spec.segments else stats
 
 
-def _with_sinks(static: _Static, o, stats, sinks) -> tuple[Any, Any]:
+def _with_sinks(static: Static, o, stats, sinks) -> tuple[Any, Any]:
     """(o, stats) with the sinks joined (`sinks.apply`), in the graph's layouts; as given without
     sinks or when the graph joined them itself (`spec.sinks`)."""
     if sinks is None or static.graph_spec.sinks:
@@ -158,13 +66,13 @@ def _with_sinks(static: _Static, o, stats, sinks) -> tuple[Any, Any]:
     return o, _stats_as_lse(static.graph_spec, lse)
 
 
-def _without_sinks(static: _Static) -> _Static:
+def _without_sinks(static: Static) -> Static:
     """`static` of the call's spec without cuDNN's own sinks (whose graphs are forward only)."""
     return dataclasses.replace(static, spec=dataclasses.replace(static.spec, sinks=False),
                                graph_spec=dataclasses.replace(static.graph_spec, sinks=False))
 
 
-def _sink_operand(static: _Static, aux: Mapping[str, Any], sinks: Any) -> dict[str, Any]:
+def _sink_operand(static: Static, aux: Mapping[str, Any], sinks: Any) -> dict[str, Any]:
     """`aux` and, for a graph with cuDNN's sinks, their logits as its (1, N, 1, 1) float32 operand."""
     if not static.graph_spec.sinks:
         return aux
@@ -172,30 +80,30 @@ def _sink_operand(static: _Static, aux: Mapping[str, Any], sinks: Any) -> dict[s
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(static: _Static, q, k, v, bias, aux, validity, sinks):
+def _core(static: Static, q, k, v, bias, aux, validity, sinks):
     # Composed sinks read the stats; cuDNN's own need none (`_with_sinks`).
     keep_stats = static.training or (sinks is not None and not static.graph_spec.sinks)
     direction = "forward" if keep_stats else "inference"
     return _with_sinks(static, *_forward(static, q, k, v, bias, _sink_operand(static, aux, sinks), direction), sinks)
 
 
-def _core_fwd(static: _Static, q, k, v, bias, aux, validity, sinks):
+def _core_fwd(static: Static, q, k, v, bias, aux, validity, sinks):
     aux = _sink_operand(static, aux, sinks)
     o, stats = _with_sinks(static, *_forward(static, q, k, v, bias, aux, "forward"), sinks)
     return (o, stats), (q, k, v, bias, aux, validity, o, stats, sinks)
 
 
-def _backward(static: _Static, q, k, v, bias, aux, o, stats, d_o) -> dict[str, Any]:
+def _backward(static: Static, q, k, v, bias, aux, o, stats, d_o) -> dict[str, Any]:
     """The backward graph: dq, dk, dv (and dbias) from the softmax stats and the output they belong to."""
     results = {"dq": jax.ShapeDtypeStruct(q.shape, q.dtype), "dk": jax.ShapeDtypeStruct(k.shape, k.dtype),
                "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
     if static.graph_spec.bias_shape is not None:
         results["dbias"] = jax.ShapeDtypeStruct(bias.shape, bias.dtype)
     operands = {"q": q, "k": k, "v": v, "o": o, "dO": d_o.astype(o.dtype), "stats": stats, "bias": bias, **aux}
-    return _run_graph(static, "backward", operands, results)
+    return run_graph(static, "backward", operands, results)
 
 
-def _core_bwd(static: _Static, residuals, cotangents):
+def _core_bwd(static: Static, residuals, cotangents):
     q, k, v, bias, aux, validity, o, stats, sinks = residuals
     # The stats (logsumexp) are returned without a gradient, as jax does. Rows that `attention`
     # zeroes after this core (padding, nothing to attend to) already arrive with a zero d_o.
@@ -260,8 +168,8 @@ def fp8_attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs:
 
 
 def _graph_run(spec: AttentionSpec, training: bool, verify: Callable[..., Any] | None) -> fp8.Run:
-    """run(direction, operands, results): one graph call of `spec` (no score_mod), as `_run_graph`."""
-    return functools.partial(_run_graph, _Static(spec, spec, None, (), training, verify))
+    """run(direction, operands, results): one graph call of `spec` (no score_mod), as `execute.run_graph`."""
+    return functools.partial(run_graph, Static(spec, spec, None, (), training, verify))
 
 
 def _runs_here(spec: AttentionSpec, score_mod: ScoreModIR | None, training: bool,
@@ -271,7 +179,7 @@ def _runs_here(spec: AttentionSpec, score_mod: ScoreModIR | None, training: bool
     if verify is not None:
         verify = functools.partial(verify, scalars=scalars)
     try:
-        return support(spec, score_mod, training=training, verify=verify).supported
+        return execute.support(spec, score_mod, training=training, verify=verify).supported
     except CacheMissError:
         return False
 
@@ -293,7 +201,7 @@ def _attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: Ru
                score_mod: ScoreModIR | None, training: bool, verify: Callable[..., Any] | None,
                sinks: Any = None) -> tuple[Any, Any]:
     plan = plan_layout(spec, score_mod)
-    static = _Static(spec, plan.graph_spec, score_mod, tuple(sorted((inputs.mod_scalars or {}).items())), training,
+    static = Static(spec, plan.graph_spec, score_mod, tuple(sorted((inputs.mod_scalars or {}).items())), training,
                      verify)
     aux, validity = call_operands(plan.graph_spec, inputs, spec.max_segments)
     validity = validity._replace(attended=attended(plan, inputs))
@@ -325,11 +233,11 @@ def _attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: Ru
 # twin: they are masked here (output 0, logsumexp -inf, gradients 0), whatever cuDNN does with
 # zero-length sequences or rows with every key masked.
 
-def block_static(spec: AttentionSpec, score_mod: ScoreModIR | None, scalars: Mapping[str, Any]) -> _Static:
-    return _Static(spec, plan_layout(spec, score_mod).graph_spec, score_mod, tuple(sorted(scalars.items())), True)
+def block_static(spec: AttentionSpec, score_mod: ScoreModIR | None, scalars: Mapping[str, Any]) -> Static:
+    return Static(spec, plan_layout(spec, score_mod).graph_spec, score_mod, tuple(sorted(scalars.items())), True)
 
 
-def block_operands(static: _Static, inputs: RuntimeInputs) -> tuple[dict[str, Any], Validity]:
+def block_operands(static: Static, inputs: RuntimeInputs) -> tuple[dict[str, Any], Validity]:
     """(the block graph's operands by role, the rows that hold results): the score_mod's arrays, and
     from `inputs`' pair-local segment ids a packed block's per-slot lengths and token offsets, or the
     dense twin's segment bounds (`_pair_segment_bounds`)."""
@@ -338,7 +246,7 @@ def block_operands(static: _Static, inputs: RuntimeInputs) -> tuple[dict[str, An
     return call_operands(static.graph_spec, inputs, static.spec.max_segments)
 
 
-def _pair_segment_bounds(static: _Static, inputs: RuntimeInputs) -> tuple[dict[str, Any], Validity]:
+def _pair_segment_bounds(static: Static, inputs: RuntimeInputs) -> tuple[dict[str, Any], Validity]:
     """A dense-twin block's operands: per query row, the first and last key of its document in the
     key chunk (`masks.segment_ir`, key-chunk indices). A row outside the pair's documents gets bounds
     no key meets: it attends nothing, so it gives no key a gradient."""
@@ -354,7 +262,7 @@ def _pair_segment_bounds(static: _Static, inputs: RuntimeInputs) -> tuple[dict[s
     return operands, Validity(covered, kv_slot > 0)
 
 
-def block_forward(static: _Static, q, k, v, operands: tuple[Mapping[str, Any], Validity]) -> tuple[Any, Any]:
+def block_forward(static: Static, q, k, v, operands: tuple[Mapping[str, Any], Validity]) -> tuple[Any, Any]:
     """(o (B, T, N, H_v), logsumexp (B, N, T) fp32) of one block."""
     aux, validity = operands
     o, stats = _forward(static, q, k, v, None, dict(aux), "forward")
@@ -364,7 +272,7 @@ def block_forward(static: _Static, q, k, v, operands: tuple[Mapping[str, Any], V
     return zero_rows(o, validity.q), lse
 
 
-def block_backward(static: _Static, q, k, v, operands: tuple[Mapping[str, Any], Validity], o, lse,
+def block_backward(static: Static, q, k, v, operands: tuple[Mapping[str, Any], Validity], o, lse,
                    d_o) -> tuple[Any, Any, Any]:
     """(dq, dk, dv) of one block, given the whole attention's output `o` and logsumexp `lse` (B, N, T)."""
     aux, validity = operands
@@ -388,7 +296,7 @@ class CudnnBackend(Backend):
 
     def support(self, spec: AttentionSpec, score_mod: ScoreModIR | None, *, training: bool,
                 verify: Verify | None = None) -> Support:
-        answer = support(spec, score_mod, training=training, verify=verify)
+        answer = execute.support(spec, score_mod, training=training, verify=verify)
         runs_on = self if answer.supported else registry.reference()
         return Support(answer.supported, runs_on.name, answer.reason)
 

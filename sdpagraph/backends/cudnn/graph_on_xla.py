@@ -5,7 +5,7 @@
 A graph that failed its numerical check is never run on user data. Dispatch sees that for the
 call's own spec and picks XLA for the whole call; but under SPMD partitioning the per-device graphs
 are built (and checked) only at XLA compile time, when the call is already lowered to the cuDNN
-path. A shard whose graphs failed then runs this instead of the executor (`cudnn._execute`), on
+path. A shard whose graphs failed then runs this instead of the executor (`execute._execute`), on
 the same operands, so nothing upstream changes:
 - packed sequences decoded from the sequence lengths and ragged element offsets (the stats'
   offsets must agree with q's);
@@ -41,7 +41,7 @@ from sdpagraph.backends import registry, sinks
 
 
 def run_on_xla(static: Any, operands: Mapping[str, Any], results: Mapping[str, Any]) -> dict[str, Any]:
-    """The `results` (role -> shape struct) one graph call of `static` (`cudnn._Static`) gives for
+    """The `results` (role -> shape struct) one graph call of `static` (`execute.Static`) gives for
     `operands` (role -> array, as the executor takes them)."""
     if static.graph_spec.is_fp8:
         return _fp8_on_xla(static.graph_spec, operands, results)

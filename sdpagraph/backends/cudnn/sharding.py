@@ -4,7 +4,7 @@ once per device, on that device's shard, with a graph built for the local shapes
 Built on JAX's own machinery (`jax.experimental.custom_partitioning`, with a Shardy sharding
 rule, and the GSPMD callback for processes that turn Shardy off); no runtime of our own:
 
-    cudnn._run_graph(static, direction, operands, results)
+    execute.run_graph(static, direction, operands, results)
        └─ call_per_shard ─ custom_partitioning(_graph_call)      one op in the global program
             ├─ sharding rule (_rule)      how each operand dim maps to batch / heads / sequence / head dim
             └─ partition (_partition)     at XLA compile time: read q's sharding, split batch and heads,
@@ -22,7 +22,7 @@ gradient of a bias broadcast over a split axis, and dk / dv with one key/value h
 
 Everything the graph reads arrives in a form that slices along the batch: the packed layout's
 ragged offsets are absolute element offsets into the whole (B*T, N*H) buffer, so the cuDNN path
-passes per-row segment offsets and turns them into ragged offsets per shard (`cudnn._execute`).
+passes per-row segment offsets and turns them into ragged offsets per shard (`execute._execute`).
 
 Graphs are keyed by the local spec (`local_spec`, `local_ir`): a precompiled cache of the specs a
 sharded run records covers that run (the partition callback reports the local spec to the trace
@@ -126,7 +126,7 @@ def local_ir(ir: ScoreModIR | None, spec: AttentionSpec, split: Split) -> ScoreM
 
 
 def localize(static: Any, split: Split) -> Any:
-    """A cuDNN-path `_Static` (spec, graph_spec, ir, ...) for one shard."""
+    """A cuDNN-path `execute.Static` (spec, graph_spec, ir, ...) for one shard."""
     if split.trivial:
         return static
     return dataclasses.replace(static, spec=local_spec(static.spec, split),
@@ -182,7 +182,7 @@ class _GraphCall:
     roles, with which results (global shapes)."""
 
     execute: Callable[..., Mapping[str, Any]]
-    static: Any  # backends.cudnn.backend._Static
+    static: Any  # backends.cudnn.execute.Static
     direction: str
     roles: tuple[str, ...]
     results: tuple[tuple[str, tuple[int, ...], str], ...]  # (role, shape, dtype)
