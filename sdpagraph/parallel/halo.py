@@ -20,9 +20,11 @@ step they reach across (a window wider than a block spans several), each carryin
 needed; a device sending two pieces of one step (load-balanced) sends them in two rounds, and a
 piece of its own other block is a local slice (`halo_exchange`). Then one attention call per block runs
 its queries over [left halo ++ its keys ++ right halo], or, for causal blocks on cuDNN, two calls
-that take the block's own keys and the halo apart, never joined into one buffer (`_split_block`). Under autodiff the transpose of each
-ppermute sends the halo's dk/dv back to the device that holds those keys: gradients need no code of
-their own.
+that take the block's own keys and the halo apart, never joined into one buffer (`_split_block`).
+Under autodiff the transpose of each ppermute sends the halo's dk/dv back to the device that holds
+those keys. Where a device's blocks run as the batch rows of one split call (`_stacked_blocks`),
+the exchange sits inside that call's custom_vjp instead, which adds the halos' dk/dv in place where
+they came from (`halo_exchange.send_back`) rather than as whole-block padded gradients.
 
 Blocks near the sequence's (or a chunk's) ends have shorter halos. Each block runs one of a few
 cases (hl, hr) of halo lengths, chosen by the device's index with `lax.switch`; every case is one

@@ -18,6 +18,11 @@ has the halo at all: where it has none (the sequence's first block), the halo pa
 whatever keys arrived, and adds nothing (its logsumexp -inf forward, its dO zero backward). So every
 device runs the same two calls, where a `lax.switch` between "halo" and "no halo" made XLA copy the
 branch index to the host and wait for the device before each branch, on every step.
+
+Only the block's first `rows` rows see the halo: the merge and dq's sum update those rows of the
+local call's results in place (`_in_place`). `exchanged_attention` runs all of a device's blocks as
+the batch rows of one split call and receives their halos inside its custom_vjp, so their dk/dv go
+back and are added in place where they came from (`halo_exchange`).
 """
 from __future__ import annotations
 
