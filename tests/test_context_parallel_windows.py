@@ -158,6 +158,32 @@ def test_halo_on_the_cudnn_path(name, cp, load_balanced, axis_type, cudnn_on_cpu
 
 
 @needs_devices
+@pytest.mark.parametrize("cp, transfers", [(2, 1), (4, 2)])
+def test_a_load_balanced_halo_sends_its_blocks_halos_together(cp, transfers, cudnn_on_cpu, monkeypatch):
+    """Both slots' halos in one transfer each way where no device sends or receives twice (cp = 2:
+    device 0 sends block 0's tail to device 1, device 1 block 2's to device 0); at cp = 4 the middle
+    devices send one piece per slot, so two transfers. Forward and backward alike."""
+    monkeypatch.setattr(cudnn_execute, "call_executor", stats_backward_executor)
+    ours, ref, hlo = run("narrow", cp, "auto", "cudnn", seed=seed_of("narrow", cp, True, "cudnn"), load_balanced=True)
+    assert_same_step(ours, ref, tol=3e-5)
+    permutes = len(re.findall(r"\bcollective-permute(?:-start)?\(", hlo))
+    assert permutes == 2 * transfers, permutes
+
+
+def test_transfers_merge_routes_whose_devices_send_and_receive_once():
+    from sdpagraph.parallel.halo_exchange import route, transfers
+
+    # cp = 2, load-balanced: slot 0's block 1 reads block 0 (device 0, slot 0); slot 1's block 3 reads
+    # block 2 (device 1, slot 1) and block 2 reads block 1 (device 1's own slot 0)
+    slot0, slot1 = route(16, [None, (0, 0)], 11, 5), route(16, [(1, 1), (1, 0)], 11, 5)
+    (merged,) = transfers([slot0, slot1])
+    assert sorted(merged.pairs) == [(0, 1), (1, 0)] and merged.slots == (0, 1)
+    assert merged.takes == ((1, 1), (0, 0))
+    # a device sending in both: two transfers
+    assert len(transfers([route(16, [None, (0, 0), (1, 0)], 11, 5), route(16, [(1, 1), (2, 1), None], 11, 5)])) == 2
+
+
+@needs_devices
 def test_check_support_names_the_halo_and_its_block_backend(cudnn_on_cpu):
     q = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
     with jax.set_mesh(make_mesh((4,), ("cp",))):

@@ -216,8 +216,8 @@ def _halos(plan: HaloPlan, kv: tuple[Any, Any], slot: int) -> tuple[tuple[Any, .
                 mine = blocks[slot]
                 needs = layout.case_of(mine)[0 if before else 1] > (step - 1) * block
                 wanted.append(layout.holder[mine - step if before else mine + step] if needs else None)
-            got = halo_exchange.receive(halo_exchange.route(block, wanted, block - length if before else 0, length),
-                                        plan.axis, kv)
+            got = halo_exchange.receive([halo_exchange.route(block, wanted, block - length if before else 0, length)],
+                                        plan.axis, kv)[0]
             parts = [got, *parts] if before else [*parts, got]
         halos.append(tuple(jnp.concatenate([p[i] for p in parts], axis=1) for i in range(len(kv))) if parts else None)
     return halos[0], halos[1]

@@ -9,7 +9,7 @@ then adds to its own: two passes over every token of k and v a step for a piece 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -63,31 +63,106 @@ def _start(r: Route, slots: tuple[int, ...], me: Any) -> Any:
     return jnp.asarray(slots, jnp.int32)[me] * r.block + r.offset
 
 
-def receive(r: Route, axis: Any, kv: tuple[Any, Any]) -> tuple[Any, Any]:
-    """This device's piece of k and v (B, length, ...), from `kv` (its tokens, (B, slots·block, ...))."""
-    me = jax.lax.axis_index(axis)
-    candidates = []
-    for slots, pairs in r.sources:
-        start = _start(r, slots, me)
-        piece = tuple(jax.lax.dynamic_slice_in_dim(x, start, r.length, axis=1) for x in kv)
-        candidates.append(permute_pair(piece, axis, list(pairs)) if pairs else piece)
-    if len(candidates) == 1:
-        return candidates[0]
-    which = jnp.asarray(r.choice, jnp.int32)[me]
-    return tuple(jax.lax.select_n(which, *(c[i] for c in candidates)) for i in range(len(kv)))
+@dataclass(frozen=True)
+class Transfer:
+    """One `ppermute` carrying the remote pieces of several routes (`transfers`): `slots[d]` the slot
+    of the block device d sends from, `pairs` the (sender, receiver) pairs, `takes[d]` the (route,
+    source) whose piece device d receives, or None."""
+
+    slots: tuple[int, ...]
+    pairs: tuple[tuple[int, int], ...]
+    takes: tuple[tuple[int, int] | None, ...]
 
 
-def send_back(r: Route, axis: Any, grads: tuple[Any, Any], kv_grads: tuple[Any, Any]) -> tuple[Any, Any]:
-    """`kv_grads` (this device's dk, dv) with the gradients of the pieces `receive` gave (`grads`, on the
-    devices that read them) added where those pieces came from: the transpose of `receive`, in place."""
-    me = jax.lax.axis_index(axis)
-    which = jnp.asarray(r.choice, jnp.int32)[me] if len(r.sources) > 1 else None
-    for index, (slots, pairs) in enumerate(r.sources):
-        mine = grads if which is None else tuple(jnp.where(which == index, g, jnp.zeros_like(g)) for g in grads)
-        if pairs:  # devices that sent nothing this round receive zeros and add them
-            mine = permute_pair(mine, axis, [(receiver, sender) for sender, receiver in pairs])
-        start = _start(r, slots, me)
-        kv_grads = tuple(add_rows(x, g, start) for x, g in zip(kv_grads, mine))
+def transfers(routes: Sequence[Route | None]) -> tuple[Transfer, ...]:
+    """The remote sources of `routes` (pieces of equal offset and length) packed into as few
+    transfers as keep every device sending and receiving at most once in each: XLA overlaps one
+    transfer at a time with compute, so a second one of its own waits on the compute stream
+    (`transfer.paired`). A load-balanced halo's two slots then take one transfer, not two."""
+    groups: list[dict] = []
+    devices = len(next(r for r in routes if r is not None).choice)
+    for index, r in enumerate(routes):
+        for source, (slots, pairs) in enumerate(() if r is None else r.sources):
+            if not pairs:
+                continue
+            senders, receivers = {a for a, _ in pairs}, {b for _, b in pairs}
+            group = next((g for g in groups if not g["senders"] & senders and not g["receivers"] & receivers), None)
+            if group is None:
+                group = {"senders": set(), "receivers": set(), "slots": [0] * devices, "pairs": [],
+                         "takes": [None] * devices}
+                groups.append(group)
+            group["senders"] |= senders
+            group["receivers"] |= receivers
+            group["pairs"] += pairs
+            for sender in senders:
+                group["slots"][sender] = slots[sender]
+            for receiver in receivers:
+                group["takes"][receiver] = (index, source)
+    return tuple(Transfer(tuple(g["slots"]), tuple(g["pairs"]), tuple(g["takes"])) for g in groups)
+
+
+def _piece(r: Route, slots: tuple[int, ...], kv: tuple[Any, ...], me: Any) -> tuple[Any, ...]:
+    start = _start(r, slots, me)
+    return tuple(jax.lax.dynamic_slice_in_dim(x, start, r.length, axis=1) for x in kv)
+
+
+def _shape_of(routes: Sequence[Route | None]) -> Route:
+    """A route of `routes` (all of one block, offset and length: the transfers mix their pieces)."""
+    given = [r for r in routes if r is not None]
+    assert len({(r.block, r.offset, r.length) for r in given}) == 1, given
+    return given[0]
+
+
+def receive(routes: Sequence[Route | None], axis: Any, kv: tuple[Any, Any]) -> list[tuple[Any, Any] | None]:
+    """Per route, this device's piece of k and v (B, length, ...) from `kv` (its tokens,
+    (B, slots·block, ...)); None for a None route."""
+    me, shape = jax.lax.axis_index(axis), _shape_of(routes)
+    arrived = {}
+    for t in transfers(routes):
+        moved = permute_pair(_piece(shape, t.slots, kv, me), axis, list(t.pairs))
+        arrived.update({take: moved for take in t.takes if take is not None})
+    pieces = []
+    for index, r in enumerate(routes):
+        if r is None:
+            pieces.append(None)
+            continue
+        candidates = [arrived[(index, source)] if pairs else _piece(r, slots, kv, me)
+                      for source, (slots, pairs) in enumerate(r.sources)]
+        if len(candidates) == 1:
+            pieces.append(candidates[0])
+            continue
+        which = jnp.asarray(r.choice, jnp.int32)[me]
+        pieces.append(tuple(jax.lax.select_n(which, *(c[i] for c in candidates)) for i in range(len(kv))))
+    return pieces
+
+
+def send_back(routes: Sequence[Route | None], axis: Any, grads: Sequence[tuple[Any, Any] | None],
+              kv_grads: tuple[Any, Any]) -> tuple[Any, Any]:
+    """`kv_grads` (this device's dk, dv) with the gradients of the pieces `receive` gave (`grads[i]`
+    for route i, on the devices that read them) added where those pieces came from: the transpose
+    of `receive`, in place, in the same transfers."""
+    me, shape = jax.lax.axis_index(axis), _shape_of(routes)
+
+    def kept(index, source):  # route `index`'s gradient where this device read source `source`, else 0
+        r, g = routes[index], grads[index]
+        if len(r.sources) == 1:
+            return g
+        chosen = jnp.asarray(r.choice, jnp.int32)[me] == source
+        return tuple(jnp.where(chosen, x, jnp.zeros_like(x)) for x in g)
+
+    for index, r in enumerate(routes):
+        for source, (slots, pairs) in enumerate(() if r is None else r.sources):
+            if not pairs:  # a slice of the device's own other block
+                kv_grads = tuple(add_rows(x, g, _start(r, slots, me)) for x, g in zip(kv_grads, kept(index, source)))
+    for t in transfers(routes):
+        takes = sorted({take for take in t.takes if take is not None})
+        back = [kept(*take) for take in takes]
+        if len(back) > 1:  # each device sends back the gradient of the piece it received
+            which = jnp.asarray([takes.index(take) if take is not None else 0 for take in t.takes], jnp.int32)[me]
+            back = [tuple(jax.lax.select_n(which, *(b[i] for b in back)) for i in range(len(kv_grads)))]
+        # devices that sent nothing in this transfer receive zeros and add them
+        moved = permute_pair(back[0], axis, [(receiver, sender) for sender, receiver in t.pairs])
+        kv_grads = tuple(add_rows(x, g, _start(shape, t.slots, me)) for x, g in zip(kv_grads, moved))
     return kv_grads
 
 

@@ -175,8 +175,9 @@ def _halo_rows(exchange: Exchange, k, v, hl: int) -> tuple[tuple[Any, Any], Any]
     """The halos of k and v received for each slot, as batch rows (B·slots, hl, ...), and `present`
     per row."""
     batch, slots, me = k.shape[0], len(exchange.routes), jax.lax.axis_index(exchange.axis)
-    halos = [tuple(jnp.zeros((batch, hl) + x.shape[2:], x.dtype) for x in (k, v)) if r is None
-             else halo_exchange.receive(r, exchange.axis, (k, v)) for r in exchange.routes]
+    received = halo_exchange.receive(exchange.routes, exchange.axis, (k, v))
+    halos = [tuple(jnp.zeros((batch, hl) + x.shape[2:], x.dtype) for x in (k, v)) if got is None else got
+             for got in received]
     kv = tuple(jnp.stack([h[i] for h in halos], axis=1).reshape((batch * slots, hl) + x.shape[2:])
                for i, x in enumerate((k, v)))
     present = jnp.asarray(exchange.present)[:, me]
@@ -213,9 +214,8 @@ def _exchanged_bwd(plan: SplitPlan, exchange: Exchange, residuals, cotangents):
     dq, dk, dv = (x.reshape(y.shape) for x, y in ((dq, q), (dk, k), (dv, v)))
     per_slot = lambda x: x.reshape((q.shape[0], slots) + x.shape[1:])  # noqa: E731
     h_dk, h_dv = per_slot(h_dk), per_slot(h_dv)
-    for slot, r in enumerate(exchange.routes):
-        if r is not None:
-            dk, dv = halo_exchange.send_back(r, exchange.axis, (h_dk[:, slot], h_dv[:, slot]), (dk, dv))
+    grads = [None if r is None else (h_dk[:, slot], h_dv[:, slot]) for slot, r in enumerate(exchange.routes)]
+    dk, dv = halo_exchange.send_back(exchange.routes, exchange.axis, grads, (dk, dv))
     return dq, dk, dv, _no_gradient(arrays), d_sinks
 
 
