@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import sdpagraph
 from sdpagraph import mods
 from sdpagraph.cache import GraphCache, set_default_cache
+from sdpagraph import graph_store
 from sdpagraph.graphs import support as graphs_support
-from sdpagraph.backends.cudnn import backend as cudnn_backend
 from sdpagraph.backends.cudnn import execute as cudnn_execute
 
 SHAPE = jax.ShapeDtypeStruct((4, 4096, 16, 128), jnp.bfloat16)
@@ -47,9 +47,9 @@ def stand_in_gpu():
     """Patches that make cuDNN look available and every build succeed (builds are not timed)."""
     return [
         mock.patch.object(graphs_support, "environment_reason", lambda: None),
-        mock.patch.object(cudnn_backend, "environment_reason", lambda: None),
+        mock.patch.object(cudnn_execute, "environment_reason", lambda: None),
         mock.patch.object(cudnn_execute.ffi, "unavailable_reason", lambda: None),
-        mock.patch.object(graphs_support, "build", lambda spec, ir, direction, cache: None),
+        mock.patch.object(graph_store, "cached_graph", lambda spec, ir, direction, cache=None: None),
     ]
 
 

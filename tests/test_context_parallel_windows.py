@@ -170,6 +170,50 @@ def test_a_load_balanced_halo_sends_its_blocks_halos_together(cp, transfers, cud
     assert permutes == 2 * transfers, permutes
 
 
+def _adjoint_gap(cp, slots, wanted_per_route, block, offset, length, seed):
+    """max |send_back - autodiff's transpose of receive| for random gradients of every piece."""
+    from jax.sharding import Mesh
+    from sdpagraph.parallel import halo_exchange as hx
+
+    routes = [None if w is None else hx.route(block, w, offset, length) for w in wanted_per_route]
+    rng = np.random.default_rng(seed)
+    k, v = (jnp.asarray(rng.standard_normal((1, cp * slots * block, 3)), jnp.float32) for _ in range(2))
+    grads = [jnp.asarray(rng.standard_normal((2, 1, cp, length, 3)), jnp.float32) for _ in routes]
+    local = lambda gs: [None if r is None else (g[0][:, 0], g[1][:, 0]) for r, g in zip(routes, gs)]  # noqa: E731
+
+    def transpose(k, v, *gs):
+        return jax.vjp(lambda k, v: hx.receive(routes, "x", (k, v)), k, v)[1](local(gs))
+
+    def ours(k, v, *gs):
+        return hx.send_back(routes, "x", local(gs), (jnp.zeros_like(k), jnp.zeros_like(v)))
+
+    mesh = Mesh(np.array(jax.devices()[:cp]), ("x",))
+    run = lambda f: jax.jit(jax.shard_map(  # noqa: E731
+        f, mesh=mesh, in_specs=(P(None, "x"), P(None, "x")) + (P(None, None, "x"),) * len(grads),
+        out_specs=(P(None, "x"), P(None, "x")), check_vma=False))(k, v, *grads)
+    return max(float(jnp.abs(a - b).max()) for a, b in zip(run(transpose), run(ours)))
+
+
+@needs_devices
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_send_back_is_the_transpose_of_receive(cp):
+    """`halo_exchange.send_back` against autodiff's transpose of `receive`, with gradients on every
+    device (also where a device reads no piece): the load-balanced halo's routes, and random ones
+    (own slices, several rounds, per-device slots, devices that read nothing)."""
+    blocks = [(i, 2 * cp - 1 - i) for i in range(cp)]
+    holder = {b: (d, s) for d, held in enumerate(blocks) for s, b in enumerate(held)}
+    balanced = [[holder[held[s] - 1] if held[s] else None for held in blocks] for s in range(2)]
+    assert _adjoint_gap(cp, 2, balanced, 8, 5, 3, seed=cp) < 1e-5
+    rng = np.random.default_rng(cp)
+    for trial in range(6):
+        slots = int(rng.integers(1, 4))
+        wanted = [[None if rng.random() < 0.25 else (int(rng.integers(cp)), int(rng.integers(slots)))
+                   for _ in range(cp)] for _ in range(int(rng.integers(1, 4)))]
+        wanted = [w if any(x is not None for x in w) else None for w in wanted]
+        if any(w is not None for w in wanted):
+            assert _adjoint_gap(cp, slots, wanted, 6, 2, 3, seed=trial) < 1e-5, (trial, wanted)
+
+
 def test_transfers_merge_routes_whose_devices_send_and_receive_once():
     from sdpagraph.parallel.halo_exchange import route, transfers
 

@@ -17,8 +17,9 @@ Chunks that cut blocks unevenly are not taken (`unsupported`).
 
 The halos come from the devices holding the neighbouring blocks, one `jax.lax.ppermute` per block
 step they reach across (a window wider than a block spans several), each carrying only the tokens
-needed; a device sending two pieces of one step (load-balanced) sends them in two rounds, and a
-piece of its own other block is a local slice (`halo_exchange`). Then one attention call per block runs
+needed; a device sending two pieces of one step (load-balanced) sends them in two rounds, a piece of
+its own other block is a local slice, and the pieces of a device's blocks share a transfer where no
+device sends or receives twice in it (`halo_exchange`). Then one attention call per block runs
 its queries over [left halo ++ its keys ++ right halo], or, for causal blocks on cuDNN, two calls
 that take the block's own keys and the halo apart, never joined into one buffer (`_split_block`).
 Under autodiff the transpose of each ppermute sends the halo's dk/dv back to the device that holds

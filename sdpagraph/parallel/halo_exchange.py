@@ -8,6 +8,7 @@ then adds to its own: two passes over every token of k and v a step for a piece 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -155,13 +156,13 @@ def send_back(routes: Sequence[Route | None], axis: Any, grads: Sequence[tuple[A
             if not pairs:  # a slice of the device's own other block
                 kv_grads = tuple(add_rows(x, g, _start(r, slots, me)) for x, g in zip(kv_grads, kept(index, source)))
     for t in transfers(routes):
+        # The piece a transfer brings a device is every one of its routes' candidate (`receive`): the
+        # device sends back the sum of their gradients where they chose it (one, where it received;
+        # those of routes it does not read are zero in the halo's use, but summed all the same).
         takes = sorted({take for take in t.takes if take is not None})
-        back = [kept(*take) for take in takes]
-        if len(back) > 1:  # each device sends back the gradient of the piece it received
-            which = jnp.asarray([takes.index(take) if take is not None else 0 for take in t.takes], jnp.int32)[me]
-            back = [tuple(jax.lax.select_n(which, *(b[i] for b in back)) for i in range(len(kv_grads)))]
+        back = functools.reduce(lambda a, b: tuple(x + y for x, y in zip(a, b)), (kept(*take) for take in takes))
         # devices that sent nothing in this transfer receive zeros and add them
-        moved = permute_pair(back[0], axis, [(receiver, sender) for sender, receiver in t.pairs])
+        moved = permute_pair(back, axis, [(receiver, sender) for sender, receiver in t.pairs])
         kv_grads = tuple(add_rows(x, g, _start(shape, t.slots, me)) for x, g in zip(kv_grads, moved))
     return kv_grads
 

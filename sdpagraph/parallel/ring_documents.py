@@ -70,7 +70,8 @@ def shared_ids(q_facts: tuple[Any, Any, Any], kv_facts: tuple[Any, Any, Any], q_
     def holds(run, valid):  # (B, max_segments + 1): which segment numbers the side holds
         # Only the first token of each run of equal numbers writes (the others' index is past the
         # end: dropped): a scatter of every token into a few slots serialized on them, 0.03 ms a call
-        # on an H100 at T/cp = 16384.
+        # on an H100 at T/cp = 16384. Valid tokens have numbers >= 1 (`_token_facts`), so a run
+        # that starts after an invalid token (marked 0) still has its first token write.
         marked = jnp.where(valid, run, 0)
         starts = valid & jnp.concatenate([jnp.ones_like(valid[:, :1]), marked[:, 1:] != marked[:, :-1]], axis=1)
         index = jnp.where(starts, marked, max_segments + 1)

@@ -1,4 +1,5 @@
-"""The cuDNN backend of `attention`: the support query, and execution through the FFI executor.
+"""The cuDNN backend of `attention`: its calls composed from graph runs (`execute`: the support query,
+and one graph through the FFI executor).
 
 Graphs are built (or loaded from the cache) at trace time, registered with the C++
 executor, and called with `jax.ffi.ffi_call` (`execute`). A `jax.custom_vjp` runs the forward
