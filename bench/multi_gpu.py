@@ -318,13 +318,13 @@ def child_row(request):
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_cp_long(quick, cpu, record, only, strategies=None):
-    """LONG_CALLS: each on one GPU, and on 2 GPUs with each strategy, speedup over one GPU. Rows that
-    measure peak memory run in a child process each (bench/child.py): a peak covers one row only."""
+def run_cp_long(quick, cpu, record, only, wanted=None):
+    """LONG_CALLS: each on one GPU, and on 2 GPUs with each strategy (`wanted`: only the strategy rows
+    named so, as in the table), speedup over one GPU. Rows that measure peak memory run in a child
+    process each (bench/child.py): a peak covers one row only; the others report none."""
     from child import run_child
 
     summary = {}
-    wanted = strategies
     for index, (label, length, _, _, memory, strategies, target) in enumerate(LONG_CALLS):
         length = length // CPU_SCALE if cpu else length
         if only and not any(part in f"{label} T{length}" for part in only):
@@ -341,8 +341,8 @@ def run_cp_long(quick, cpu, record, only, strategies=None):
                 env = {"CUDA_VISIBLE_DEVICES": "0"} if one_gpu_process else None
                 result = run_child(CHILD, [bench_dir] + (["--cpu"] if cpu else []) + [json.dumps(request)],
                                    env=env, timeout=600, label=f"{label} T{length} {strategy}")
-            else:
-                result = measure_long(**request)
+            else:  # this process's peak also covers the rows measured before: not this row's
+                result = {k: x for k, x in measure_long(**request).items() if k != "peak_bytes"}
             name = f"{label} T{length}, " + ("1 GPU" if strategy is None else
                                              f"{strategy}{BALANCE_LABELS[load_balanced]}, "
                                              f"{CP_DEVICES} GPUs")
