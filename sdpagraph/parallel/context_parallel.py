@@ -229,14 +229,12 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
     else:
         local = dataclasses.replace(spec, batch=spec.batch // math.prod(shape[a] for a in others))
     ring_spec = local
-    if strategy == "ring":
-        ring_spec = _ring_spec(call, local, ring_reason)
-        reason = _cudnn_reason(_ring_graphs(call, ring_spec, axis, cp, load_balanced), implementation,
-                               ring_reason, running)
-        if reason is not None and ring_spec != local:  # one document's graphs do not build: the pairs'
-            ring_spec = local
-            reason = _cudnn_reason(_ring_graphs(call, local, axis, cp, load_balanced), implementation,
+    if strategy == "ring":  # one document's graphs (`_ring_spec`) where they build, else the pairs'
+        for ring_spec in dict.fromkeys((_ring_spec(call, local, ring_reason), local)):
+            reason = _cudnn_reason(_ring_graphs(call, ring_spec, axis, cp, load_balanced), implementation,
                                    ring_reason, running)
+            if reason is None:
+                break
     else:
         if strategy == "halo":
             blocks = halo.HaloPlan(halo.HaloLayout(local, cp, load_balanced), axis, registry.primary().name,
@@ -319,11 +317,12 @@ def _ring(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v,
     cumulative sum as a loop of T/cp steps: 0.4 s a step on 2 GPUs at T32768). A dense call the ring
     runs as one document (`local` from `_ring_spec`) gets that document's facts, the same on every device."""
     tok = high = None
-    if ids is None and local.segments:
-        ids = jnp.ones((q.shape[0], q.shape[1]), jnp.int32)
     if ids is not None:
-        tok, high = _token_facts(jax.lax.all_gather(ids, axis, axis=1, tiled=True), cp, load_balanced,
-                                 local.max_segments)
+        ids = jax.lax.all_gather(ids, axis, axis=1, tiled=True)
+    elif local.segments:  # a dense call as one document: the whole sequence's ids, known without a gather
+        ids = jnp.ones((q.shape[0], q.shape[1] * cp), jnp.int32)
+    if ids is not None:
+        tok, high = _token_facts(ids, cp, load_balanced, local.max_segments)
     plan = ring_plan.RingPlan(local, axis, cp, load_balanced, backend, call.score_mod,
                               tuple(sorted((call.inputs.mod_scalars or {}).items())), call.inputs.python_mods)
     return ring.ring_attention(plan, q, k, v, {"arrays": arrays, "tok": tok, "high": high}, sinks)

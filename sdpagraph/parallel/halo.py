@@ -165,6 +165,16 @@ class HaloLayout:
         cases = [self.case_of(blocks[slot]) for blocks in self.blocks_of]
         return tuple(max(case[i] for case in cases) for i in (0, 1))
 
+    def wanted(self, slot: int, step: int, before: bool) -> list[tuple[int, int] | None]:
+        """Per device, the (device, slot) holding the block `step` blocks before (`before`) or after
+        its block in `slot`, where that block's halo reaches it; else None (`halo_exchange.route`)."""
+        wanted = []
+        for blocks in self.blocks_of:
+            mine = blocks[slot]
+            needs = self.case_of(mine)[0 if before else 1] > (step - 1) * self.block
+            wanted.append(self.holder[mine - step if before else mine + step] if needs else None)
+        return wanted
+
     @property
     def received(self) -> int:
         """Key (and value) tokens the busiest device's blocks read beyond themselves (what it
@@ -212,13 +222,9 @@ def _halos(plan: HaloPlan, kv: tuple[Any, Any], slot: int) -> tuple[tuple[Any, .
         parts = []
         for step in range(1, -(-length_reached // block) + 1):
             length = min(block, length_reached - (step - 1) * block)
-            wanted = []
-            for blocks in layout.blocks_of:
-                mine = blocks[slot]
-                needs = layout.case_of(mine)[0 if before else 1] > (step - 1) * block
-                wanted.append(layout.holder[mine - step if before else mine + step] if needs else None)
-            got = halo_exchange.receive([halo_exchange.route(block, wanted, block - length if before else 0, length)],
-                                        plan.axis, kv)[0]
+            piece = halo_exchange.route(block, layout.wanted(slot, step, before), block - length if before else 0,
+                                        length)
+            got = halo_exchange.receive([piece], plan.axis, kv)[0]
             parts = [got, *parts] if before else [*parts, got]
         halos.append(tuple(jnp.concatenate([p[i] for p in parts], axis=1) for i in range(len(kv))) if parts else None)
     return halos[0], halos[1]
@@ -362,11 +368,10 @@ def _stacked_blocks(plan: HaloPlan, split: SplitPlan, q, k, v, arrays, sinks) ->
     layout = plan.layout
     slots, block, hl = layout.slots, layout.block, split.halo.kv_len
     routes, present = [], []
-    for slot in range(slots):
-        wanted = [layout.holder[blocks[slot] - 1] if layout.case_of(blocks[slot]) == (hl, 0) else None
-                  for blocks in layout.blocks_of]
-        routes.append(None if wanted == [None] * len(wanted) else halo_exchange.route(block, wanted, block - hl, hl))
-        present.append(tuple(layout.case_of(blocks[slot]) == (hl, 0) for blocks in layout.blocks_of))
+    for slot in range(slots):  # every block's case is (hl, 0) or (0, 0): a halo is one block step
+        wanted = layout.wanted(slot, 1, before=True)
+        present.append(tuple(w is not None for w in wanted))
+        routes.append(halo_exchange.route(block, wanted, block - hl, hl) if any(present[-1]) else None)
     rows = q.shape[0] * slots
     split = dataclasses.replace(split, local=dataclasses.replace(split.local, batch=rows),
                                 halo=dataclasses.replace(split.halo, batch=rows))
