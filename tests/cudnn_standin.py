@@ -6,6 +6,7 @@ final output and logsumexp: this stand-in gives wrong gradients otherwise, as cu
 import jax
 import jax.numpy as jnp
 
+from sdpagraph.backends.cudnn.execute import restacked, unstacked
 from sdpagraph.backends.cudnn.graph_on_xla import graph_forward_without_sinks, run_on_xla
 
 
@@ -15,6 +16,7 @@ def stats_backward_executor(static, graph, operands, results):
     (`run_on_xla`); the backward differentiates
         sum_i <dO_i, sum_j exp(l_ij - stats_i) v_j>  -  sum_i D_i sum_j exp(l_ij - stats_i),
     D_i = <dO_i, o_i> (from the `o` operand), whose gradient is cuDNN's: dl = P (dP - D)."""
+    wanted, results = results, unstacked(results)  # dk and dv stacked where the call asks for it
     if "dq" not in results:
         return run_on_xla(static, operands, results)
     forward = graph_forward_without_sinks(static, operands)
@@ -34,4 +36,4 @@ def stats_backward_executor(static, graph, operands, results):
     q, k, v, bias = (operands.get(role) for role in ("q", "k", "v", "bias"))
     dq, dk, dv, dbias = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
     grads = {"dq": dq, "dk": dk, "dv": dv, "dbias": dbias}
-    return {role: grads[role].astype(results[role].dtype) for role in results}
+    return restacked({role: grads[role].astype(results[role].dtype) for role in results}, wanted)

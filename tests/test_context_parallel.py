@@ -24,7 +24,7 @@ from sdpagraph import mods
 from sdpagraph.deploy.specfile import load_specs
 from sdpagraph.scoremod.ir_eval import evaluate
 from sdpagraph.scoremod.masks import SEGMENT_ARRAYS, segment_ir
-from sdpagraph.graphs.operands import ARRAY_PREFIX
+from sdpagraph.graphs.operands import ARRAY_PREFIX, KV_GRADS
 from sdpagraph.graphs.support import Support
 from sdpagraph.backends.cudnn import execute as cudnn_execute
 from sdpagraph.backends.cudnn.graph_on_xla import packed_ids
@@ -286,12 +286,13 @@ def packed_rows(static, operands):
     return jnp.where(stats_ids == ids_q, ids_q, -1), ids_kv  # the stats' offsets must agree with q's
 
 
-def unwritten(x, rows):
+def unwritten(x, rows, fill=jnp.nan):
     """`x` (B, L, ...) with NaN in the rows a packed graph does not cover (rows: (B, L) slot ids, 0
-    there): what cuDNN leaves in them is undefined, so the caller must mask them."""
+    there): what cuDNN leaves in them is undefined, so the caller must mask them; `fill` 0 in a
+    result the executor zeroes before the graph writes it."""
     if rows is None:
         return x
-    return jnp.where((rows > 0).reshape(rows.shape + (1,) * (x.ndim - 2)), x, jnp.nan)
+    return jnp.where((rows > 0).reshape(rows.shape + (1,) * (x.ndim - 2)), x, fill)
 
 
 def logits_on_xla(static, operands):
@@ -327,7 +328,8 @@ def logits_on_xla(static, operands):
 
 def cudnn_like_executor(static, graph, operands, results):
     """Forward: test_sharding's stand-in. Backward: from the o and stats operands, as cuDNN does.
-    Rows a packed graph does not cover come back NaN (`unwritten`)."""
+    Rows a packed graph does not cover come back NaN (`unwritten`), or 0 in dk and dv stacked, which
+    the executor zeroes first (`graphs.operands.KV_GRADS`)."""
     ids_q, ids_kv = packed_rows(static, operands)
     if "dq" not in results:
         out = fake_executor(static, graph, operands, results)
@@ -344,8 +346,10 @@ def cudnn_like_executor(static, graph, operands, results):
     d_p = jnp.einsum("btnh,bsnh->bnts", d_o.astype(jnp.float32), v_heads)
     d_rows = jnp.swapaxes(jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1), 1, 2)[..., None]
     dq, dk = pullback(p * (d_p - d_rows))
-    return {"dq": unwritten(dq, ids_q).astype(q.dtype), "dk": unwritten(dk, ids_kv).astype(k.dtype),
-            "dv": unwritten(dv, ids_kv).astype(v.dtype)}
+    kv_fill = 0.0 if KV_GRADS in results else jnp.nan
+    grads = {"dq": unwritten(dq, ids_q).astype(q.dtype), "dk": unwritten(dk, ids_kv, kv_fill).astype(k.dtype),
+             "dv": unwritten(dv, ids_kv, kv_fill).astype(v.dtype)}
+    return cudnn_execute.restacked(grads, results)
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ result_shapes
     ``jax.ShapeDtypeStruct((workspace_size,), jnp.uint8)``. XLA allocates it (it may be 0 bytes
     long); the caller drops it from the results.
 attributes
-    Exactly these six, with these numpy types (jax turns numpy arrays into array attributes; a
+    Exactly these eight, with these numpy types (jax turns numpy arrays into array attributes; a
     Python list would become something else):
 
     ================  ==========================  ===============================================
@@ -29,8 +29,16 @@ attributes
                                                   is registered or cached under
     entry_path        str                         absolute path of the disk-cache entry file for
                                                   graph_key, or "" when there is none
-    uids              np.ndarray[np.int64]        one uid per operand, then one per result except
-                                                  the workspace, in the same order
+    uids              np.ndarray[np.int64]        one uid per operand, then one per tensor the
+                                                  results hold (the workspace excepted), in the
+                                                  same order
+    result_parts      np.ndarray[np.int64]        per result (the workspace excepted): how many of
+                                                  the graph's tensors it holds, equal in size and
+                                                  one after another (1 for most; 2 for dK and dV
+                                                  stacked into one array)
+    zeroed_results    np.ndarray[np.int64]        per result: 1 to zero it before the graph runs
+                                                  (a packed graph leaves rows outside its
+                                                  sequences unwritten), else 0
     scalar_uids       np.ndarray[np.int64]        uids of the graph's pass-by-value scalars
                                                   (np.zeros(0, np.int64) when none)
     scalar_values     np.ndarray[np.float32]      their 4-byte host values, same order and length:

@@ -37,6 +37,10 @@ from sdpagraph.spec import DIRECTIONS, AttentionSpec
 ARRAY_PREFIX = "array:"
 SCALAR_PREFIX = "scalar:"
 CONST_PREFIX = "const:"
+# dK and dV as one (2, *dk.shape) result of a backward call, both written by the graph into it
+# (`backends.cudnn.execute.Static.kv_grads_stacked`); not a graph role: the executor binds the two
+# tensors at its two halves.
+KV_GRADS = "dkv"
 BACKWARD_INPUTS = ("o", "dO", "stats")
 SINK_TOKEN = "sink_token"  # attention sinks' logits (forward and inference graphs)
 PAGE_TABLES = ("page_table_k", "page_table_v")  # paged K/V: each sequence's pages, for k and for v

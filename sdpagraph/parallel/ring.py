@@ -48,7 +48,7 @@ from sdpagraph.backends.masking import TokenLayout
 from sdpagraph.backends.softmax_merge import merge
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.parallel import ring_documents
-from sdpagraph.parallel.transfer import paired, permute_pair
+from sdpagraph.parallel.transfer import paired, stackable
 from sdpagraph.parallel.ring_plan import MASKED, SKIP, RingPlan, cudnn_static, pair_status, with_offsets
 
 # ----------------------------------------------------------------------------- one pair of chunks
@@ -294,12 +294,18 @@ def _ring_forward(plan: RingPlan, q, k, v, extras) -> tuple[Any, Any, Any]:
 
 
 def _step_backward(plan: RingPlan, arrays, q, kv, q_tok, kv_tok, o, lse, d_o, step: int, me: Any,
-                   high: Any) -> tuple:
-    """(dq, dk, dv) of the local queries against the key block visiting at `step`: one call over the
-    whole blocks (`RingPlan.whole_steps`, in the io dtype) or the sum over pairs of chunks (fp32)."""
+                   high: Any) -> tuple[Any, Any]:
+    """(dq, (dk, dv) as one transfer takes them: `transfer.paired`) of the local queries against the
+    key block visiting at `step`: one call over the whole blocks (`RingPlan.whole_steps`, in the io
+    dtype; its graph writes dk and dv stacked where they stack, so sending them on needs no stacking
+    pass) or the sum over pairs of chunks (fp32)."""
     if plan.whole_steps:
         static, aux = _step_call(plan, arrays, q_tok, kv_tok, step, me, high)
-        return registry.primary().block_backward(static, q, kv[0], kv[1], aux, o.astype(q.dtype), lse, d_o)
+        backend, o_io = registry.primary(), o.astype(q.dtype)
+        if not stackable(kv[0], kv[1]):
+            dq, dk, dv = backend.block_backward(static, q, kv[0], kv[1], aux, o_io, lse, d_o)
+            return dq, (dk, dv)
+        return backend.block_backward_stacked(static, q, kv[0], kv[1], aux, o_io, lse, d_o)
     c = plan.chunks
     q_starts, kv_starts = plan.offsets(me, plan.q_chunk), plan.offsets((me - step) % plan.size, plan.kv_chunk)
     d_rows = jnp.swapaxes(jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1), 1, 2)  # (B, N, T)
@@ -315,7 +321,7 @@ def _step_backward(plan: RingPlan, arrays, q, kv, q_tok, kv_tok, o, lse, d_o, st
                 dq[a], dks[j], dvs[j] = _pair_backward(
                     plan, arrays, (dq[a], dks[j], dvs[j]), qs[a], ks[j], vs[j], q_starts[a], kv_starts[j],
                     q_toks[a], kv_toks[j], os_[a], lses[a], dos[a], d_rowss[a], known, diagonal=step == 0 and a == j)
-    return tuple(jnp.concatenate(x, axis=1) for x in (dq, dks, dvs))
+    return jnp.concatenate(dq, axis=1), paired(jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
 
 
 def _ring_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o, first) -> tuple[Any, Any, Any]:
@@ -328,13 +334,13 @@ def _ring_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o, first) -> tuple
     visits, _ = _visits(plan, k, v, first)
     for step, kv in visits:
         kv_tok = _block_tok(plan, extras["tok"], (me - step) % plan.size)
-        grads = _step_backward(plan, extras["arrays"], q, kv, q_tok, kv_tok, o, lse, d_o, step, me,
-                               _step_high(plan, extras, step, me))
-        dq = dq + grads[0].astype(jnp.float32)
+        d_q, d_kv_step = _step_backward(plan, extras["arrays"], q, kv, q_tok, kv_tok, o, lse, d_o, step, me,
+                                        _step_high(plan, extras, step, me))
+        dq = dq + d_q.astype(jnp.float32)
         # the first partial travels as computed; sums of partials in fp32
-        d_kv = grads[1:] if d_kv is None else tuple(d + x.astype(jnp.float32) for d, x in zip(d_kv, grads[1:]))
+        d_kv = d_kv_step if d_kv is None else jax.tree.map(lambda d, x: d + x.astype(jnp.float32), d_kv, d_kv_step)
         if step != 0:
-            d_kv = permute_pair(d_kv, plan.axis, _onwards(plan))
+            d_kv = _pass(plan, d_kv)
     return dq.astype(q.dtype), d_kv[0].astype(k.dtype), d_kv[1].astype(v.dtype)
 
 

@@ -7,12 +7,17 @@ import jax
 import jax.numpy as jnp
 
 
+def stackable(a: Any, b: Any) -> bool:
+    """Whether two arrays stack into one (same shape and dtype)."""
+    return a.shape == b.shape and a.dtype == b.dtype
+
+
 def paired(a: Any, b: Any) -> Any:
     """Two arrays as one for a transfer (stacked where their shapes and dtypes match, else the pair;
     either way `x[0]`, `x[1]` give them back): XLA overlaps one transfer at a time with compute, so
     a second one of its own would wait on the compute stream (seen on 2 H100s: the ring's keys went
     while its values waited)."""
-    return jnp.stack([a, b]) if a.shape == b.shape and a.dtype == b.dtype else (a, b)
+    return jnp.stack([a, b]) if stackable(a, b) else (a, b)
 
 
 def permute_pair(pair: tuple[Any, Any], axis: Any, pairs: list[tuple[int, int]]) -> tuple[Any, Any]:

@@ -34,7 +34,7 @@ from sdpagraph.graphs.alternatives import alternatives
 from sdpagraph.graphs.chunk_documents import chunk_documents, chunk_ids
 from sdpagraph.graphs.binning import bin_plan
 from sdpagraph.graphs.decode_fold import decode_fold
-from sdpagraph.graphs.operands import ARRAY_PREFIX, SINK_TOKEN, plan_layout, stats_shape
+from sdpagraph.graphs.operands import ARRAY_PREFIX, KV_GRADS, SINK_TOKEN, plan_layout, stats_shape
 from sdpagraph.graphs.support import Support
 from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.scoremod.masks import SEGMENT_ARRAYS
@@ -273,15 +273,33 @@ def block_forward(static: Static, q, k, v, operands: tuple[Mapping[str, Any], Va
     return zero_rows(o, validity.q), lse
 
 
-def block_backward(static: Static, q, k, v, operands: tuple[Mapping[str, Any], Validity], o, lse,
-                   d_o) -> tuple[Any, Any, Any]:
-    """(dq, dk, dv) of one block, given the whole attention's output `o` and logsumexp `lse` (B, N, T)."""
+def _block_grads(static: Static, q, k, v, operands: tuple[Mapping[str, Any], Validity], o, lse, d_o) -> dict[str, Any]:
     aux, validity = operands
     if validity.q is not None:  # a finite stat keeps a row that attends no key here at 0 (padding's lse is -inf)
         lse = jnp.where(validity.q[:, None, :], lse, 0.0)
-    grads = _backward(static, q, k, v, None, dict(aux), o, _stats_as_lse(static.graph_spec, lse), d_o)
+    return _backward(static, q, k, v, None, dict(aux), o, _stats_as_lse(static.graph_spec, lse), d_o)
+
+
+def block_backward(static: Static, q, k, v, operands: tuple[Mapping[str, Any], Validity], o, lse,
+                   d_o) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) of one block, given the whole attention's output `o` and logsumexp `lse` (B, N, T)."""
+    validity = operands[1]
+    grads = _block_grads(static, q, k, v, operands, o, lse, d_o)
     dk, dv = (zero_rows(grads[role], validity.kv) for role in ("dk", "dv"))
     return zero_rows(grads["dq"], validity.q), dk, dv
+
+
+def block_backward_stacked(static: Static, q, k, v, operands: tuple[Mapping[str, Any], Validity], o, lse,
+                           d_o) -> tuple[Any, Any]:
+    """(dq, dk and dv stacked (2, B, S, K, H)) of one block, as `block_backward` gives them: the
+    graph writes dk and dv into one array (`graphs.operands.KV_GRADS`), which the executor zeroes
+    first for a packed graph, so a caller that sends them on as one transfer makes no stacking pass."""
+    validity = operands[1]
+    grads = _block_grads(dataclasses.replace(static, kv_grads_stacked=True), q, k, v, operands, o, lse, d_o)
+    dkv = grads[KV_GRADS]
+    if validity.kv is not None and not static.graph_spec.segments:
+        dkv = jnp.where(validity.kv[None, :, :, None, None], dkv, jnp.zeros((), dkv.dtype))
+    return zero_rows(grads["dq"], validity.q), dkv
 
 
 class CudnnBackend(Backend):
@@ -294,6 +312,7 @@ class CudnnBackend(Backend):
     block_operands = staticmethod(block_operands)
     block_forward = staticmethod(block_forward)
     block_backward = staticmethod(block_backward)
+    block_backward_stacked = staticmethod(block_backward_stacked)
 
     def support(self, spec: AttentionSpec, score_mod: ScoreModIR | None, *, training: bool,
                 verify: Verify | None = None) -> Support:

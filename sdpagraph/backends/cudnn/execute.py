@@ -21,7 +21,7 @@ from sdpagraph.backends.cudnn.graph_on_xla import run_on_xla
 from sdpagraph.graph_store import CachedGraph, cached_graph, check_graphs
 from sdpagraph.graphs.binning import bin_plan
 from sdpagraph.graphs.compiled import scalar_bits
-from sdpagraph.graphs.operands import graph_io
+from sdpagraph.graphs.operands import KV_GRADS, graph_io
 from sdpagraph.graphs.support import Support, environment_reason, graph_answer
 from sdpagraph.meshes import varying_like
 from sdpagraph.scoremod.ir import ScoreModIR
@@ -53,6 +53,63 @@ class Static:
     # The numerical check's gate dispatch chose cuDNN with (`numerics.gate.checked`), or None: the
     # graphs of a per-device spec, built at XLA compile time, are checked with it (`_execute`).
     verify: Callable[..., Any] | None = None
+    # The backward graph's dK and dV come back as one (2, *k.shape) result, KV_GRADS (`results_of`).
+    kv_grads_stacked: bool = False
+
+
+# dK and dV in one array (KV_GRADS), the graph writing both into it: the ring sends them on as one
+# transfer without a stacking pass. A packed graph writes only its sequences' rows, so the executor
+# zeroes this result before the graph runs.
+_STACKED_ROLES = ("dk", "dv")
+
+
+def results_of(static: Static, result_roles: tuple[str, ...],
+               results: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, jax.ShapeDtypeStruct]:
+    """The results a graph call returns, by name: its result roles, dk and dv as one KV_GRADS
+    (2, *dk.shape) where `static` stacks them."""
+    if not (static.kv_grads_stacked and set(_STACKED_ROLES) <= set(result_roles)):
+        return {role: results[role] for role in result_roles}
+    out = {role: results[role] for role in result_roles if role not in _STACKED_ROLES}
+    dk, dv = (results[role] for role in _STACKED_ROLES)
+    if (dk.shape, dk.dtype) != (dv.shape, dv.dtype):
+        raise ValueError(f"dk {dk.shape} {dk.dtype} and dv {dv.shape} {dv.dtype} cannot stack: "
+                         "kv_grads_stacked needs a value head dim and dtype equal to the key's")
+    out[KV_GRADS] = jax.ShapeDtypeStruct((2, *dk.shape), dk.dtype)
+    return out
+
+
+def _result_layout(static: Static, result_roles: tuple[str, ...]) -> list[tuple[str, tuple[str, ...], bool]]:
+    """(result name, the graph roles it holds in order, whether the executor zeroes it first), in
+    the executor's result order."""
+    stacked = static.kv_grads_stacked and set(_STACKED_ROLES) <= set(result_roles)
+    layout = []
+    for role in result_roles:
+        if stacked and role in _STACKED_ROLES:
+            if role == _STACKED_ROLES[0]:
+                layout.append((KV_GRADS, _STACKED_ROLES, bool(static.graph_spec.segments)))
+        else:
+            layout.append((role, (role,), False))
+    return layout
+
+
+def unstacked(results: Mapping[str, Any]) -> dict[str, Any]:
+    """`results` with a KV_GRADS entry split back into dk and dv (shapes or arrays)."""
+    out = {role: x for role, x in results.items() if role != KV_GRADS}
+    if KV_GRADS in results:
+        both = results[KV_GRADS]
+        if isinstance(both, jax.ShapeDtypeStruct):
+            out.update((role, jax.ShapeDtypeStruct(both.shape[1:], both.dtype)) for role in _STACKED_ROLES)
+        else:
+            out.update(zip(_STACKED_ROLES, both))
+    return out
+
+
+def restacked(results: Mapping[str, Any], wanted: Mapping[str, Any]) -> dict[str, Any]:
+    """Per-role `results` as `wanted` names them (dk and dv stacked where it asks for KV_GRADS)."""
+    out = {role: x for role, x in results.items() if role in wanted}
+    if KV_GRADS in wanted:
+        out[KV_GRADS] = jnp.stack([results[role] for role in _STACKED_ROLES])
+    return out
 
 
 # ----------------------------------------------------------------------------- one FFI call
@@ -63,7 +120,7 @@ def run_graph(static: Static, direction: str, operands: Mapping[str, Any],
     heads): one op, once per device on its shard when the inputs are sharded (`sharding`)."""
     operand_roles, result_roles = graph_io(static.graph_spec, static.ir, direction)
     needed = {role: x for role, x in operands.items() if role in operand_roles or role.startswith(SEGMENT_OFFSETS)}
-    outputs = sharding.call_per_shard(_execute, static, direction, needed, {r: results[r] for r in result_roles})
+    outputs = sharding.call_per_shard(_execute, static, direction, needed, results_of(static, result_roles, results))
     return {role: varying_like(x, needed.values()) for role, x in outputs.items()}
 
 
@@ -75,7 +132,7 @@ def _execute(static: Static, direction: str, operands: Mapping[str, Any],
     if static.graph_spec.segments:
         operands = ragged_operands(static.graph_spec, operands)
     if not checked(static):
-        return run_on_xla(static, operands, results)
+        return restacked(run_on_xla(static, operands, unstacked(results)), results)
     graph = cached_graph(static.spec, static.ir, direction)
     ffi.register_graph(graph.digest, graph.compiled.blob)
     return call_executor(static, graph, operands, results)
@@ -94,19 +151,23 @@ def checked(static: Static) -> bool:
 
 def call_executor(static: Static, graph: CachedGraph, operands: Mapping[str, Any],
                    results: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
-    """The FFI call (CPU tests put an XLA stand-in here)."""
+    """The FFI call (CPU tests put an XLA stand-in here). `results` as `results_of` names them."""
     compiled, digest = graph.compiled, graph.digest
     scalar_uids, scalar_values = scalar_bits(compiled, dict(static.scalars))
-    result_shapes = [results[role] for role in compiled.result_roles]
+    layout = _result_layout(static, compiled.result_roles)
+    result_shapes = [results[name] for name, _, _ in layout]
     result_shapes.append(jax.ShapeDtypeStruct((compiled.workspace_size,), jnp.uint8))
     call = jax.ffi.ffi_call(ffi.EXECUTOR_TARGET, result_shapes, vmap_method="sequential")
+    tensor_roles = list(compiled.operand_roles) + [role for _, roles, _ in layout for role in roles]
     outputs = call(
         *(operands[role] for role in compiled.operand_roles),
         graph_key=digest,
         entry_path=graph.entry_path or "",
-        uids=np.array([compiled.uids[r] for r in compiled.operand_roles + compiled.result_roles], np.int64),
+        uids=np.array([compiled.uids[r] for r in tensor_roles], np.int64),
+        result_parts=np.array([len(roles) for _, roles, _ in layout], np.int64),
+        zeroed_results=np.array([int(zeroed) for _, _, zeroed in layout], np.int64),
         scalar_uids=scalar_uids,
         scalar_values=scalar_values,
         workspace_size=np.int64(compiled.workspace_size),
     )
-    return dict(zip(compiled.result_roles, outputs[:-1]))
+    return dict(zip((name for name, _, _ in layout), outputs[:-1]))

@@ -53,7 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sdpagraph.cache import CacheMissError
 from sdpagraph.config import PARTITION
 from sdpagraph.fp8_values import saturate
-from sdpagraph.graphs.operands import DROPOUT, FP8_AMAX, FP8_BACKWARD_AMAX, PAGE_TABLES
+from sdpagraph.graphs.operands import DROPOUT, FP8_AMAX, FP8_BACKWARD_AMAX, KV_GRADS, PAGE_TABLES
 from sdpagraph.meshes import explicit_axes
 from sdpagraph.logs import log_once, logger
 from sdpagraph.scoremod.ir import Node, ScoreModIR
@@ -146,6 +146,8 @@ def labels(role: str, shape: tuple[int, ...], spec: AttentionSpec) -> tuple[str 
         return (BATCH, HEADS)
     if role == DROPOUT[1]:
         return (None,)
+    if role == KV_GRADS:  # dk and dv stacked
+        return (None, *labels("dk", shape[1:], spec))
     if role in ("q", "dq"):
         return (BATCH, Q_LEN, HEADS, HEAD_DIM)
     if role in ("k", "dk"):
@@ -414,5 +416,7 @@ def _result_types(call: _GraphCall, arrays: tuple[Any, ...]) -> tuple[NamedShard
     b, t, n, _ = _padded(q, 4)
     stats = (b, t, n) if call.static.graph_spec.segments else (b, n, t)
     own = {"o": q.spec, "stats": PartitionSpec(*stats)}
+    if "k" in types:  # dk and dv stacked (KV_GRADS): k's, after the stacking dim
+        own[KV_GRADS] = PartitionSpec(None, *_padded(types["k"], 4))
     return tuple(types[_GRADIENT_OF[role]] if role in _GRADIENT_OF else NamedSharding(q.mesh, own[role])
                  for role, _, _ in call.results)

@@ -71,19 +71,44 @@ ffi::AnyBuffer ResultBuffer(const ffi::RemainingRets& results, size_t index) {
   return **buffer;
 }
 
+// How the graph's output tensors lie in the call's results: result i holds `parts[i]` of them, equal
+// in size and one after another (dK and dV stacked into one array, which then travels as one
+// transfer without a copy), and is zeroed before the graph runs where `zeroed[i]` is nonzero (a
+// packed graph writes only the rows of its sequences).
+struct ResultLayout {
+  ffi::Span<const int64_t> parts;
+  ffi::Span<const int64_t> zeroed;
+};
+
+// The number of graph tensors the results hold; rejects a layout that does not fit the results.
+size_t CheckedResultTensors(const ResultLayout& layout, size_t tensor_results) {
+  if (layout.parts.size() != tensor_results || layout.zeroed.size() != tensor_results) {
+    throw InvalidCallError(std::to_string(layout.parts.size()) + " result_parts and " +
+                           std::to_string(layout.zeroed.size()) + " zeroed_results for " +
+                           std::to_string(tensor_results) + " results (one each, the workspace excepted)");
+  }
+  size_t tensors = 0;
+  for (const int64_t parts : layout.parts) {
+    if (parts < 1) throw InvalidCallError("result_parts must be at least 1, got " + std::to_string(parts));
+    tensors += static_cast<size_t>(parts);
+  }
+  return tensors;
+}
+
 // Returns the nanoseconds spent in the frontend's execute when `timed`, else 0.
 int64_t RunGraph(cudaStream_t stream, int32_t device, const ffi::RemainingArgs& operands,
                  const ffi::RemainingRets& results, const std::string& key, std::string_view entry_path,
-                 ffi::Span<const int64_t> uids, ffi::Span<const int64_t> scalar_uids, HostScalars scalar_values,
-                 int64_t workspace_size, bool timed) {
+                 ffi::Span<const int64_t> uids, const ResultLayout& layout, ffi::Span<const int64_t> scalar_uids,
+                 HostScalars scalar_values, int64_t workspace_size, bool timed) {
   if (results.size() == 0) {
     throw InvalidCallError("the workspace must be passed as the last result");
   }
   const size_t tensor_results = results.size() - 1;
-  if (uids.size() != operands.size() + tensor_results) {
+  const size_t result_tensors = CheckedResultTensors(layout, tensor_results);
+  if (uids.size() != operands.size() + result_tensors) {
     throw InvalidCallError(std::to_string(uids.size()) + " uids for " + std::to_string(operands.size()) +
-                           " operands and " + std::to_string(tensor_results) +
-                           " results (the workspace, the last result, has no uid)");
+                           " operands and " + std::to_string(result_tensors) +
+                           " tensors in the results (the workspace, the last result, has no uid)");
   }
   if (scalar_uids.size() != scalar_values.count) {
     throw InvalidCallError(std::to_string(scalar_uids.size()) + " scalar_uids for " +
@@ -110,8 +135,20 @@ int64_t RunGraph(cudaStream_t stream, int32_t device, const ffi::RemainingArgs& 
   for (size_t i = 0; i < operands.size(); ++i) {
     given.push_back({uids[i], OperandData(operands, i)});
   }
+  std::vector<ffi::AnyBuffer> to_zero;
+  size_t next_uid = operands.size();
   for (size_t i = 0; i < tensor_results; ++i) {
-    given.push_back({uids[operands.size() + i], ResultBuffer(results, i).untyped_data()});
+    const ffi::AnyBuffer result = ResultBuffer(results, i);
+    const size_t parts = static_cast<size_t>(layout.parts[i]);
+    if (result.size_bytes() % parts != 0) {
+      throw InvalidCallError("result " + std::to_string(i) + " has " + std::to_string(result.size_bytes()) +
+                             " bytes, which do not split into " + std::to_string(parts) + " equal parts");
+    }
+    char* const base = static_cast<char*>(result.untyped_data());
+    for (size_t part = 0; part < parts; ++part) {
+      given.push_back({uids[next_uid++], base + part * (result.size_bytes() / parts)});
+    }
+    if (layout.zeroed[i] != 0) to_zero.push_back(result);
   }
   for (size_t i = 0; i < scalar_uids.size(); ++i) {
     // cuDNN reads pass-by-value scalars from host memory when the plan is launched; the attribute
@@ -120,6 +157,10 @@ int64_t RunGraph(cudaStream_t stream, int32_t device, const ffi::RemainingArgs& 
   }
   std::vector<void*> pointers = VariantPack(given, graph.variant_pack_uids);
 
+  for (const ffi::AnyBuffer& result : to_zero) {
+    CheckCuda(fe_detail::cuda_mem_set_async(result.untyped_data(), 0, result.size_bytes(), stream),
+              "cudaMemsetAsync");
+  }
   const cudnnHandle_t handle = thread_handle.OnStream(stream);
   const int64_t execute_start = timed ? HostTiming::NowNs() : 0;
   CheckFrontend(graph.graph.execute(handle, pointers.data(), static_cast<int>(pointers.size()),
@@ -130,15 +171,17 @@ int64_t RunGraph(cudaStream_t stream, int32_t device, const ffi::RemainingArgs& 
 
 ffi::Error ExecuteGraph(cudaStream_t stream, int32_t device, ffi::RemainingArgs operands,
                         ffi::RemainingRets results, std::string_view graph_key, std::string_view entry_path,
-                        ffi::Span<const int64_t> uids, ffi::Span<const int64_t> scalar_uids,
+                        ffi::Span<const int64_t> uids, ffi::Span<const int64_t> result_parts,
+                        ffi::Span<const int64_t> zeroed_results, ffi::Span<const int64_t> scalar_uids,
                         HostScalars scalar_values, int64_t workspace_size) {
   HostTiming& timing = State().timing;
   const bool timed = timing.enabled();
   const int64_t start = timed ? HostTiming::NowNs() : 0;
   const std::string key(graph_key);
   try {
-    const int64_t cudnn_execute_ns = RunGraph(stream, device, operands, results, key, entry_path, uids,
-                                              scalar_uids, scalar_values, workspace_size, timed);
+    const int64_t cudnn_execute_ns =
+        RunGraph(stream, device, operands, results, key, entry_path, uids, ResultLayout{result_parts, zeroed_results},
+                 scalar_uids, scalar_values, workspace_size, timed);
     if (timed) timing.Add(HostTiming::NowNs() - start, cudnn_execute_ns);
     return ffi::Error::Success();
   } catch (const InvalidCallError& error) {
@@ -159,6 +202,8 @@ auto ExecuteBinding() {
       .Attr<std::string_view>("graph_key")
       .Attr<std::string_view>("entry_path")
       .Attr<ffi::Span<const int64_t>>("uids")
+      .Attr<ffi::Span<const int64_t>>("result_parts")
+      .Attr<ffi::Span<const int64_t>>("zeroed_results")
       .Attr<ffi::Span<const int64_t>>("scalar_uids")
       .Attr<HostScalars>("scalar_values")
       .Attr<int64_t>("workspace_size");
