@@ -2,7 +2,7 @@
 key lengths at a large batch, packed small-sequence calls, and a few dense anchors; the data behind
 `dispatch.rule`.
 
-    python3 bench/dispatch.py --out DIR [--write-table PATH] [--quick] [--backends xla,small_seq,cudnn]
+    python3 bench/dispatch.py --out DIR [--write-table PATH] [--quick] [--backends xla,small_seq,cudnn,jax_xla]
                               [--time-budget SECONDS] [--peak-tbs TBS] [--verify]
 
 It uses the installed sdpagraph (`pip install .`: cuDNN runs through its executor), or this
@@ -16,7 +16,9 @@ of one query per segment over 16 keys), the crossover to cuDNN (T in {1, 2, 4, 8
 together stay within 4.1 GB), then anchors: GQA (N16/K4), decode (B64 T1 S8192 N32/K8), dense (B4
 T4096 causal, B64 T128). Forward (jit of the call; cuDNN's inference graph) and forward+backward (jit
 of jax.grad of sum(out * dO) for a random dO, gradients of q, k and v), each backend called through
-`sdpagraph.attention(..., implementation=...)`. A case a backend cannot run (cuDNN declines, no GPU,
+`sdpagraph.attention(..., implementation=...)`; `jax_xla` in --backends adds
+`jax.nn.dot_product_attention(implementation="xla")` beside them (unpacked cases; a competitor, not in
+the dispatch table). A case a backend cannot run (cuDNN declines, no GPU,
 out of memory) is recorded with the error and the sweep goes on. Times: median over rounds of the
 mean of back-to-back calls (`time_ms`). cuDNN's numerical check of new graphs is off
 (`SDPAGRAPH_VERIFY=off`, it costs 1-2 s per shape and is measured by bench/numerics.py) unless
@@ -69,6 +71,9 @@ from sdpagraph.call import prepare_call
 from sdpagraph.backends.small_seq.backend import small_seq_reason
 
 BACKENDS = ("xla", "small_seq", "cudnn")
+# A competitor, not a backend: jax.nn.dot_product_attention(implementation="xla") on the same call
+# (unpacked cases only); timed beside the backends, kept out of the dispatch table and the best pick.
+JAX_XLA = "jax_xla"
 KV_BUDGET_BYTES = 4.1e9  # K and V together, per case
 FULL_B = 30720
 # Datasheet HBM bandwidth (TB/s) by chip: H100 SXM5 80GB HBM3, H200 141GB HBM3e.
@@ -165,6 +170,8 @@ def measure(backend: str, case: Case, pass_: str, arrays) -> float:
     ids = case.segment_ids()
 
     def attn(q, k, v):
+        if backend == JAX_XLA:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=case.causal, implementation="xla")
         return sdpagraph.attention(q, k, v, is_causal=case.causal, segment_ids=ids, implementation=backend,
                                    **case.hints(), **extra)
 
@@ -230,6 +237,8 @@ def run(args) -> dict:
                 if backend == "small_seq" and not in_regime:
                     row["errors"][backend] = small_seq_reason(spec)
                     continue
+                if backend == JAX_XLA and case.packed is not None:
+                    continue  # jax's call takes no packed segments with these hints
                 try:
                     row["ms"][backend] = measure(backend, case, pass_, arrays)
                 except Exception as error:  # noqa: BLE001 - record it and go on
@@ -246,9 +255,15 @@ def run(args) -> dict:
     return result
 
 
+def _backend_ms(row: dict) -> dict[str, float]:
+    """The row's times of sdpagraph's backends (not the competitor's)."""
+    return {name: ms for name, ms in row["ms"].items() if name in BACKENDS}
+
+
 def table_from_run(result: dict) -> dispatch_table.Table:
-    points = [dispatch_table.Point(dispatch_table.Shape.of(Case(**r["case"]).spec()), r["pass"], r["ms"], "bench/dispatch.py")
-              for r in result["rows"] if r["ms"] and r["case"]["packed"] is None]
+    points = [dispatch_table.Point(dispatch_table.Shape.of(Case(**r["case"]).spec()), r["pass"], _backend_ms(r),
+                                   "bench/dispatch.py")
+              for r in result["rows"] if _backend_ms(r) and r["case"]["packed"] is None]
     return dispatch_table.Table(result["gpu"] or result["device"], tuple(points), result["date"],
                           f"bench/dispatch.py on {result['device']}, jax {result['jax']}, {result['date']}")
 
@@ -274,7 +289,7 @@ def decide(result: dict, fitted: dispatch_table.Table) -> None:
     for row in result["rows"]:
         spec = Case(**row["case"]).spec()
         candidates = {"xla": True, "small_seq": small_seq_reason(spec) is None, "cudnn": "cudnn" in row["ms"]}
-        ms = row["ms"]
+        ms = _backend_ms(row)
         if ms:
             row["best"] = min(ms, key=ms.get)
         model_only = dataclasses.replace(fitted, use_measured=False, _models={})
@@ -307,8 +322,8 @@ def markdown(result: dict) -> str:
         "table, with a table of this run's points (its measurements decide), and with the cost model fitted "
         "to this run alone (no measured point used; x: the pick's time over the best measured).",
         "",
-        "| shape | pass | xla | small_seq | cudnn | small_seq TB/s | % peak | % copy | small_seq/xla | cudnn/xla | best | rule (built-in) | rule (this run) | model alone (this run) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | pass | xla | small_seq | cudnn | jax xla | small_seq TB/s | % peak | % copy | small_seq/xla | cudnn/xla | jax xla/small_seq | best | rule (built-in) | rule (this run) | model alone (this run) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         ms, errors = row["ms"], row["errors"]
@@ -327,8 +342,9 @@ def markdown(result: dict) -> str:
             rules.append(f"{row.get(label, '')}" + (f" ({vs:.2f}x)" if vs is not None else ""))
         lines.append(
             f"| {row['label']} | {row['pass']} | {cell('xla')} | {cell('small_seq')} | {cell('cudnn')} | "
-            f"{fmt(tbs)} | {fmt(100 * tbs / peak if tbs and peak else None)} | "
+            f"{cell(JAX_XLA)} | {fmt(tbs)} | {fmt(100 * tbs / peak if tbs and peak else None)} | "
             f"{fmt(100 * tbs / copy if tbs and copy else None)} | {over_xla('small_seq')} | {over_xla('cudnn')} | "
+            f"{fmt(ms[JAX_XLA] / ms['small_seq']) if JAX_XLA in ms and 'small_seq' in ms else ''} | "
             f"{row.get('best', '')} | "
             f"{rules[0]} | {rules[1]} | {rules[2]} |")
     errors: dict[str, int] = {}
