@@ -337,11 +337,14 @@ def _ring_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o, first) -> tuple
         d_q, d_kv_step = _step_backward(plan, extras["arrays"], q, kv, q_tok, kv_tok, o, lse, d_o, step, me,
                                         _step_high(plan, extras, step, me))
         dq = dq + d_q.astype(jnp.float32)
+        if step == 0:  # the last step: the sums come out in the io dtype, one array each (no fp32 stack)
+            dk, dv = ((d_kv_step[i] if d_kv is None else d_kv[i].astype(jnp.float32) + d_kv_step[i].astype(jnp.float32))
+                      .astype(x.dtype) for i, x in enumerate((k, v)))
+            return dq.astype(q.dtype), dk, dv
         # the first partial travels as computed; sums of partials in fp32
         d_kv = d_kv_step if d_kv is None else jax.tree.map(lambda d, x: d + x.astype(jnp.float32), d_kv, d_kv_step)
-        if step != 0:
-            d_kv = _pass(plan, d_kv)
-    return dq.astype(q.dtype), d_kv[0].astype(k.dtype), d_kv[1].astype(v.dtype)
+        d_kv = _pass(plan, d_kv)
+    raise AssertionError("the ring's backward visits the own block last")
 
 
 def _forward_with_sinks(plan: RingPlan, q, k, v, extras, sinks) -> tuple[Any, Any, Any]:
