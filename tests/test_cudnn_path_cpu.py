@@ -4,6 +4,8 @@ No GPU: the graph build and the executor registration are replaced, and the func
 are only traced (make_jaxpr), so operand order, attributes and the custom_vjp wiring are
 checked without running a kernel.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,3 +115,70 @@ def test_ffi_results_vary_over_the_manual_axes_their_operands_vary_over():
     np.testing.assert_array_equal(out, 1 + np.arange(4.0))
     outside = jnp.ones(3)
     assert varying_like(outside, [jnp.zeros(3)]) is outside
+
+
+def _int_attribute(jaxpr, name):
+    """The int array attribute `name` of each executor call in `jaxpr` (nested calls included)."""
+    found = re.findall(rf"\('{name}', HashableArray\(array\(\[([-0-9,\s]*)\]", str(jaxpr))
+    return [[int(x) for x in values.replace(",", " ").split()] for values in found]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_stacked_block_backward_asks_the_executor_for_dk_and_dv_as_one_result(fake_gpu, packed):
+    """`block_backward_stacked`: one FFI result holds dk then dv (result_parts 2, their uids in that
+    order after dq's), zeroed first by the executor where the graph is packed (it writes only its
+    documents' rows); every other result holds one tensor and is not zeroed."""
+    rng = np.random.default_rng()
+    q, k, v, o, d_o = (jnp.asarray(rng.standard_normal((2, 16, 4, 8)), jnp.bfloat16) for _ in range(5))
+    kwargs = dict(is_causal=True)
+    if packed:
+        ids = np.sort(rng.integers(1, 4, (2, 16)), axis=1).astype(np.int32)
+        kwargs.update(segment_ids=ids, max_segments_per_seq=3)
+    call = prepare_call(q, k, v, None, **kwargs)
+    static = cudnn_backend.block_static(call.spec, call.score_mod, {})
+    lse = jnp.asarray(rng.standard_normal((2, 4, 16)), jnp.float32)
+
+    def backward(q, k, v, o, d_o, lse):
+        operands = cudnn_backend.block_operands(static, prepare_call(q, k, v, None, **kwargs).inputs)
+        return cudnn_backend.block_backward_stacked(static, q, k, v, operands, o, lse, d_o)
+
+    jaxpr = jax.make_jaxpr(backward)(q, k, v, o, d_o, lse)
+    assert custom_calls(jaxpr) == 1
+    (parts,), (zeroed,), (uids,) = (_int_attribute(jaxpr, name) for name in ("result_parts", "zeroed_results", "uids"))
+    dq, dkv = jax.eval_shape(backward, q, k, v, o, d_o, lse)
+    assert dq.shape == q.shape and dkv.shape == (2, *k.shape) and dkv.dtype == k.dtype
+    graph = cudnn_execute.cached_graph(static.spec, static.ir, "backward")
+    compiled = graph.compiled
+    assert list(compiled.result_roles[:3]) == ["dq", "dk", "dv"]
+    assert parts == [1, 2] and zeroed == [0, int(packed)]
+    tail = [compiled.uids[role] for role in ("dq", "dk", "dv")]
+    assert uids[-3:] == tail and len(uids) == len(compiled.operand_roles) + 3
+
+
+def test_results_of_refuses_dk_and_dv_that_do_not_stack():
+    static = cudnn_execute.Static(*(None,) * 5, kv_grads_stacked=True)
+    results = {"dq": jax.ShapeDtypeStruct((2, 16, 4, 8), jnp.bfloat16),
+               "dk": jax.ShapeDtypeStruct((2, 16, 4, 8), jnp.bfloat16),
+               "dv": jax.ShapeDtypeStruct((2, 16, 4, 16), jnp.bfloat16)}
+    with pytest.raises(ValueError, match="cannot stack"):
+        cudnn_execute.results_of(static, ("dq", "dk", "dv"), results)
+    unstacked = cudnn_execute.results_of(static, ("dq", "dk"), results)  # no pair to stack: as asked
+    assert set(unstacked) == {"dq", "dk"}
+
+
+def test_the_executor_binds_exactly_the_attributes_every_call_passes(fake_gpu):
+    """sdpagraph_execute's FFI binding (execute.cc) names its attributes; XLA refuses a call that
+    passes another set, so `call_executor` must pass exactly those (loader.py documents them)."""
+    from tests.test_entry_format_contract import cpp_source
+
+    bound = set(re.findall(r'\.Attr<[^>]*>+\("(\w+)"\)', cpp_source()))
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 16, 4, 8)), jnp.bfloat16) for _ in range(3))
+    call = prepare_call(q, k, v, None, is_causal=True, score_mod=mods.softcap(30.0))
+    jaxpr = jax.make_jaxpr(lambda q, k, v: cudnn_backend.attention(
+        call.spec, q, k, v, call.inputs, call.score_mod, training=False)[0])(q, k, v)
+    (line,) = [x for x in str(jaxpr).splitlines() if "attributes=(" in x]
+    passed = set(re.findall(r"\('(\w+)', ", line))
+    assert bound == {"graph_key", "entry_path", "uids", "result_parts", "zeroed_results", "scalar_uids",
+                     "scalar_values", "workspace_size"}
+    assert passed == bound, (passed, bound)
