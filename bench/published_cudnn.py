@@ -30,8 +30,8 @@ Timing modes:
   median after one warm call. Without torch the call's wall time.
 - loop: back-to-back steady state: JAX wall clock (bench/jax_timing.py), cuDNN-FE CUDA events
   (bench/cuda_timing.py).
-The SM clock and power are sampled (nvidia-smi, every 100 ms) per row; `nvidia-smi -q -d CLOCK,POWER`
-before and after is in the JSON. Writes published.md / published.json to --out after every row.
+The SM clock and power are sampled (nvidia-smi, every 100 ms) during each row's timed calls, the loop's
+and the isolated calls' apart; `nvidia-smi -q -d CLOCK,POWER` before and after is in the JSON. Writes published.md / published.json to --out after every row.
 """
 from __future__ import annotations
 
@@ -252,8 +252,9 @@ def repeats_for(ms_estimate, target_ms=300.0):
     return max(2, min(30, int(target_ms / max(ms_estimate, 1e-3))))
 
 
-def measure_jax(attn, t, timer, cpu, iterations):
-    """Forward and backward-alone times of one JAX implementation, loop and isolated."""
+def measure_jax(attn, t, timer, cpu, iterations, mark=lambda timing: None):
+    """Forward and backward-alone times of one JAX implementation, loop and isolated; `mark(timing)`
+    says which timing ("loop", "isolated") runs now (the clock sampler's phase)."""
     n, k, h = (CPU_SHAPE[1:] if cpu else (N, K, H))
     rng = np.random.default_rng(0)
     q, kk, v, do = (jnp.asarray(rng.standard_normal((B, t, heads, h)), jnp.bfloat16) for heads in (n, k, k, n))
@@ -277,9 +278,12 @@ def measure_jax(attn, t, timer, cpu, iterations):
         if args is None:
             continue
         estimate = time_ms(fn, *args, repeats=1, rounds=1)
+        mark("loop")
         out[f"{name}_loop_ms"] = time_ms(fn, *args, repeats=repeats_for(estimate), rounds=3)
+        mark("isolated")
         out[f"{name}_isolated"] = timer.isolated(lambda: jax.block_until_ready(fn(*args)), name == "bwd", iterations,
                                                  gap=not cpu)
+        mark(None)
     if bwd_args is None:  # the backward as the difference of fwd+bwd and fwd (loop only)
         loss = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) * do), argnums=(0, 1, 2)))
         both = time_ms(loss, q, kk, v, repeats=repeats_for(3.5 * out["fwd_loop_ms"]), rounds=3)
@@ -288,7 +292,7 @@ def measure_jax(attn, t, timer, cpu, iterations):
     return out
 
 
-def measure_cudnn_fe(t, causal, timer, iterations, sdpagraph_layouts=False):
+def measure_cudnn_fe(t, causal, timer, iterations, sdpagraph_layouts=False, mark=lambda timing: None):
     """The cuDNN forward and backward graphs, built with the cudnn-frontend Python API the way NVIDIA's
     published script builds them, timed in both modes. Their layouts: q, k, v, o, dQ, dK, dV in (B, T, N, H)
     memory, dO (B, N, T, H) contiguous, stats in (B, T, N, 1) memory (their current script: (B, N, T, 1)).
@@ -356,8 +360,11 @@ def measure_cudnn_fe(t, causal, timer, iterations, sdpagraph_layouts=False):
         step()
         torch.cuda.synchronize()
         estimate = cuda_event_ms(step, warmup=1, repeats=1)
+        mark("loop")
         out[f"{name}_loop_ms"] = cuda_event_ms(step, warmup=1, repeats=repeats_for(estimate), rounds=3)
+        mark("isolated")
         out[f"{name}_isolated"] = timer.isolated(lambda: (step(), torch.cuda.synchronize()), name == "bwd", iterations)
+        mark(None)
     return out  # its tensors go with this frame; main() empties torch's cache
 
 
@@ -512,7 +519,8 @@ def main():
                 if sampler:
                     sampler.phase = phase
                 result = run_nvidia_script(script, t, causal)
-                sampler.phase = None
+                if sampler:
+                    sampler.phase = None
                 data["raw"][phase] = result
                 clocks = sampler.summary(phase) if sampler else None
                 data["rows"].append(row_for(config, label, "nvidia-script", result.get("fwd_ms"), result.get("bwd_ms"),
@@ -521,40 +529,43 @@ def main():
                 save()
             pieces = []
             if "cudnn-fe" in impls and not cpu:
-                pieces.append(("cudnn-fe", lambda: measure_cudnn_fe(t, causal, timer, args.iterations)))
+                pieces.append(("cudnn-fe", lambda mark: measure_cudnn_fe(t, causal, timer, args.iterations, mark=mark)))
                 if args.fe_sdpagraph_layouts:
                     pieces.append(("cudnn-fe, sdpagraph layouts",
-                                   lambda: measure_cudnn_fe(t, causal, timer, args.iterations, True)))
+                                   lambda mark: measure_cudnn_fe(t, causal, timer, args.iterations, True, mark=mark)))
             for name, attn in jax_impls(causal, cpu).items():
                 if name in impls:
-                    pieces.append((name, lambda attn=attn: measure_jax(attn, t, timer, cpu, args.iterations)))
+                    pieces.append((name, lambda mark, attn=attn: measure_jax(attn, t, timer, cpu, args.iterations,
+                                                                             mark=mark)))
             for name, measure in pieces:
                 if over_budget(f"{config} {name}"):
                     continue
                 phase = f"{config}|{name}"
-                if sampler:
-                    sampler.phase = phase
+
+                def mark(timing, phase=phase):  # samples of the loop and of the isolated calls apart
+                    if sampler:
+                        sampler.phase = None if timing is None else f"{phase}|{timing}"
                 try:
-                    result = measure()
+                    result = measure(mark)
                 except Exception as error:  # noqa: BLE001 - record and go on with the rest
                     result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
                 if name.startswith("cudnn-fe"):
                     import torch
                     torch.cuda.empty_cache()
-                if sampler:
-                    sampler.phase = None
+                mark(None)
                 data["raw"][phase] = result
-                clocks = sampler.summary(phase) if sampler else None
+                clocks = {timing: sampler.summary(f"{phase}|{timing}") if sampler else None
+                          for timing in ("isolated", "loop")}
                 iso = {p: result.get(f"{p}_isolated") or {} for p in ("fwd", "bwd")}
                 for p in ("fwd", "bwd"):
                     if iso[p].get("kernels"):
                         data["kernels"][f"{config}|{name}|{p}"] = iso[p]["kernels"]
                 method = iso["fwd"].get("method") or iso["fwd"].get("error") or ""
                 data["rows"].append(row_for(config, name, "isolated", iso["fwd"].get("ms"), iso["bwd"].get("ms"), t,
-                                            causal, clocks, result.get("error", "") or ("" if method == "cupti" else method),
-                                            cpu))
+                                            causal, clocks["isolated"],
+                                            result.get("error", "") or ("" if method == "cupti" else method), cpu))
                 data["rows"].append(row_for(config, name, "loop", result.get("fwd_loop_ms"), result.get("bwd_loop_ms"), t,
-                                            causal, None, result.get("bwd_note", ""), cpu))
+                                            causal, clocks["loop"], result.get("bwd_note", ""), cpu))
                 for r in data["rows"][-2:]:
                     print(json.dumps(r), flush=True)
                 save()

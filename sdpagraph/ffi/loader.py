@@ -17,7 +17,8 @@ operands
     The graph's input tensors (device arrays, any dtype), each laid out as the graph's tensor
     with that uid expects (the dims and strides it was built with).
 result_shapes
-    The graph's output tensors, then exactly one more: the workspace,
+    The graph's output tensors (a result may hold several, one after another: ``result_parts``),
+    then exactly one more: the workspace,
     ``jax.ShapeDtypeStruct((workspace_size,), jnp.uint8)``. XLA allocates it (it may be 0 bytes
     long); the caller drops it from the results.
 attributes

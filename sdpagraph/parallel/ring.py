@@ -321,7 +321,8 @@ def _step_backward(plan: RingPlan, arrays, q, kv, q_tok, kv_tok, o, lse, d_o, st
                 dq[a], dks[j], dvs[j] = _pair_backward(
                     plan, arrays, (dq[a], dks[j], dvs[j]), qs[a], ks[j], vs[j], q_starts[a], kv_starts[j],
                     q_toks[a], kv_toks[j], os_[a], lses[a], dos[a], d_rowss[a], known, diagonal=step == 0 and a == j)
-    return jnp.concatenate(dq, axis=1), paired(jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
+    dk, dv = jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)
+    return jnp.concatenate(dq, axis=1), ((dk, dv) if step == 0 else paired(dk, dv))  # step 0: the last, sent nowhere
 
 
 def _ring_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o, first) -> tuple[Any, Any, Any]:

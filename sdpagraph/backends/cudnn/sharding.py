@@ -345,7 +345,7 @@ def _sum_broadcast_grad(role: str, shape: tuple[int, ...], x: Any, call: _GraphC
             axes += split.batch_axes
         if shape[1] == 1 and spec.num_heads > 1:
             axes += split.head_axes
-    elif role in ("dk", "dv") and split.heads > 1 and split.kv_heads == 1:
+    elif role in ("dk", "dv", KV_GRADS) and split.heads > 1 and split.kv_heads == 1:
         axes = split.head_axes
     elif role in FP8_AMAX or role in FP8_BACKWARD_AMAX:  # an FP8 graph's amax: the largest over every shard
         axes = split.batch_axes + split.head_axes

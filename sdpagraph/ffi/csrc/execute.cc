@@ -80,8 +80,9 @@ struct ResultLayout {
   ffi::Span<const int64_t> zeroed;
 };
 
-// The number of graph tensors the results hold; rejects a layout that does not fit the results.
-size_t CheckedResultTensors(const ResultLayout& layout, size_t tensor_results) {
+// The number of graph tensors the results hold (at most `max_tensors`: the uids left after the
+// operands'); rejects a layout that does not fit the results.
+size_t CheckedResultTensors(const ResultLayout& layout, size_t tensor_results, size_t max_tensors) {
   if (layout.parts.size() != tensor_results || layout.zeroed.size() != tensor_results) {
     throw InvalidCallError(std::to_string(layout.parts.size()) + " result_parts and " +
                            std::to_string(layout.zeroed.size()) + " zeroed_results for " +
@@ -89,7 +90,10 @@ size_t CheckedResultTensors(const ResultLayout& layout, size_t tensor_results) {
   }
   size_t tensors = 0;
   for (const int64_t parts : layout.parts) {
-    if (parts < 1) throw InvalidCallError("result_parts must be at least 1, got " + std::to_string(parts));
+    if (parts < 1 || static_cast<uint64_t>(parts) > max_tensors - tensors) {
+      throw InvalidCallError("result_parts " + std::to_string(parts) + " is not between 1 and the " +
+                             std::to_string(max_tensors - tensors) + " uids left for it");
+    }
     tensors += static_cast<size_t>(parts);
   }
   return tensors;
@@ -104,7 +108,10 @@ int64_t RunGraph(cudaStream_t stream, int32_t device, const ffi::RemainingArgs& 
     throw InvalidCallError("the workspace must be passed as the last result");
   }
   const size_t tensor_results = results.size() - 1;
-  const size_t result_tensors = CheckedResultTensors(layout, tensor_results);
+  if (uids.size() < operands.size()) {
+    throw InvalidCallError(std::to_string(uids.size()) + " uids for " + std::to_string(operands.size()) + " operands");
+  }
+  const size_t result_tensors = CheckedResultTensors(layout, tensor_results, uids.size() - operands.size());
   if (uids.size() != operands.size() + result_tensors) {
     throw InvalidCallError(std::to_string(uids.size()) + " uids for " + std::to_string(operands.size()) +
                            " operands and " + std::to_string(result_tensors) +
@@ -140,9 +147,9 @@ int64_t RunGraph(cudaStream_t stream, int32_t device, const ffi::RemainingArgs& 
   for (size_t i = 0; i < tensor_results; ++i) {
     const ffi::AnyBuffer result = ResultBuffer(results, i);
     const size_t parts = static_cast<size_t>(layout.parts[i]);
-    if (result.size_bytes() % parts != 0) {
-      throw InvalidCallError("result " + std::to_string(i) + " has " + std::to_string(result.size_bytes()) +
-                             " bytes, which do not split into " + std::to_string(parts) + " equal parts");
+    if (result.element_count() % parts != 0) {
+      throw InvalidCallError("result " + std::to_string(i) + " has " + std::to_string(result.element_count()) +
+                             " elements, which do not split into " + std::to_string(parts) + " equal parts");
     }
     char* const base = static_cast<char*>(result.untyped_data());
     for (size_t part = 0; part < parts; ++part) {
