@@ -331,13 +331,14 @@ def _ring_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o, first) -> tuple
     on after every step, in flight during the next step's compute, and arrives home for the last."""
     me = jax.lax.axis_index(plan.axis)
     q_tok = _block_tok(plan, extras["tok"], me)
-    dq, d_kv = jnp.zeros_like(q, jnp.float32), None
+    dq, d_kv = None, None
     visits, _ = _visits(plan, k, v, first)
     for step, kv in visits:
         kv_tok = _block_tok(plan, extras["tok"], (me - step) % plan.size)
         d_q, d_kv_step = _step_backward(plan, extras["arrays"], q, kv, q_tok, kv_tok, o, lse, d_o, step, me,
                                         _step_high(plan, extras, step, me))
-        dq = dq + d_q.astype(jnp.float32)
+        # the first partial kept as computed (no fp32 copy of the block to hold), sums in fp32
+        dq = d_q if dq is None else dq.astype(jnp.float32) + d_q.astype(jnp.float32)
         if step == 0:  # the last step: the sums come out in the io dtype, one array each (no fp32 stack)
             dk, dv = ((d_kv_step[i] if d_kv is None else d_kv[i].astype(jnp.float32) + d_kv_step[i].astype(jnp.float32))
                       .astype(x.dtype) for i, x in enumerate((k, v)))
