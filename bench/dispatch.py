@@ -320,7 +320,9 @@ def markdown(result: dict) -> str:
         f"sequence forward's Q+K+V+O bytes per second, against the datasheet peak ({fmt(peak)} TB/s) and a "
         f"jitted copy ({fmt(copy)} TB/s read+write). Rule: what `dispatch.choose` picks with the built-in "
         "table, with a table of this run's points (its measurements decide), and with the cost model fitted "
-        "to this run alone (no measured point used; x: the pick's time over the best measured).",
+        "to this run alone (no measured point used; x: the pick's time over the best measured). jax xla (when "
+        "asked for): `jax.nn.dot_product_attention(implementation=\"xla\")`, jitted with the same arguments, "
+        "a competitor kept out of best and the rule.",
         "",
         "| shape | pass | xla | small_seq | cudnn | jax xla | small_seq TB/s | % peak | % copy | small_seq/xla | cudnn/xla | jax xla/small_seq | best | rule (built-in) | rule (this run) | model alone (this run) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -325,6 +325,12 @@ def _step_backward(plan: RingPlan, arrays, q, kv, q_tok, kv_tok, o, lse, d_o, st
     return jnp.concatenate(dq, axis=1), ((dk, dv) if step == 0 else paired(dk, dv))  # step 0: the last, sent nowhere
 
 
+def _summed(total: Any, part: Any) -> Any:
+    """`part` added to the running `total` in fp32; the first part (`total` None) as computed, so
+    no fp32 copy of a whole block is made or held, and a first dk/dv partial travels as it is."""
+    return part if total is None else total.astype(jnp.float32) + part.astype(jnp.float32)
+
+
 def _ring_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o, first) -> tuple[Any, Any, Any]:
     """(dq, dk, dv). The key/value blocks visit in `_visits`' backward order (the others, then the
     own); each block's dk/dv accumulator starts where the block is first computed, moves one device
@@ -337,14 +343,12 @@ def _ring_backward(plan: RingPlan, q, k, v, extras, o, lse, d_o, first) -> tuple
         kv_tok = _block_tok(plan, extras["tok"], (me - step) % plan.size)
         d_q, d_kv_step = _step_backward(plan, extras["arrays"], q, kv, q_tok, kv_tok, o, lse, d_o, step, me,
                                         _step_high(plan, extras, step, me))
-        # the first partial kept as computed (no fp32 copy of the block to hold), sums in fp32
-        dq = d_q if dq is None else dq.astype(jnp.float32) + d_q.astype(jnp.float32)
+        dq = _summed(dq, d_q)
         if step == 0:  # the last step: the sums come out in the io dtype, one array each (no fp32 stack)
-            dk, dv = ((d_kv_step[i] if d_kv is None else d_kv[i].astype(jnp.float32) + d_kv_step[i].astype(jnp.float32))
-                      .astype(x.dtype) for i, x in enumerate((k, v)))
+            dk, dv = (_summed(None if d_kv is None else d_kv[i], d_kv_step[i]).astype(x.dtype)
+                      for i, x in enumerate((k, v)))
             return dq.astype(q.dtype), dk, dv
-        # the first partial travels as computed; sums of partials in fp32
-        d_kv = d_kv_step if d_kv is None else jax.tree.map(lambda d, x: d + x.astype(jnp.float32), d_kv, d_kv_step)
+        d_kv = d_kv_step if d_kv is None else jax.tree.map(_summed, d_kv, d_kv_step)
         d_kv = _pass(plan, d_kv)
     raise AssertionError("the ring's backward visits the own block last")
 

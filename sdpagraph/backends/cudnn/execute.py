@@ -78,10 +78,11 @@ def results_of(static: Static, result_roles: tuple[str, ...],
     return out
 
 
-def _result_layout(static: Static, result_roles: tuple[str, ...]) -> list[tuple[str, tuple[str, ...], bool]]:
+def _result_layout(static: Static, result_roles: tuple[str, ...],
+                   results: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], bool]]:
     """(result name, the graph roles it holds in order, whether the executor zeroes it first), in
-    the executor's result order."""
-    stacked = static.kv_grads_stacked and set(_STACKED_ROLES) <= set(result_roles)
+    the executor's result order, for `results` as `results_of` names them."""
+    stacked = KV_GRADS in results
     layout = []
     for role in result_roles:
         if stacked and role in _STACKED_ROLES:
@@ -92,15 +93,12 @@ def _result_layout(static: Static, result_roles: tuple[str, ...]) -> list[tuple[
     return layout
 
 
-def unstacked(results: Mapping[str, Any]) -> dict[str, Any]:
-    """`results` with a KV_GRADS entry split back into dk and dv (shapes or arrays)."""
+def unstacked(results: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, jax.ShapeDtypeStruct]:
+    """The result shapes `results` names, with a KV_GRADS entry split back into dk and dv."""
     out = {role: x for role, x in results.items() if role != KV_GRADS}
     if KV_GRADS in results:
         both = results[KV_GRADS]
-        if isinstance(both, jax.ShapeDtypeStruct):
-            out.update((role, jax.ShapeDtypeStruct(both.shape[1:], both.dtype)) for role in _STACKED_ROLES)
-        else:
-            out.update(zip(_STACKED_ROLES, both))
+        out.update((role, jax.ShapeDtypeStruct(both.shape[1:], both.dtype)) for role in _STACKED_ROLES)
     return out
 
 
@@ -154,7 +152,7 @@ def call_executor(static: Static, graph: CachedGraph, operands: Mapping[str, Any
     """The FFI call (CPU tests put an XLA stand-in here). `results` as `results_of` names them."""
     compiled, digest = graph.compiled, graph.digest
     scalar_uids, scalar_values = scalar_bits(compiled, dict(static.scalars))
-    layout = _result_layout(static, compiled.result_roles)
+    layout = _result_layout(static, compiled.result_roles, results)
     result_shapes = [results[name] for name, _, _ in layout]
     result_shapes.append(jax.ShapeDtypeStruct((compiled.workspace_size,), jnp.uint8))
     call = jax.ffi.ffi_call(ffi.EXECUTOR_TARGET, result_shapes, vmap_method="sequential")
