@@ -120,8 +120,11 @@ def test_padding_lengths(rng, dtype):
 def test_mask_and_bias_with_bias_gradient(rng, dtype):
     q, k, v = qkv(rng, T=4, S=8, dtype=dtype)
     bias = draw(rng, (1, 8, 4, 8), dtype)
-    mask = jnp.asarray(rng.random((3, 1, 4, 8)) < 0.7)
-    check_against_xla(rng, (q, k, v, bias), dtype, with_jax=True, mask=mask)
+    mask = rng.random((3, 1, 4, 8)) < 0.7
+    # every row keeps a key: jax gives a row with none the mean of v, sdpagraph 0 (README, Semantics;
+    # such rows have a test of their own below); a random mask empties one about once in 1270 draws
+    mask[..., 0] |= ~mask.any(axis=-1)
+    check_against_xla(rng, (q, k, v, bias), dtype, with_jax=True, mask=jnp.asarray(mask))
 
 
 def test_full_bias_per_head_and_batch(rng):
