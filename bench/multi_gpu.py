@@ -253,9 +253,15 @@ ALL_STRATEGIES = (("ring", True), ("all_to_all", True), ("halo", False), ("auto"
 HALO_STRATEGIES = ALL_STRATEGIES + (("auto", False),)
 # Documents: also each document cut over the devices (load_balanced="documents", `load_balance`'s segment_ids).
 DOCUMENT_STRATEGIES = ALL_STRATEGIES + (("ring", "documents"), ("all_to_all", "documents"), ("auto", "documents"))
+# Documents with their longest length given (`max_seqlen_kv`): the halo takes them, in either order.
+HINTED_STRATEGIES = (("halo", False), ("halo", True), ("ring", True), ("auto", False), ("auto", True))
 LONG_CALLS = (
     ("packed documents 512-8192", 32768, {}, (512, 8192), False, DOCUMENT_STRATEGIES, 1.5),
     ("packed documents 512-8192", 131072, {}, (512, 8192), True, DOCUMENT_STRATEGIES, 1.8),
+    ("packed documents 512-8192, max_seqlen_kv=8192", 32768, {"max_seqlen_kv": 8192}, (512, 8192), False,
+     HINTED_STRATEGIES, 1.5),
+    ("packed documents 512-8192, max_seqlen_kv=8192", 131072, {"max_seqlen_kv": 8192}, (512, 8192), True,
+     HINTED_STRATEGIES, 1.8),
     ("window (1024, 0)", 32768, {"local_window_size": (1024, 0)}, None, False, HALO_STRATEGIES, 1.8),
     ("window (1024, 0)", 131072, {"local_window_size": (1024, 0)}, None, False, HALO_STRATEGIES, 1.9),
     ("softcap 30 + packed documents 512-8192", 65536, {"softcap": 30.0}, (512, 8192), False, ALL_STRATEGIES, 1.6),
@@ -278,8 +284,9 @@ def long_call(index, cpu):
         length, docs = length // CPU_SCALE, docs and tuple(d // CPU_SCALE for d in docs)
         if "local_window_size" in kwargs:
             kwargs["local_window_size"] = tuple(w // CPU_SCALE for w in kwargs["local_window_size"])
-        if "chunk_size" in kwargs:
-            kwargs["chunk_size"] //= CPU_SCALE
+        for name in ("chunk_size", "max_seqlen_kv"):
+            if name in kwargs:
+                kwargs[name] //= CPU_SCALE
     if docs is not None:  # as a user bounds them: documents of at least docs[0] tokens, the last one cut
         kwargs["max_segments_per_seq"] = length // docs[0] + 1
     if "softcap" in kwargs:

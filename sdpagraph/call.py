@@ -68,12 +68,16 @@ class PreparedCall:
     unbatched: bool
     # (B,) bool, traced: rows whose packed ids break a static bound; their output is NaN (`poison`).
     invalid_rows: Any = None
+    # The same rows from any (traced) segment ids given as the call's are: a context-parallel call
+    # asks with the whole sequence's ids inside its shard_map, where no sequence-split scan runs.
+    row_check: Callable[[Any], Any] | None = None
 
-    def poison(self, out: Any, lse: Any) -> tuple[Any, Any]:
-        """`out` (B, T, N, H_v) and `lse` (B, N, T) or None with the invalid rows' values NaN."""
-        if self.invalid_rows is None:
+    def poison(self, out: Any, lse: Any, rows: Any = None) -> tuple[Any, Any]:
+        """`out` (B, T, N, H_v) and `lse` (B, N, T) or None with the invalid rows' (`rows`, else
+        `invalid_rows`) values NaN."""
+        rows = self.invalid_rows if rows is None else rows
+        if rows is None:
             return out, lse
-        rows = self.invalid_rows
         out = jnp.where(rows[:, None, None, None], jnp.nan, out).astype(out.dtype)
         if lse is not None:  # an inference graph keeps no softmax stats
             lse = jnp.where(rows[:, None, None], jnp.nan, lse).astype(lse.dtype)
@@ -222,31 +226,38 @@ def _array_like(x: Any) -> Any:
     return x if x is None or hasattr(x, "shape") else jnp.asarray(x)
 
 
-def _check_segments_at_run_time(segment_ids: Any, q_ids: Any, max_segments_per_seq: Any, max_seqlen_q: Any,
-                                max_seqlen_kv: Any, spec: AttentionSpec) -> Any:
+def _check_segments_at_run_time(segment_ids: Any, max_segments_per_seq: Any, max_seqlen_q: Any,
+                                max_seqlen_kv: Any, spec: AttentionSpec) -> Callable[[Any], Any] | None:
     """Traced ids cannot be checked when the call is made (`normalize_arguments` checks concrete
     ones): the segment count bound and the segment length hints are checked when the call runs, as
-    `segments.segment_check_mode` says. Returns the (B,) bool rows whose output must be NaN, or None
-    (nothing traced to check, or the check raises itself, or is off)."""
+    `segments.segment_check_mode` says. Returns the function from segment ids (given as
+    `segment_ids` is) to the (B,) bool rows whose output must be NaN, or None (nothing traced to
+    check, or the check raises itself, or is off)."""
     if segment_ids is None:
         return None
     mode = segment_check_mode()
     if mode == "off":
         return None
-    checks = []  # (ids, rows over -> (B,) bool, raise when the call runs)
-    if max_segments_per_seq is not None and isinstance(q_ids, jax.core.Tracer):
-        argname = "segment_ids" if spec.segments == "self" else "segment_ids[0]"
-        checks.append((functools.partial(rows_over_segment_bound, q_ids, spec.max_segments),
-                       functools.partial(check_segment_bound, q_ids, spec.max_segments, argname)))
-    for argname, ids, hint_name, bound in seqlen_hint_checks(segment_ids, max_seqlen_q, max_seqlen_kv):
-        if isinstance(ids, jax.core.Tracer):
-            checks.append((functools.partial(rows_over_segment_length, ids, bound),
-                           functools.partial(check_segment_lengths, ids, bound, argname, hint_name)))
+
+    def checks_of(given):  # (rows over -> (B,) bool, raise when the call runs) per traced check
+        q_ids = given[0] if isinstance(given, (tuple, list)) else given
+        checks = []
+        if max_segments_per_seq is not None and isinstance(q_ids, jax.core.Tracer):
+            argname = "segment_ids" if spec.segments == "self" else "segment_ids[0]"
+            checks.append((functools.partial(rows_over_segment_bound, q_ids, spec.max_segments),
+                           functools.partial(check_segment_bound, q_ids, spec.max_segments, argname)))
+        for argname, ids, hint_name, bound in seqlen_hint_checks(given, max_seqlen_q, max_seqlen_kv):
+            if isinstance(ids, jax.core.Tracer):
+                checks.append((functools.partial(rows_over_segment_length, ids, bound),
+                               functools.partial(check_segment_lengths, ids, bound, argname, hint_name)))
+        return checks
+
+    checks = checks_of(segment_ids)
     if mode == "raise" or not checks or spec.empty_axes:
         for _, raise_when_run in checks:
             raise_when_run()
         return None
-    return functools.reduce(jnp.logical_or, (rows_over() for rows_over, _ in checks))
+    return lambda given: functools.reduce(jnp.logical_or, (rows_over() for rows_over, _ in checks_of(given)))
 
 
 def _native_mask_mod(ir: ScoreModIR | None, score_mod: Any, mask_mod: Any, spec: AttentionSpec) -> NativeMask | None:
@@ -289,8 +300,8 @@ def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_caus
         elif is_array:
             segment_ids = whole_along_sequence(segment_ids)
         q_ids, kv_ids = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
-    invalid_rows = _check_segments_at_run_time(segment_ids, q_ids, max_segments_per_seq, max_seqlen_q,
-                                               max_seqlen_kv, call.spec)
+    row_check = _check_segments_at_run_time(segment_ids, max_segments_per_seq, max_seqlen_q, max_seqlen_kv, call.spec)
+    invalid_rows = None if row_check is None else row_check(segment_ids)
     wrap = (lambda x, shape: None if x is None else jnp.reshape(jnp.asarray(x), shape)) if is_array else (lambda x, _: x)
     inputs = RuntimeInputs(
         bias=wrap(bias, call.spec.bias_shape), mask=wrap(mask, call.spec.mask_shape),
@@ -298,7 +309,7 @@ def prepare_call(query, key, value, bias=None, mask=None, *, scale=None, is_caus
         q_segment_ids=q_ids, kv_segment_ids=kv_ids,
         mod_scalars=scalars, mod_arrays=arrays, python_mods=python_mods,
     )
-    return PreparedCall(call.spec, ir, inputs, call.unbatched, invalid_rows)
+    return PreparedCall(call.spec, ir, inputs, call.unbatched, invalid_rows, row_check)
 
 
 # ----------------------------------------------------------------------------- trace listeners

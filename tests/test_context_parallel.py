@@ -328,12 +328,13 @@ def logits_on_xla(static, operands):
 
 def cudnn_like_executor(static, graph, operands, results):
     """Forward: test_sharding's stand-in. Backward: from the o and stats operands, as cuDNN does.
-    Rows a packed graph does not cover come back NaN (`unwritten`), or 0 in dk and dv stacked, which
-    the executor zeroes first (`graphs.operands.KV_GRADS`)."""
+    Rows a packed graph does not cover come back NaN (`unwritten`), or 0 in the token results the
+    executor zeroes first (`execute.Static.unwritten_zeroed`: the ring's and the halo's blocks)."""
     ids_q, ids_kv = packed_rows(static, operands)
+    fill = 0.0 if static.unwritten_zeroed else jnp.nan
     if "dq" not in results:
         out = fake_executor(static, graph, operands, results)
-        return {role: unwritten(x, ids_q) for role, x in out.items()}
+        return {role: unwritten(x, ids_q, fill if role == "o" else jnp.nan) for role, x in out.items()}
     q, k, v, o, d_o, stats = (operands[r] for r in ("q", "k", "v", "o", "dO", "stats"))
     if ids_q is not None:  # a packed graph's stats are (B, T, N); its uncovered rows read none
         stats = jnp.where(ids_q[:, None, :] > 0, jnp.swapaxes(stats, 1, 2), jnp.inf)
@@ -346,9 +347,8 @@ def cudnn_like_executor(static, graph, operands, results):
     d_p = jnp.einsum("btnh,bsnh->bnts", d_o.astype(jnp.float32), v_heads)
     d_rows = jnp.swapaxes(jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1), 1, 2)[..., None]
     dq, dk = pullback(p * (d_p - d_rows))
-    kv_fill = 0.0 if KV_GRADS in results else jnp.nan
-    grads = {"dq": unwritten(dq, ids_q).astype(q.dtype), "dk": unwritten(dk, ids_kv, kv_fill).astype(k.dtype),
-             "dv": unwritten(dv, ids_kv, kv_fill).astype(v.dtype)}
+    grads = {"dq": unwritten(dq, ids_q, fill).astype(q.dtype), "dk": unwritten(dk, ids_kv, fill).astype(k.dtype),
+             "dv": unwritten(dv, ids_kv, fill).astype(v.dtype)}
     return cudnn_execute.restacked(grads, results)
 
 

@@ -28,16 +28,16 @@ def test_in_a_process_with_eight_cpu_devices():
     rerun_with_cpu_devices(__file__, DEVICES, timeout=1200)
 
 
-def documents(rng, batch, length):
-    """(segment ids (B, T), their most documents in a row): documents of 1-24 tokens, so some cross
-    the chunks' boundaries (4-32 tokens) and some lie inside one, with padding (id 0) between some
-    of them and at the end; an id may come back after another document (a new document)."""
+def documents(rng, batch, length, longest=24):
+    """(segment ids (B, T), their most documents in a row): documents of 1-`longest` tokens, so some
+    cross the chunks' boundaries (4-32 tokens) and some lie inside one, with padding (id 0) between
+    some of them and at the end; an id may come back after another document (a new document)."""
     ids = np.zeros((batch, length), np.int32)
     counts = []
     for row in ids:
         at, count = int(rng.integers(0, 3)), 0
         while at < length - 2:
-            size = int(rng.integers(1, 25))
+            size = int(rng.integers(1, longest + 1))
             row[at:at + size] = rng.integers(1, 4) + 3 * (count % 2)  # neighbours differ
             at, count = at + size + int(rng.random() < 0.3) * int(rng.integers(1, 4)), count + 1
         counts.append(count)
@@ -45,11 +45,11 @@ def documents(rng, batch, length):
 
 
 def run(cp, load_balanced, causal, kv_heads, axis_type="auto", seed=0, implementation="cudnn", strategy="ring",
-        **kwargs):
+        longest=24, **kwargs):
     """(the cp-device step's value and gradients in natural order, the one-device XLA reference's,
-    the compiled HLO) with fresh random float32 inputs."""
+    the compiled HLO) with fresh random float32 inputs, documents of 1-`longest` tokens."""
     rng = np.random.default_rng(seed)
-    ids, most = documents(rng, B, T)
+    ids, most = documents(rng, B, T, longest)
     q = rng.standard_normal((B, T, N, H)).astype(np.float32)
     k, v = (rng.standard_normal((B, T, kv_heads, H)).astype(np.float32) for _ in range(2))
     cot = rng.standard_normal((B, T, N, H)).astype(np.float32)
@@ -122,6 +122,88 @@ def test_documents_balanced_per_document_on_all_to_all_equal_one_device(cp, scor
     ours, ref, _ = run(cp, "documents", True, N, seed=seed, implementation="xla", strategy="all_to_all",
                        score_mod=score_mod)
     assert_same(ours, ref)
+
+
+HALO_CASES = [(cp, lb, kv) for cp in (2, 4, 8) for lb in (False, True) for kv in (4, N)]
+
+
+@needs_devices
+@pytest.mark.parametrize("cp, load_balanced, kv_heads, implementation, axis_type", on_axis_types(
+    [case + (impl,) for case in HALO_CASES for impl in ("cudnn", "xla")],
+    explicit=[(2, True, 4, "cudnn"), (8, False, N, "cudnn"), (4, True, N, "xla")]))
+def test_documents_halo_equals_one_device(cp, load_balanced, kv_heads, implementation, axis_type, cudnn_ring):
+    """Causal packed documents of at most `max_seqlen_kv` tokens over the halo (`parallel.halo`): each
+    block's own call, causal per document, and one call over the first max_seqlen_kv - 1 queries and
+    the last keys of the block before (the one document they can share), documents crossing the
+    blocks' boundaries; the longest document one more token than a block."""
+    seed = int(np.random.default_rng().integers(2**31))
+    block = T // (cp * (2 if load_balanced else 1))
+    ours, ref, hlo = run(cp, load_balanced, True, kv_heads, axis_type, seed, implementation=implementation,
+                         strategy="halo", longest=block + 1, max_seqlen_kv=block + 1)
+    assert_same(ours, ref, tol=3e-5)
+    assert "collective-permute" in hlo, f"seed {seed}"
+    gathers = re.findall(r"= (?:f32|bf16|f16)\[.*\ball-gather(?:-start)?\(.*", hlo)
+    assert not gathers and "all-to-all" not in hlo, (f"the halo gathers no keys or values (seed {seed})", gathers[:3])
+    if implementation == "cudnn":
+        assert not re.search(r"\bconditional\(", hlo), f"every device runs the same two calls (seed {seed})"
+        rows = B * (2 if load_balanced else 1)
+        specs = {(s.batch, s.segments, s.q_len, s.kv_len, s.max_segments, s.is_causal) for s, _, _ in cudnn_ring}
+        # the block's own call holds every document of the row (`max_segments_per_seq`, at most the block's
+        # tokens), its halo call one
+        most = max(s.max_segments for s, _, _ in cudnn_ring)
+        want = {(rows, "self", block, block, most, True), (rows, "self", block, block, 1, False)}
+        assert specs == want and 1 < most <= block, (specs, seed)
+
+
+@needs_devices
+@pytest.mark.parametrize("strategy", ["halo", "ring", "all_to_all"])
+def test_a_row_whose_document_breaks_max_seqlen_kv_is_nan_under_jit(strategy, cudnn_ring):
+    """As on one device: traced ids with a document longer than `max_seqlen_kv` give that row NaN, the
+    others their values; the check runs on the whole sequence's ids inside the shard_map."""
+    rng = np.random.default_rng(11)
+    ids, most = documents(rng, B, T, 9)
+    ids[1, 20:40] = 99  # row 1: a document of 20 tokens
+    q, k, v = (rng.standard_normal((B, T, N, H)).astype(np.float32) for _ in range(3))
+    call = dict(is_causal=True, segment_ids=ids, max_segments_per_seq=int(most) + 2, max_seqlen_kv=9)
+    m = make_mesh((4,), ("cp",))
+    with jax.set_mesh(m):
+        attend = jax.jit(lambda q, k, v, ids: sdpagraph.attention(
+            q, k, v, **dict(call, segment_ids=ids), context_parallel_axis="cp", context_parallel_strategy=strategy))
+        out = np.asarray(attend(*place(m, q, k, v, ids)))
+    assert np.isnan(out[1]).all() and not np.isnan(out[0]).any()
+    ref = sdpagraph.attention(q[:1], k[:1], v[:1], implementation="xla", **dict(call, segment_ids=ids[:1]))
+    np.testing.assert_allclose(out[0], np.asarray(ref[0]), rtol=3e-5, atol=3e-5)
+
+
+@needs_devices
+def test_documents_halo_refuses_what_it_cannot_run(cudnn_ring):
+    ids, most = documents(np.random.default_rng(5), B, T, 9)
+    q = np.zeros((B, T, N, H), np.float32)
+    ask = lambda **kw: sdpagraph.check_support(  # noqa: E731
+        q, q, q, max_segments_per_seq=most, context_parallel_axis="cp", context_parallel_strategy="halo",
+        **{"is_causal": True, "segment_ids": ids, **kw})
+    with jax.set_mesh(make_mesh((4,), ("cp",))):
+        answer = ask(max_seqlen_kv=9)
+        assert answer.supported and "halo over 'cp', cp=4" in answer.reason, answer
+        for kw, match in ((dict(), r"needs max_seqlen_kv .* <= 17.*given: none"),
+                          (dict(max_seqlen_kv=18), r"<= 17.*given: 18"),
+                          (dict(max_seqlen_kv=10, load_balanced=True, segment_ids=sdpagraph.load_balance(ids, 4)),
+                           r"<= 9, one more than the blocks of 8 .*given: 10"),
+                          (dict(max_seqlen_kv=9, is_causal=False), "is_causal=True"),
+                          (dict(max_seqlen_kv=9, score_mod=mods.softcap(3.0)), "take no score_mod")):
+            with pytest.raises(ValueError, match="context_parallel_axis='cp': context_parallel_strategy='halo' .*" + match):
+                ask(**kw)
+        # auto takes the halo for documents it runs in natural order (no score_mod, max_seqlen_kv within a
+        # block), else as before
+        assert "halo over 'cp'" in sdpagraph.check_support(
+            q, q, q, segment_ids=ids, max_segments_per_seq=most, max_seqlen_kv=9, is_causal=True,
+            context_parallel_axis="cp", context_parallel_strategy="auto").reason
+        balanced = dict(max_seqlen_kv=9, load_balanced=True, segment_ids=sdpagraph.load_balance(ids, 4))
+        for kw in (dict(max_seqlen_kv=18), dict(max_seqlen_kv=9, score_mod=mods.softcap(3.0)), dict(), balanced):
+            answer = sdpagraph.check_support(q, q, q, max_segments_per_seq=most, is_causal=True,
+                                             context_parallel_axis="cp", context_parallel_strategy="auto",
+                                             **{"segment_ids": ids, **kw})
+            assert "halo over" not in answer.reason, (kw, answer)
 
 
 def support_of(seed, **fixed):

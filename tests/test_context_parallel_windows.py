@@ -273,7 +273,7 @@ def test_halo_errors_name_the_argument():
         sdpagraph.attention(q, q, q, is_causal=True, **halo)
     with pytest.raises(ValueError, match=prefix + r"needs a sliding window .*local_window_size=\(4, -1\)"):
         sdpagraph.attention(q, q, q, local_window_size=(4, -1), **halo)
-    with pytest.raises(ValueError, match=prefix + "does not take packed segment_ids"):
+    with pytest.raises(ValueError, match=prefix + "runs packed documents with is_causal=True and no local_window_size"):
         sdpagraph.attention(q, q, q, is_causal=True, local_window_size=(4, 0),
                             segment_ids=random_ids(np.random.default_rng(0), B, T, 3), **halo)
     with pytest.raises(ValueError, match=prefix + r"needs chunk_size=12 to divide the blocks of 16 tokens .*\(T/cp\)"):

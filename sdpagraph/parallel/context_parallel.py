@@ -126,7 +126,9 @@ def check(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh
     if strategy == "all_to_all" and (spec.num_heads % cp or spec.num_kv_heads % cp):
         raise _fail(axis, f"context_parallel_strategy='all_to_all' needs the query heads N={spec.num_heads} and "
                           f"key/value heads K={spec.num_kv_heads} divisible by cp={cp}; use 'ring'")
-    if strategy == "halo" and (why := halo.unsupported(_global(spec, cp, manual), cp, load_balanced)) is not None:
+    packed_graphs = not folds_segments(spec, call.score_mod)
+    if strategy == "halo" and (why := halo.unsupported(_global(spec, cp, manual), cp, load_balanced,
+                                                       packed_graphs)) is not None:
         raise _fail(axis, f"context_parallel_strategy='halo' {why}")
     return shape, manual
 
@@ -134,7 +136,8 @@ def check(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh
 def choose_strategy(spec: AttentionSpec, cp: int, strategy: str, ring_on_xla: bool = False,
                     load_balanced: bool | str = False, packed_graphs: bool = False) -> str:
     """The strategy a call runs; 'auto' decides here, in this order (`spec`: global lengths):
-    1. "halo" for bounded sliding windows and chunks that fit the blocks (`halo.unsupported`), while
+    1. "halo" for bounded sliding windows, chunks that fit the blocks, and packed documents in natural
+       order on packed graphs whose `max_seqlen_kv` reaches back one block at most (`halo.unsupported`), while
        its traffic is at most AUTO_HALO_TRAFFIC's share of all_to_all's (`_halo_traffic_share`), or
        when the heads do not divide cp (no all_to_all; the ring runs windows and chunks on XLA blocks);
     2. the ring for packed documents on packed graphs (`packed_graphs`: no score_mod, so the ring's
@@ -150,7 +153,10 @@ def choose_strategy(spec: AttentionSpec, cp: int, strategy: str, ring_on_xla: bo
     if strategy != "auto":
         return strategy
     heads_divide = spec.num_heads % cp == 0 and spec.num_kv_heads % cp == 0
-    if halo.unsupported(spec, cp, load_balanced) is None:
+    # Packed documents take the halo in natural order only: load-balanced, on 2 H100s at T32768 it ran
+    # 0.85x of the ring (4.50 against 3.82 ms; docs/results/h100x2-2026-11-26-documents-halo.md).
+    documents_balanced = bool(spec.segments) and bool(load_balanced)
+    if not documents_balanced and halo.unsupported(spec, cp, load_balanced, packed_graphs) is None:
         share = _halo_traffic_share(spec, cp, load_balanced)
         limit = next(limit for least, limit in AUTO_HALO_TRAFFIC if cp >= least)
         if not heads_divide or share <= limit:
@@ -237,9 +243,8 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
                 break
     else:
         if strategy == "halo":
-            blocks = halo.HaloPlan(halo.HaloLayout(local, cp, load_balanced), axis, registry.primary().name,
-                                   call.score_mod, ())
-            graphs = [(blocks.block_spec(case), blocks.block_ir) for case in blocks.layout.cases]
+            graphs = halo.HaloPlan(halo.HaloLayout(local, cp, load_balanced), axis, registry.primary().name,
+                                   call.score_mod, ()).graphs
         else:
             split = Split(head_axes=(axis,), heads=cp, kv_heads=cp)
             graphs = [(local_spec(local, split), local_ir(call.score_mod, local, split))]
@@ -311,15 +316,11 @@ def _ring_graphs(call: PreparedCall, spec: AttentionSpec, axis: Any, cp: int, lo
 
 
 def _ring(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, ids, sinks):
-    """The ring over this device's blocks; `ids`: its (B, T/cp) natural-order segment ids, or None.
-    Their facts (`_token_facts`) are computed from the whole sequence's, gathered, inside the
-    shard_map (over ids split along the sequence, XLA's SPMD partitioner ran the segment numbering's
-    cumulative sum as a loop of T/cp steps: 0.4 s a step on 2 GPUs at T32768). A dense call the ring
-    runs as one document (`local` from `_ring_spec`) gets that document's facts, the same on every device."""
+    """The ring over this device's blocks; `ids`: the whole sequence's (B, T) natural-order segment
+    ids (gathered in `attention`), or None. A dense call the ring runs as one document (`local` from
+    `_ring_spec`) gets that document's facts, the same on every device."""
     tok = high = None
-    if ids is not None:
-        ids = jax.lax.all_gather(ids, axis, axis=1, tiled=True)
-    elif local.segments:  # a dense call as one document: the whole sequence's ids, known without a gather
+    if ids is None and local.segments:  # a dense call as one document: the whole sequence's ids, known here
         ids = jnp.ones((q.shape[0], q.shape[1] * cp), jnp.int32)
     if ids is not None:
         tok, high = _token_facts(ids, cp, load_balanced, local.max_segments)
@@ -328,20 +329,23 @@ def _ring(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v,
     return ring.ring_attention(plan, q, k, v, {"arrays": arrays, "tok": tok, "high": high}, sinks)
 
 
-def _halo(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, sinks):
+def _halo(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, ids, sinks):
+    """The halo over this device's blocks; `ids`: the whole sequence's (B, T) natural-order segment
+    ids (gathered in `attention`), or None; their facts stay in natural order (the halo reads them by each
+    block's global position)."""
     plan = halo.HaloPlan(halo.HaloLayout(local, cp, load_balanced), axis, backend, call.score_mod,
                          tuple(sorted((call.inputs.mod_scalars or {}).items())), call.inputs.python_mods)
-    return halo.halo_attention(plan, q, k, v, arrays, sinks)
+    tok = None if ids is None else _token_facts(ids, cp, False, local.max_segments)[0]
+    return halo.halo_attention(plan, q, k, v, arrays, sinks, tok)
 
 
 def _all_to_all(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v, arrays, ids, sinks):
     """Heads <-> sequence: each device gets the whole sequence of N/cp heads, runs one call, and
-    sends the output (and logsumexp) back to the sequence split."""
+    sends the output (and logsumexp) back to the sequence split. `ids`: the whole sequence's
+    natural-order segment ids (gathered in `attention`), or None."""
     me = jax.lax.axis_index(axis)
     to_heads = lambda x: jax.lax.all_to_all(x, axis, 2, 1, tiled=True)  # noqa: E731
     q, k, v = (to_heads(x) for x in (q, k, v))
-    if ids is not None:
-        ids = jax.lax.all_gather(ids, axis, axis=1, tiled=True)  # natural order (`natural_order`)
     order = document_order(ids, cp)[0] if load_balanced == DOCUMENTS else None
     if order is not None:  # the gathered sequence is in the documents' balanced order
         natural = jnp.argsort(order, axis=1)
@@ -392,11 +396,16 @@ def attention(call: PreparedCall, q: Any, k: Any, v: Any, *, axis: str, load_bal
     def body(q, k, v, arrays, ids, sinks):
         if sinks is not None:  # varying as q (inside a user's shard_map, over its other axes too)
             sinks = varying_like(sinks, (q,), (axis, *how.batch_axes))
-        if strategy == "all_to_all":
-            return _all_to_all(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, ids, sinks)
-        if strategy == "halo":  # takes no segment ids (`halo.unsupported`)
-            return _halo(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, sinks)
-        return _ring(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, ids, sinks)
+        if ids is not None:
+            # The whole sequence's ids on every device: every strategy numbers the segments from the
+            # sequence's start. Over ids split along the sequence, XLA's SPMD partitioner ran that
+            # numbering's cumulative sum as a loop of T/cp steps (0.4 s a step on 2 GPUs at T32768).
+            ids = jax.lax.all_gather(ids, axis, axis=1, tiled=True)
+        run = {"all_to_all": _all_to_all, "halo": _halo}.get(strategy, _ring)
+        out, lse = run(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, ids, sinks)
+        if ids is not None and call.row_check is not None:  # rows whose ids break a bound: NaN, as on one device
+            out, lse = call.poison(out, lse, call.row_check(ids))
+        return out, lse
 
     if how.manual:
         return body(q, k, v, arrays, ids, sinks)

@@ -52,9 +52,9 @@ from sdpagraph.backends import registry, sinks as sinks_mod
 from sdpagraph.backends.masking import TokenLayout
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.numerics import gate as numerics_gate
-from sdpagraph.parallel import halo_exchange
-from sdpagraph.parallel.halo_split import Exchange, SplitPlan, exchanged_attention, split_attention
-from sdpagraph.parallel.load_balance import device_chunks
+from sdpagraph.parallel import halo_exchange, ring_documents
+from sdpagraph.parallel.halo_split import DocumentIds, Exchange, SplitPlan, exchanged_attention, split_attention
+from sdpagraph.parallel.load_balance import DOCUMENTS, device_chunks
 from sdpagraph.parallel.ring_plan import OffsetMods, with_offsets
 from sdpagraph.scoremod.forms import PythonMods
 from sdpagraph.scoremod.ir import ScoreModIR
@@ -63,10 +63,20 @@ from sdpagraph.spec import UNBOUNDED, AttentionSpec
 WHOLE, WITHIN, MISALIGNED = "whole", "within", "misaligned"  # `chunk_fit`
 
 
+def document_reach(spec: AttentionSpec) -> int | None:
+    """Keys before a query that its packed document can hold: `max_seqlen_kv` - 1 (at least 1), or
+    None without packed documents or that hint."""
+    if spec.segments != "self" or spec.max_seqlen_kv is None:
+        return None
+    return max(1, spec.max_seqlen_kv - 1)
+
+
 def sides(spec: AttentionSpec) -> tuple[int, int]:
-    """(keys before, keys after) a query's own position that its window can read; UNBOUNDED for an
-    open side. Causal calls read none after."""
+    """(keys before, keys after) a query's own position that its window (or its packed document,
+    `document_reach`) can read; UNBOUNDED for an open side. Causal calls read none after."""
     left, right = spec.window
+    if spec.segments and not spec.has_window:
+        left = UNBOUNDED if document_reach(spec) is None else document_reach(spec)
     return left, 0 if spec.is_causal else right
 
 
@@ -84,10 +94,35 @@ def chunk_fit(spec: AttentionSpec, count: int) -> str | None:
     return MISALIGNED
 
 
-def unsupported(spec: AttentionSpec, cp: int, load_balanced: bool) -> str | None:
+def _documents_unsupported(spec: AttentionSpec, count: int, load_balanced: Any, packed_graphs: bool) -> str | None:
+    """Why the halo cannot run these packed documents on `count` blocks (None: it can)."""
+    if load_balanced == DOCUMENTS:
+        return f"needs whole blocks of the sequence: load_balanced={DOCUMENTS!r} cuts each document over the devices"
+    if not spec.is_causal or spec.has_window or spec.chunk_size is not None:
+        return ("runs packed documents with is_causal=True and no local_window_size or chunk_size; use 'ring' or "
+                "'all_to_all'")
+    if not packed_graphs:
+        return "runs packed documents on packed graphs, which take no score_mod; use 'ring' or 'all_to_all'"
+    block = spec.q_len // count
+    if count < 2:
+        return "has nothing to exchange over one block: use 'ring'"
+    if spec.max_seqlen_kv is None or document_reach(spec) > block:
+        given = "none" if spec.max_seqlen_kv is None else spec.max_seqlen_kv
+        return (f"needs max_seqlen_kv (the longest packed document) <= {block + 1}, one more than the blocks of "
+                f"{block} tokens the devices hold, so a document reaches back one block at most (given: {given}); "
+                "use 'ring' or 'all_to_all'")
+    return None
+
+
+def unsupported(spec: AttentionSpec, cp: int, load_balanced: Any, packed_graphs: bool = True) -> str | None:
     """Why the halo strategy cannot run this call over `cp` devices (None: it can); names the
-    argument at fault. `spec` has the global sequence lengths."""
+    argument at fault. `spec` has the global sequence lengths; `packed_graphs`: whether its packed
+    documents run on packed graphs (no score_mod)."""
     count = cp * (2 if load_balanced else 1)
+    if spec.segments:
+        if spec.q_len != spec.kv_len or spec.segments != "self":
+            return "takes packed documents of self-attention only (one segment_ids array)"
+        return _documents_unsupported(spec, count, load_balanced, packed_graphs)
     fit = chunk_fit(spec, count)
     if fit == MISALIGNED:
         blocks = "T/(2cp), load_balanced=True" if load_balanced else "T/cp"
@@ -98,8 +133,6 @@ def unsupported(spec: AttentionSpec, cp: int, load_balanced: bool) -> str | None
         return ("needs a sliding window bounded on each side it reads, or chunk_size: local_window_size=(left, 0) "
                 f"with is_causal=True, or (left, right); this call has local_window_size={spec.window} "
                 f"(-1: unbounded) and is_causal={spec.is_causal}")
-    if spec.segments:
-        return "does not take packed segment_ids; use 'ring' or 'all_to_all'"
     if spec.q_len != spec.kv_len:
         return f"needs self-attention lengths: query length T={spec.q_len} != key length S={spec.kv_len}"
     return None
@@ -197,6 +230,16 @@ class HaloPlan(OffsetMods):
     def spec(self) -> AttentionSpec:
         return self.layout.spec
 
+    @property
+    def graphs(self) -> list[tuple[AttentionSpec, ScoreModIR | None]]:
+        """The (spec, score_mod IR) of the cuDNN graphs the blocks run: for packed documents the split
+        calls of a device's blocks as batch rows (`_stacked_blocks`), else one per case of halo lengths."""
+        if not self.spec.segments:
+            return [(self.block_spec(case), self.block_ir) for case in self.layout.cases]
+        rows = self.spec.batch * self.layout.slots
+        split = split_plan(self, max(self.layout.cases))
+        return [(dataclasses.replace(s, batch=rows), None) for s in (split.local, split.halo) if s is not None]
+
     def block_spec(self, case: tuple[int, int]) -> AttentionSpec:
         """The spec of one case's cuDNN call: a block's queries, hl + L + hr keys, the window relative
         to the bottom-right diagonal (module docstring); the chunk mask where blocks hold whole chunks."""
@@ -238,15 +281,26 @@ def _with_halos(plan: HaloPlan, kv: tuple[Any, Any], slot: int) -> tuple[Any, ..
     return tuple(jnp.concatenate([p[i] for p in parts], axis=1) for i in range(len(kv)))
 
 
-def _case_xla(plan: HaloPlan, case, q_start, q, k, v, arrays: Mapping[str, Any], sinks: Any) -> tuple[Any, Any]:
+def _tokens(tok: tuple[Any, ...], start: Any, length: int) -> tuple[Any, ...]:
+    """The facts (`halo_attention`'s `tok`) of the `length` tokens from global position `start`."""
+    return tuple(jax.lax.dynamic_slice_in_dim(x, start, length, axis=1) for x in tok)
+
+
+def _case_xla(plan: HaloPlan, case, q_start, q, k, v, arrays: Mapping[str, Any], sinks: Any,
+              tok: Any = None) -> tuple[Any, Any]:
     hl, hr = case
     block = plan.layout.block
     b, length = plan.spec.batch, hl + block + hr
-    q_pos = jnp.broadcast_to(q_start + jnp.arange(block, dtype=jnp.int32), (b, block))
-    kv_pos = jnp.broadcast_to(q_start - hl + jnp.arange(length, dtype=jnp.int32), (b, length))
-    every = lambda x: jnp.ones(x.shape, bool)  # noqa: E731
-    layout = TokenLayout(q_pos, kv_pos, every(q_pos), every(kv_pos), None, None, 0)
-    spec = dataclasses.replace(plan.spec, q_len=block, kv_len=length)
+    if tok is None:
+        q_pos = jnp.broadcast_to(q_start + jnp.arange(block, dtype=jnp.int32), (b, block))
+        kv_pos = jnp.broadcast_to(q_start - hl + jnp.arange(length, dtype=jnp.int32), (b, length))
+        every = lambda x: jnp.ones(x.shape, bool)  # noqa: E731
+        layout = TokenLayout(q_pos, kv_pos, every(q_pos), every(kv_pos), None, None, 0)
+    else:  # packed documents: each token's position in its document, and its document
+        (qp, qv, qg), (kp, kv, kg) = _tokens(tok, q_start, block), _tokens(tok, q_start - hl, length)
+        layout = TokenLayout(qp, kp, qv, kv, qg, kg, 0)
+    spec = dataclasses.replace(plan.spec, q_len=block, kv_len=length, segments=None, max_segments=0,
+                               max_seqlen_q=None, max_seqlen_kv=None)
     inputs = RuntimeInputs(mod_scalars=dict(plan.scalars), mod_arrays=arrays, python_mods=plan.python_mods)
     out, lse = registry.reference().block_attention(spec, q, k, v, inputs, plan.score_mod, layout)
     return (out, lse) if sinks is None else sinks_mod.apply(out, lse, sinks)
@@ -257,6 +311,12 @@ def split_plan(plan: HaloPlan, case: tuple[int, int]) -> SplitPlan | None:
     runs as one call (two-sided windows, a window wider than its halo, mods that read positions)."""
     hl, hr = case
     spec, block = plan.spec, plan.layout.block
+    if spec.segments:  # packed graphs: causal per document over its own keys; its halo holds one document
+        local = dataclasses.replace(spec, q_len=block, kv_len=block, causal_alignment="top_left",
+                                    max_segments=ring_documents.slots(spec.max_segments, block, True),
+                                    max_seqlen_q=None, max_seqlen_kv=None)
+        halo = dataclasses.replace(local, q_len=hl, kv_len=hl, is_causal=False, max_segments=1) if hl else None
+        return SplitPlan(local, halo, hl, False, None, plan.scalars)
     left, _ = sides(spec)
     if not spec.is_causal or hr or plan.reads_positions or plan.python_mods is not None:
         return None
@@ -293,7 +353,7 @@ def _case_cudnn(plan: HaloPlan, case, q_start, q, k, v, arrays: Mapping[str, Any
     return backend.attention_with_sinks(spec, q, k, v, inputs, ir, sinks, verify=verify)
 
 
-def _block_attention(plan: HaloPlan, slot: int, me, q, k, v, arrays, sinks) -> tuple[Any, Any]:
+def _block_attention(plan: HaloPlan, slot: int, me, q, k, v, arrays, sinks, tok=None) -> tuple[Any, Any]:
     """(output, logsumexp) of this device's block in `slot`: the case of its halo lengths."""
     layout = plan.layout
     block, left = layout.block, layout.reach(slot)[0]
@@ -310,7 +370,9 @@ def _block_attention(plan: HaloPlan, slot: int, me, q, k, v, arrays, sinks) -> t
     def branch(case):
         hl, hr = case
         present = slice(left - hl, left + block + hr)  # this case's halos: the tokens it reads
-        return lambda q, keys, values: run(plan, case, q_start, q, keys[:, present], values[:, present], arrays, sinks)
+        extra = () if tok is None else (tok,)  # packed documents run on XLA only (the cuDNN path stacks them)
+        return lambda q, keys, values: run(plan, case, q_start, q, keys[:, present], values[:, present], arrays, sinks,
+                                           *extra)
 
     if len(cases) == 1:
         return branch(cases[0])(q, keys, values)
@@ -359,7 +421,7 @@ def _stacked_split(plan: HaloPlan, arrays: Mapping[str, Any]) -> SplitPlan | Non
     return split
 
 
-def _stacked_blocks(plan: HaloPlan, split: SplitPlan, q, k, v, arrays, sinks) -> tuple[Any, Any]:
+def _stacked_blocks(plan: HaloPlan, split: SplitPlan, q, k, v, arrays, sinks, tok=None) -> tuple[Any, Any]:
     """A device's blocks as the batch rows of one split call (`_stacked_split`, `split` one block's):
     its queries and own keys, (B, slots·L) -> (B·slots, L), a free reshape; the halos, received per
     block, stacked the same way; where a block has no halo, its row's halo part adds nothing
@@ -375,17 +437,47 @@ def _stacked_blocks(plan: HaloPlan, split: SplitPlan, q, k, v, arrays, sinks) ->
     rows = q.shape[0] * slots
     split = dataclasses.replace(split, local=dataclasses.replace(split.local, batch=rows),
                                 halo=dataclasses.replace(split.halo, batch=rows))
-    return exchanged_attention(split, Exchange(plan.axis, tuple(routes), tuple(present)), q, k, v, arrays, sinks)
+    ids = None if tok is None else _document_ids(plan, split, tok)
+    return exchanged_attention(split, Exchange(plan.axis, tuple(routes), tuple(present)), q, k, v, arrays, sinks,
+                               ids)
 
 
-def halo_attention(plan: HaloPlan, q, k, v, arrays: Mapping[str, Any], sinks: Any = None) -> tuple[Any, Any]:
+def _document_ids(plan: HaloPlan, split: SplitPlan, tok: tuple[Any, ...]) -> DocumentIds:
+    """The call-local document ids of a device's blocks as batch rows (`ring_documents.shared_ids`):
+    each block's own call numbers its documents; its halo call marks the one document that holds
+    both its first query and the last key before it (the only one a causal block and the halo of
+    the block before it can share), where the block has a halo."""
+    layout, hl = plan.layout, split.halo.kv_len
+    most, me = plan.spec.max_segments, jax.lax.axis_index(plan.axis)
+    starts = jnp.asarray(layout.blocks_of, jnp.int32)[me] * layout.block
+    local, halo = [], []
+    for slot in range(layout.slots):
+        start = starts[slot]
+        mine = _tokens(tok, start, layout.block)
+        local.append(ring_documents.shared_ids(mine, mine, True, True, most, split.local.max_segments))
+        first, before = tuple(x[:, :hl] for x in mine), _tokens(tok, jnp.maximum(start - hl, 0), hl)
+        halo.append(ring_documents.shared_ids(first, before, start > 0, start > 0, most, 1))
+
+    def rows(pairs, side):  # (B, slots, L) -> (B·slots, L), as `halo_split._rows` puts the blocks
+        x = jnp.stack([p[side] for p in pairs], axis=1)
+        return x.reshape((-1,) + x.shape[2:])
+
+    return DocumentIds((rows(local, 0), rows(local, 1)), (rows(halo, 0), rows(halo, 1)))
+
+
+def halo_attention(plan: HaloPlan, q, k, v, arrays: Mapping[str, Any], sinks: Any = None,
+                   tok: Any = None) -> tuple[Any, Any]:
     """(output (B, L·slots, N, Hv), logsumexp (B, N, L·slots)) of the local queries over every key
-    their windows and chunks reach (each block's call sees every key its rows attend: `sinks` (N,),
-    when given, join it). `arrays`: the score_mod arrays (B|1, N|1, 1, 1)."""
+    their windows, chunks or packed documents reach (each block's call sees every key its rows
+    attend: `sinks` (N,), when given, join it). `arrays`: the score_mod arrays (B|1, N|1, 1, 1).
+    `tok`: with packed documents, (position in its document, valid, document number) of every
+    token of the whole sequence in natural order, (B, T) each."""
     me = jax.lax.axis_index(plan.axis)
     if (split := _stacked_split(plan, arrays)) is not None:
-        return _stacked_blocks(plan, split, q, k, v, arrays, sinks)
-    results = [_block_attention(plan, slot, me, q, k, v, arrays, sinks) for slot in range(plan.layout.slots)]
+        return _stacked_blocks(plan, split, q, k, v, arrays, sinks, tok)
+    if plan.spec.segments and plan.backend != registry.reference().name:
+        raise AssertionError("packed documents on cuDNN run as stacked blocks (`_stacked_split`)")
+    results = [_block_attention(plan, slot, me, q, k, v, arrays, sinks, tok) for slot in range(plan.layout.slots)]
     if len(results) == 1:
         return results[0]
     return (jnp.concatenate([out for out, _ in results], axis=1),

@@ -60,6 +60,25 @@ class SplitPlan:
         return static(self.local), static(self.halo)
 
 
+@dataclass(frozen=True)
+class DocumentIds:
+    """With packed documents, the call-local document ids (`ring_documents.shared_ids`) of both calls,
+    (query ids, key ids) each: the local call's (B, L) and the halo call's (B, rows)."""
+
+    local: tuple[Any, Any]
+    halo: tuple[Any, Any]
+
+
+jax.tree_util.register_dataclass(DocumentIds, data_fields=["local", "halo"], meta_fields=[])
+
+
+def _operands(static: Any, arrays: Mapping[str, Any], ids: tuple[Any, Any] | None) -> Any:
+    """A call's graph operands: the score_mod's arrays, and its document ids with packed documents."""
+    q_ids, kv_ids = (None, None) if ids is None else ids
+    inputs = RuntimeInputs(mod_arrays=arrays, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    return registry.primary().block_operands(static, inputs)
+
+
 def _flip(x: Any, axis: int = 1) -> Any:
     return jnp.flip(x, axis=axis)
 
@@ -85,14 +104,14 @@ def _in_place(x: Any, head: Any, axis: int) -> Any:
     return jax.lax.dynamic_update_slice_in_dim(x, head, 0, axis=axis)
 
 
-def forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present) -> tuple[Any, Any]:
-    """(output, logsumexp) of the block: both calls, merged (module docstring)."""
+def forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, ids=None) -> tuple[Any, Any]:
+    """(output, logsumexp) of the block: both calls, merged (module docstring); `ids`: a
+    `DocumentIds` with packed documents."""
     primary = registry.primary()
     local, halo = plan.statics()
-    inputs = RuntimeInputs(mod_arrays=arrays)
-    out, lse = primary.block_forward(local, q, *local_kv, primary.block_operands(local, inputs))
+    out, lse = primary.block_forward(local, q, *local_kv, _operands(local, arrays, ids and ids.local))
     hq, hk, hv = _halo_inputs(plan, q, halo_kv)
-    h_out, h_lse = primary.block_forward(halo, hq, hk, hv, primary.block_operands(halo, inputs))
+    h_out, h_lse = primary.block_forward(halo, hq, hk, hv, _operands(halo, arrays, ids and ids.halo))
     if plan.reverse:
         h_out, h_lse = _flip(h_out), _flip(h_lse, axis=-1)
     if present is not None:
@@ -102,23 +121,29 @@ def forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present) -> tu
     return (out, lse) if sinks is None else sinks_mod.apply(out, lse, sinks)
 
 
-def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out, lse, d_o) -> tuple[Any, ...]:
+def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out, lse, d_o,
+             ids=None) -> tuple[Any, ...]:
     """(dq, (dk, dv) of the block's own keys, (dk, dv) of the halo, d_sinks) given the FINAL output
     and logsumexp and the output's cotangent."""
     primary = registry.primary()
     local, halo = plan.statics()
-    inputs = RuntimeInputs(mod_arrays=arrays)
-    dq, dk, dv = primary.block_backward(local, q, *local_kv, primary.block_operands(local, inputs), out, lse, d_o)
+    # The halo part first: its dk/dv can travel back (`send_back`) while the local part computes.
     hq, hk, hv = _halo_inputs(plan, q, halo_kv)
     h_out, h_lse, h_do = out[:, :plan.rows], lse[..., :plan.rows], d_o[:, :plan.rows]
     if present is not None:  # zero dO: zero gradients from the halo part
         h_do = jnp.where(_per_row(present, h_do), h_do, jnp.zeros_like(h_do))
     if plan.reverse:
         h_out, h_lse, h_do = _flip(h_out), _flip(h_lse, axis=-1), _flip(h_do)
-    h_dq, h_dk, h_dv = primary.block_backward(halo, hq, hk, hv, primary.block_operands(halo, inputs),
+    h_dq, h_dk, h_dv = primary.block_backward(halo, hq, hk, hv, _operands(halo, arrays, ids and ids.halo),
                                               h_out, h_lse, h_do)
     if plan.reverse:
         h_dq, h_dk, h_dv = _flip(h_dq), _flip(h_dk), _flip(h_dv)
+    # The barrier makes the local part's inputs wait for the halo part's gradients: XLA scheduled the
+    # local part first on 2 H100s, and the transfer back then ran alone after both.
+    (h_dk, h_dv), (q, local_kv, out, lse, d_o) = jax.lax.optimization_barrier(((h_dk, h_dv),
+                                                                              (q, local_kv, out, lse, d_o)))
+    dq, dk, dv = primary.block_backward(local, q, *local_kv, _operands(local, arrays, ids and ids.local), out, lse,
+                                        d_o)
     dq = _in_place(dq, dq[:, :plan.rows].astype(jnp.float32) + h_dq.astype(jnp.float32), 1)
     d_sinks = None if sinks is None else sinks_mod.gradient(d_o, out, lse, sinks)
     return dq, (dk, dv), (h_dk, h_dv), d_sinks
@@ -186,37 +211,38 @@ def _halo_rows(exchange: Exchange, k, v, hl: int) -> tuple[tuple[Any, Any], Any]
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def exchanged_attention(plan: SplitPlan, exchange: Exchange, q, k, v, arrays: Mapping[str, Any],
-                        sinks) -> tuple[Any, Any]:
+                        sinks, ids: DocumentIds | None = None) -> tuple[Any, Any]:
     """(output (B, slots·L, N, Hv), logsumexp (B, N, slots·L)) of a device's blocks (q, k, v: its
     tokens), each over its own keys and the halo `exchange` brings it, all as the rows of one split
     call (`plan`: one row's, batch B·slots). The halos' gradients go back to where they came from
-    and are added there in place (`halo_exchange.send_back`)."""
-    return _exchanged_fwd(plan, exchange, q, k, v, arrays, sinks)[0]
+    and are added there in place (`halo_exchange.send_back`). `ids`: with packed documents, both
+    calls' document ids per row."""
+    return _exchanged_fwd(plan, exchange, q, k, v, arrays, sinks, ids)[0]
 
 
-def _exchanged_fwd(plan: SplitPlan, exchange: Exchange, q, k, v, arrays, sinks):
+def _exchanged_fwd(plan: SplitPlan, exchange: Exchange, q, k, v, arrays, sinks, ids=None):
     slots = len(exchange.routes)
     halo_kv, present = _halo_rows(exchange, k, v, plan.halo.kv_len)
     local_kv = (_rows(k, slots), _rows(v, slots))
-    out, lse = forward(plan, _rows(q, slots), local_kv, halo_kv, arrays, sinks, present)
+    out, lse = forward(plan, _rows(q, slots), local_kv, halo_kv, arrays, sinks, present, ids)
     batch, heads, block = q.shape[0], lse.shape[1], q.shape[1] // slots
     joined = (out.reshape(q.shape[:2] + out.shape[2:]),
               jnp.swapaxes(lse.reshape(batch, slots, heads, block), 1, 2).reshape(batch, heads, slots * block))
-    return joined, (q, k, v, halo_kv, present, arrays, sinks, out, lse)
+    return joined, (q, k, v, halo_kv, present, arrays, sinks, ids, out, lse)
 
 
 def _exchanged_bwd(plan: SplitPlan, exchange: Exchange, residuals, cotangents):
-    q, k, v, halo_kv, present, arrays, sinks, out, lse = residuals
+    q, k, v, halo_kv, present, arrays, sinks, ids, out, lse = residuals
     slots = len(exchange.routes)
     dq, (dk, dv), (h_dk, h_dv), d_sinks = backward(
         plan, _rows(q, slots), (_rows(k, slots), _rows(v, slots)), halo_kv, arrays, sinks, present, out, lse,
-        _rows(cotangents[0], slots))
+        _rows(cotangents[0], slots), ids)
     dq, dk, dv = (x.reshape(y.shape) for x, y in ((dq, q), (dk, k), (dv, v)))
     per_slot = lambda x: x.reshape((q.shape[0], slots) + x.shape[1:])  # noqa: E731
     h_dk, h_dv = per_slot(h_dk), per_slot(h_dv)
     grads = [None if r is None else (h_dk[:, slot], h_dv[:, slot]) for slot, r in enumerate(exchange.routes)]
     dk, dv = halo_exchange.send_back(exchange.routes, exchange.axis, grads, (dk, dv))
-    return dq, dk, dv, _no_gradient(arrays), d_sinks
+    return dq, dk, dv, _no_gradient(arrays), d_sinks, None if ids is None else jax.tree.map(lambda _: None, ids)
 
 
 exchanged_attention.defvjp(_exchanged_fwd, _exchanged_bwd)

@@ -235,7 +235,22 @@ CP_CASES = {  # name: (N, K, strategy, load_balanced, kwargs maker)
     "halo_window_balanced": (8, 8, "halo", True, lambda rng: dict(is_causal=True, local_window_size=(300, 0))),
     "halo_chunks_whole": (8, 8, "halo", False, lambda rng: dict(is_causal=True, chunk_size=T // 4)),
     "halo_chunks_within": (8, 8, "halo", False, lambda rng: dict(is_causal=True, chunk_size=T)),
+    # packed documents of at most max_seqlen_kv tokens: the halo (the last keys of the block before)
+    "halo_documents": (8, 2, "halo", False, lambda rng: documents_of_at_most(rng, T // 2 + 1)),
+    "halo_documents_balanced": (8, 8, "halo", True, lambda rng: documents_of_at_most(rng, T // 4 + 1)),
 }
+
+
+def documents_of_at_most(rng, longest):
+    """Causal packed documents of 1-`longest` tokens, back to back (some cross the blocks' bounds), with
+    `max_seqlen_kv=longest`."""
+    ids = np.zeros((B, T), np.int32)
+    for row in ids:
+        at, doc = 0, 1
+        while at < T:
+            size = int(rng.integers(longest // 2, longest + 1))
+            row[at:at + size], at, doc = doc, at + size, doc + 1
+    return dict(is_causal=True, segment_ids=ids, max_segments_per_seq=int(ids.max()), max_seqlen_kv=longest)
 
 
 @pytest.mark.parametrize("name", CP_CASES)

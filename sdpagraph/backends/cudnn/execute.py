@@ -55,12 +55,23 @@ class Static:
     verify: Callable[..., Any] | None = None
     # The backward graph's dK and dV come back as one (2, *k.shape) result, KV_GRADS (`results_of`).
     kv_grads_stacked: bool = False
+    # A packed graph's token results (o, dq, dk, dv) zeroed by the executor before the graph writes
+    # its sequences' rows, so the rows it leaves unwritten read 0 with no masking pass after it
+    # (`zeroed_results`); the ring's and the halo's block calls ask for it.
+    zero_unwritten: bool = False
+
+    @property
+    def unwritten_zeroed(self) -> bool:
+        """Whether the executor zeroes the rows of o, dq, dk and dv the graph leaves unwritten."""
+        return self.zero_unwritten and bool(self.graph_spec.segments)
 
 
 # dK and dV in one array (KV_GRADS), the graph writing both into it: the ring sends them on as one
-# transfer without a stacking pass. A packed graph writes only its sequences' rows, so the executor
-# zeroes this result before the graph runs.
+# transfer without a stacking pass.
 _STACKED_ROLES = ("dk", "dv")
+# A graph's results with a row per token, which a packed graph writes only for its sequences' rows.
+TOKEN_RESULTS = ("o", "dq", "dk", "dv")
+
 
 
 def results_of(static: Static, result_roles: tuple[str, ...],
@@ -87,9 +98,9 @@ def _result_layout(static: Static, result_roles: tuple[str, ...],
     for role in result_roles:
         if stacked and role in _STACKED_ROLES:
             if role == _STACKED_ROLES[0]:
-                layout.append((KV_GRADS, _STACKED_ROLES, bool(static.graph_spec.segments)))
+                layout.append((KV_GRADS, _STACKED_ROLES, static.unwritten_zeroed))
         else:
-            layout.append((role, (role,), False))
+            layout.append((role, (role,), static.unwritten_zeroed and role in TOKEN_RESULTS))
     return layout
 
 
