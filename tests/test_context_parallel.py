@@ -24,7 +24,7 @@ from sdpagraph import mods
 from sdpagraph.deploy.specfile import load_specs
 from sdpagraph.scoremod.ir_eval import evaluate
 from sdpagraph.scoremod.masks import SEGMENT_ARRAYS, segment_ir
-from sdpagraph.graphs.operands import ARRAY_PREFIX, KV_GRADS
+from sdpagraph.graphs.operands import ARRAY_PREFIX
 from sdpagraph.graphs.support import Support
 from sdpagraph.backends.cudnn import execute as cudnn_execute
 from sdpagraph.backends.cudnn.graph_on_xla import packed_ids
