@@ -24,7 +24,7 @@ from sdpagraph import mods
 from sdpagraph.deploy.specfile import load_specs
 from sdpagraph.scoremod.ir_eval import evaluate
 from sdpagraph.scoremod.masks import SEGMENT_ARRAYS, segment_ir
-from sdpagraph.graphs.operands import ARRAY_PREFIX
+from sdpagraph.graphs.operands import ARRAY_PREFIX, KV_GRADS
 from sdpagraph.graphs.support import Support
 from sdpagraph.backends.cudnn import execute as cudnn_execute
 from sdpagraph.backends.cudnn.graph_on_xla import packed_ids
@@ -328,8 +328,9 @@ def logits_on_xla(static, operands):
 
 def cudnn_like_executor(static, graph, operands, results):
     """Forward: test_sharding's stand-in. Backward: from the o and stats operands, as cuDNN does.
-    Rows a packed graph does not cover come back NaN (`unwritten`), or 0 in the token results the
-    executor zeroes first (`execute.Static.unwritten_zeroed`: the ring's and the halo's blocks)."""
+    Rows a packed graph does not cover come back NaN (`unwritten`), or 0 in the results the executor
+    zeroes first (dk and dv stacked, `graphs.operands.KV_GRADS`; every token result where the caller
+    asks, `execute.Static.unwritten_zeroed`: the halo's blocks)."""
     ids_q, ids_kv = packed_rows(static, operands)
     fill = 0.0 if static.unwritten_zeroed else jnp.nan
     if "dq" not in results:
@@ -347,8 +348,9 @@ def cudnn_like_executor(static, graph, operands, results):
     d_p = jnp.einsum("btnh,bsnh->bnts", d_o.astype(jnp.float32), v_heads)
     d_rows = jnp.swapaxes(jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1), 1, 2)[..., None]
     dq, dk = pullback(p * (d_p - d_rows))
-    grads = {"dq": unwritten(dq, ids_q, fill).astype(q.dtype), "dk": unwritten(dk, ids_kv, fill).astype(k.dtype),
-             "dv": unwritten(dv, ids_kv, fill).astype(v.dtype)}
+    kv_fill = 0.0 if KV_GRADS in results else fill
+    grads = {"dq": unwritten(dq, ids_q, fill).astype(q.dtype), "dk": unwritten(dk, ids_kv, kv_fill).astype(k.dtype),
+             "dv": unwritten(dv, ids_kv, kv_fill).astype(v.dtype)}
     return cudnn_execute.restacked(grads, results)
 
 

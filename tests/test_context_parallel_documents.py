@@ -191,7 +191,8 @@ def test_documents_halo_refuses_what_it_cannot_run(cudnn_ring):
                            r"<= 9, one more than the blocks of 8 .*given: 10"),
                           (dict(max_seqlen_kv=9, is_causal=False), "is_causal=True"),
                           (dict(max_seqlen_kv=9, score_mod=mods.softcap(3.0)), "take no score_mod")):
-            with pytest.raises(ValueError, match="context_parallel_axis='cp': context_parallel_strategy='halo' .*" + match):
+            prefix = "context_parallel_axis='cp': context_parallel_strategy='halo' .*"
+            with pytest.raises(ValueError, match=prefix + match):
                 ask(**kw)
         # auto takes the halo for documents it runs in natural order (no score_mod, max_seqlen_kv within a
         # block), else as before

@@ -126,8 +126,8 @@ def _int_attribute(jaxpr, name):
 @pytest.mark.parametrize("packed", [False, True])
 def test_a_stacked_block_backward_asks_the_executor_for_dk_and_dv_as_one_result(fake_gpu, packed):
     """`block_backward_stacked`: one FFI result holds dk then dv (result_parts 2, their uids in that
-    order after dq's); every other result holds one tensor. Where the graph is packed (it writes
-    only its documents' rows) the executor zeroes both results first."""
+    order after dq's), zeroed first by the executor where the graph is packed (it writes only its
+    documents' rows); every other result holds one tensor and is not zeroed."""
     rng = np.random.default_rng()
     q, k, v, o, d_o = (jnp.asarray(rng.standard_normal((2, 16, 4, 8)), jnp.bfloat16) for _ in range(5))
     kwargs = dict(is_causal=True)
@@ -150,16 +150,18 @@ def test_a_stacked_block_backward_asks_the_executor_for_dk_and_dv_as_one_result(
     graph = cudnn_execute.cached_graph(static.spec, static.ir, "backward")
     compiled = graph.compiled
     assert list(compiled.result_roles[:3]) == ["dq", "dk", "dv"]
-    assert parts == [1, 2] and zeroed == [int(packed)] * 2
+    assert parts == [1, 2] and zeroed == [0, int(packed)]
     tail = [compiled.uids[role] for role in ("dq", "dk", "dv")]
     assert uids[-3:] == tail and len(uids) == len(compiled.operand_roles) + 3
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_packed_block_calls_have_the_executor_zero_their_unwritten_rows(fake_gpu, packed):
-    """`block_forward` / `block_backward` of a packed graph: the executor zeroes o (not the stats),
-    and dq, dk and dv, before the graph writes its documents' rows, and no masking pass follows
-    (a select over a whole result); a dense graph's results are not zeroed."""
+@pytest.mark.parametrize("zero_unwritten", [False, True])
+def test_packed_block_calls_can_have_the_executor_zero_their_unwritten_rows(fake_gpu, packed, zero_unwritten):
+    """`block_forward` / `block_backward` of a packed graph with `zero_unwritten`: the executor zeroes
+    o (not the stats), and dq, dk and dv, before the graph writes its documents' rows, and no
+    masking pass follows (a select over a whole result); without it, a masking pass; a dense
+    graph's results are neither zeroed nor masked."""
     rng = np.random.default_rng()
     q, k, v, o, d_o = (jnp.asarray(rng.standard_normal((2, 16, 4, 8)), jnp.bfloat16) for _ in range(5))
     kwargs = dict(is_causal=True)
@@ -173,16 +175,17 @@ def test_packed_block_calls_have_the_executor_zero_their_unwritten_rows(fake_gpu
     def operands(q, k, v):
         return cudnn_backend.block_operands(static, prepare_call(q, k, v, None, **kwargs).inputs)
 
-    forward = lambda q, k, v: cudnn_backend.block_forward(static, q, k, v, operands(q, k, v))  # noqa: E731
+    forward = lambda q, k, v: cudnn_backend.block_forward(  # noqa: E731
+        static, q, k, v, operands(q, k, v), zero_unwritten)
     backward = lambda q, k, v, o, d_o, lse: cudnn_backend.block_backward(  # noqa: E731
-        static, q, k, v, operands(q, k, v), o, lse, d_o)
-    for fn, args, want in ((forward, (q, k, v), [int(packed), 0]),
-                           (backward, (q, k, v, o, d_o, lse), [int(packed)] * 3)):
+        static, q, k, v, operands(q, k, v), o, lse, d_o, zero_unwritten)
+    zeroing = int(packed and zero_unwritten)
+    for fn, args, want in ((forward, (q, k, v), [zeroing, 0]), (backward, (q, k, v, o, d_o, lse), [zeroing] * 3)):
         jaxpr = jax.make_jaxpr(fn)(*args)
         (zeroed,) = _int_attribute(jaxpr, "zeroed_results")
         assert zeroed == want, (fn, zeroed)
-        whole = re.findall(r"bf16\[2,16,4,8\] = select_n", str(jaxpr))  # masking a result's rows
-        assert not whole, whole
+        masked = re.findall(r"bf16\[2,16,4,8\] = select_n", str(jaxpr))  # a pass masking a result's rows
+        assert bool(masked) == (packed and not zero_unwritten), masked
 
 
 def test_results_of_refuses_dk_and_dv_that_do_not_stack():

@@ -34,7 +34,7 @@ from sdpagraph.graphs.operands import folds_segments
 from sdpagraph.graphs.support import Support
 from sdpagraph.backends import registry
 from sdpagraph.numerics import gate as numerics_gate
-from sdpagraph.parallel import halo, ring, ring_plan
+from sdpagraph.parallel import halo, halo_layout, ring, ring_plan
 from sdpagraph.call import PreparedCall, notify_trace_listeners
 from sdpagraph.parallel.load_balance import DOCUMENTS, document_order, gather_tokens, load_balance, unload_balance
 from sdpagraph.segments.metadata import segment_positions, segment_run_ids
@@ -127,7 +127,7 @@ def check(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh
         raise _fail(axis, f"context_parallel_strategy='all_to_all' needs the query heads N={spec.num_heads} and "
                           f"key/value heads K={spec.num_kv_heads} divisible by cp={cp}; use 'ring'")
     packed_graphs = not folds_segments(spec, call.score_mod)
-    if strategy == "halo" and (why := halo.unsupported(_global(spec, cp, manual), cp, load_balanced,
+    if strategy == "halo" and (why := halo_layout.unsupported(_global(spec, cp, manual), cp, load_balanced,
                                                        packed_graphs)) is not None:
         raise _fail(axis, f"context_parallel_strategy='halo' {why}")
     return shape, manual
@@ -137,7 +137,7 @@ def choose_strategy(spec: AttentionSpec, cp: int, strategy: str, ring_on_xla: bo
                     load_balanced: bool | str = False, packed_graphs: bool = False) -> str:
     """The strategy a call runs; 'auto' decides here, in this order (`spec`: global lengths):
     1. "halo" for bounded sliding windows, chunks that fit the blocks, and packed documents in natural
-       order on packed graphs whose `max_seqlen_kv` reaches back one block at most (`halo.unsupported`), while
+       order on packed graphs whose `max_seqlen_kv` reaches back one block at most (`halo_layout.unsupported`), while
        its traffic is at most AUTO_HALO_TRAFFIC's share of all_to_all's (`_halo_traffic_share`), or
        when the heads do not divide cp (no all_to_all; the ring runs windows and chunks on XLA blocks);
     2. the ring for packed documents on packed graphs (`packed_graphs`: no score_mod, so the ring's
@@ -156,7 +156,7 @@ def choose_strategy(spec: AttentionSpec, cp: int, strategy: str, ring_on_xla: bo
     # Packed documents take the halo in natural order only: load-balanced, on 2 H100s at T32768 it ran
     # 0.85x of the ring (4.50 against 3.82 ms; docs/results/h100x2-2026-11-26-documents-halo.md).
     documents_balanced = bool(spec.segments) and bool(load_balanced)
-    if not documents_balanced and halo.unsupported(spec, cp, load_balanced, packed_graphs) is None:
+    if not documents_balanced and halo_layout.unsupported(spec, cp, load_balanced, packed_graphs) is None:
         share = _halo_traffic_share(spec, cp, load_balanced)
         limit = next(limit for least, limit in AUTO_HALO_TRAFFIC if cp >= least)
         if not heads_divide or share <= limit:
@@ -171,7 +171,7 @@ def _halo_traffic_share(spec: AttentionSpec, cp: int, load_balanced: bool) -> fl
     """What the halo moves per device over what all_to_all moves, forward (the backward moves the
     same again in both): the halo, the keys and values its blocks reach (K heads each); all_to_all,
     (cp-1)/cp of the device's q, k, v and o ((2N + 2K) heads of T/cp tokens). 0 on one device."""
-    halo_bytes = halo.HaloLayout(spec, cp, load_balanced).received * 2 * spec.num_kv_heads
+    halo_bytes = halo_layout.HaloLayout(spec, cp, load_balanced).received * 2 * spec.num_kv_heads
     all_to_all_bytes = (spec.q_len // cp) * (cp - 1) / cp * 2 * (spec.num_heads + spec.num_kv_heads)
     return halo_bytes / all_to_all_bytes if all_to_all_bytes else 0.0
 
@@ -243,7 +243,7 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
                 break
     else:
         if strategy == "halo":
-            graphs = halo.HaloPlan(halo.HaloLayout(local, cp, load_balanced), axis, registry.primary().name,
+            graphs = halo.HaloPlan(halo_layout.HaloLayout(local, cp, load_balanced), axis, registry.primary().name,
                                    call.score_mod, ()).graphs
         else:
             split = Split(head_axes=(axis,), heads=cp, kv_heads=cp)
@@ -333,7 +333,7 @@ def _halo(call, local: AttentionSpec, axis, cp, load_balanced, backend, q, k, v,
     """The halo over this device's blocks; `ids`: the whole sequence's (B, T) natural-order segment
     ids (gathered in `attention`), or None; their facts stay in natural order (the halo reads them by each
     block's global position)."""
-    plan = halo.HaloPlan(halo.HaloLayout(local, cp, load_balanced), axis, backend, call.score_mod,
+    plan = halo.HaloPlan(halo_layout.HaloLayout(local, cp, load_balanced), axis, backend, call.score_mod,
                          tuple(sorted((call.inputs.mod_scalars or {}).items())), call.inputs.python_mods)
     tok = None if ids is None else _token_facts(ids, cp, False, local.max_segments)[0]
     return halo.halo_attention(plan, q, k, v, arrays, sinks, tok)

@@ -109,9 +109,9 @@ def forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, ids=N
     `DocumentIds` with packed documents."""
     primary = registry.primary()
     local, halo = plan.statics()
-    out, lse = primary.block_forward(local, q, *local_kv, _operands(local, arrays, ids and ids.local))
+    out, lse = primary.block_forward(local, q, *local_kv, _operands(local, arrays, ids and ids.local), True)
     hq, hk, hv = _halo_inputs(plan, q, halo_kv)
-    h_out, h_lse = primary.block_forward(halo, hq, hk, hv, _operands(halo, arrays, ids and ids.halo))
+    h_out, h_lse = primary.block_forward(halo, hq, hk, hv, _operands(halo, arrays, ids and ids.halo), True)
     if plan.reverse:
         h_out, h_lse = _flip(h_out), _flip(h_lse, axis=-1)
     if present is not None:
@@ -135,7 +135,7 @@ def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out,
     if plan.reverse:
         h_out, h_lse, h_do = _flip(h_out), _flip(h_lse, axis=-1), _flip(h_do)
     h_dq, h_dk, h_dv = primary.block_backward(halo, hq, hk, hv, _operands(halo, arrays, ids and ids.halo),
-                                              h_out, h_lse, h_do)
+                                              h_out, h_lse, h_do, True)
     if plan.reverse:
         h_dq, h_dk, h_dv = _flip(h_dq), _flip(h_dk), _flip(h_dv)
     # The barrier makes the local part's inputs wait for the halo part's gradients: XLA scheduled the
@@ -143,7 +143,7 @@ def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out,
     (h_dk, h_dv), (q, local_kv, out, lse, d_o) = jax.lax.optimization_barrier(((h_dk, h_dv),
                                                                               (q, local_kv, out, lse, d_o)))
     dq, dk, dv = primary.block_backward(local, q, *local_kv, _operands(local, arrays, ids and ids.local), out, lse,
-                                        d_o)
+                                        d_o, True)
     dq = _in_place(dq, dq[:, :plan.rows].astype(jnp.float32) + h_dq.astype(jnp.float32), 1)
     d_sinks = None if sinks is None else sinks_mod.gradient(d_o, out, lse, sinks)
     return dq, (dk, dv), (h_dk, h_dv), d_sinks

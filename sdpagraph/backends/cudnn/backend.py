@@ -263,16 +263,13 @@ def _pair_segment_bounds(static: Static, inputs: RuntimeInputs) -> tuple[dict[st
     return operands, Validity(covered, kv_slot > 0)
 
 
-def _zeroing(static: Static) -> Static:
-    """`static` with the executor zeroing the rows a packed graph leaves unwritten (a memset, where
-    masking them after the call reads and writes every row again)."""
-    return dataclasses.replace(static, zero_unwritten=True) if static.graph_spec.segments else static
-
-
-def block_forward(static: Static, q, k, v, operands: tuple[Mapping[str, Any], Validity]) -> tuple[Any, Any]:
-    """(o (B, T, N, H_v), logsumexp (B, N, T) fp32) of one block."""
+def block_forward(static: Static, q, k, v, operands: tuple[Mapping[str, Any], Validity],
+                  zero_unwritten: bool = False) -> tuple[Any, Any]:
+    """(o (B, T, N, H_v), logsumexp (B, N, T) fp32) of one block. `zero_unwritten`: the executor
+    zeroes the rows a packed graph leaves unwritten (a memset) instead of a masking pass after the
+    call; for callers that do not fuse that mask into a pass of their own (the ring's merges do)."""
     aux, validity = operands
-    static = _zeroing(static)
+    static = dataclasses.replace(static, zero_unwritten=zero_unwritten)
     o, stats = _forward(static, q, k, v, None, dict(aux), "forward")
     if validity.q is None:
         return o, stats
@@ -288,9 +285,10 @@ def _block_grads(static: Static, q, k, v, operands: tuple[Mapping[str, Any], Val
 
 
 def block_backward(static: Static, q, k, v, operands: tuple[Mapping[str, Any], Validity], o, lse,
-                   d_o) -> tuple[Any, Any, Any]:
-    """(dq, dk, dv) of one block, given the whole attention's output `o` and logsumexp `lse` (B, N, T)."""
-    validity, static = operands[1], _zeroing(static)
+                   d_o, zero_unwritten: bool = False) -> tuple[Any, Any, Any]:
+    """(dq, dk, dv) of one block, given the whole attention's output `o` and logsumexp `lse` (B, N, T);
+    `zero_unwritten` as `block_forward`'s."""
+    validity, static = operands[1], dataclasses.replace(static, zero_unwritten=zero_unwritten)
     grads = _block_grads(static, q, k, v, operands, o, lse, d_o)
     if static.unwritten_zeroed:
         return grads["dq"], grads["dk"], grads["dv"]
@@ -301,14 +299,12 @@ def block_backward(static: Static, q, k, v, operands: tuple[Mapping[str, Any], V
 def block_backward_stacked(static: Static, q, k, v, operands: tuple[Mapping[str, Any], Validity], o, lse,
                            d_o) -> tuple[Any, Any]:
     """(dq, dk and dv stacked (2, B, S, K, H)) of one block, as `block_backward` gives them: the
-    graph writes dk and dv into one array (`graphs.operands.KV_GRADS`), so a caller that sends them
-    on as one transfer makes no stacking pass."""
-    validity, static = operands[1], _zeroing(dataclasses.replace(static, kv_grads_stacked=True))
-    grads = _block_grads(static, q, k, v, operands, o, lse, d_o)
+    graph writes dk and dv into one array (`graphs.operands.KV_GRADS`), which the executor zeroes
+    first for a packed graph, so a caller that sends them on as one transfer makes no stacking pass."""
+    validity = operands[1]
+    grads = _block_grads(dataclasses.replace(static, kv_grads_stacked=True), q, k, v, operands, o, lse, d_o)
     dkv = grads[KV_GRADS]
-    if static.unwritten_zeroed:
-        return grads["dq"], dkv
-    if validity.kv is not None:
+    if validity.kv is not None and not static.graph_spec.segments:
         dkv = jnp.where(validity.kv[None, :, :, None, None], dkv, jnp.zeros((), dkv.dtype))
     return zero_rows(grads["dq"], validity.q), dkv
 

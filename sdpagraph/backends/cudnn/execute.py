@@ -57,7 +57,7 @@ class Static:
     kv_grads_stacked: bool = False
     # A packed graph's token results (o, dq, dk, dv) zeroed by the executor before the graph writes
     # its sequences' rows, so the rows it leaves unwritten read 0 with no masking pass after it
-    # (`zeroed_results`); the ring's and the halo's block calls ask for it.
+    # (`block_forward`'s `zero_unwritten`).
     zero_unwritten: bool = False
 
     @property
@@ -67,7 +67,8 @@ class Static:
 
 
 # dK and dV in one array (KV_GRADS), the graph writing both into it: the ring sends them on as one
-# transfer without a stacking pass.
+# transfer without a stacking pass. A packed graph writes only its sequences' rows, so the executor
+# zeroes this result before the graph runs.
 _STACKED_ROLES = ("dk", "dv")
 # A graph's results with a row per token, which a packed graph writes only for its sequences' rows.
 TOKEN_RESULTS = ("o", "dq", "dk", "dv")
@@ -98,7 +99,7 @@ def _result_layout(static: Static, result_roles: tuple[str, ...],
     for role in result_roles:
         if stacked and role in _STACKED_ROLES:
             if role == _STACKED_ROLES[0]:
-                layout.append((KV_GRADS, _STACKED_ROLES, static.unwritten_zeroed))
+                layout.append((KV_GRADS, _STACKED_ROLES, bool(static.graph_spec.segments)))
         else:
             layout.append((role, (role,), static.unwritten_zeroed and role in TOKEN_RESULTS))
     return layout
