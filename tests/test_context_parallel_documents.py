@@ -9,6 +9,7 @@ As tests/test_context_parallel.py, the first test runs this file again in a subp
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -190,7 +191,12 @@ def test_documents_halo_refuses_what_it_cannot_run(cudnn_ring):
                           (dict(max_seqlen_kv=10, load_balanced=True, segment_ids=sdpagraph.load_balance(ids, 4)),
                            r"<= 9, one more than the blocks of 8 .*given: 10"),
                           (dict(max_seqlen_kv=9, is_causal=False), "is_causal=True"),
-                          (dict(max_seqlen_kv=9, score_mod=mods.softcap(3.0)), "take no score_mod")):
+                          (dict(max_seqlen_kv=9, score_mod=mods.softcap(3.0)), "no score_mod or mask_mod"),
+                          # a mod that reads positions folds no segments, yet the halo's graphs take no mod
+                          (dict(max_seqlen_kv=9, score_mod=lambda s, b, h, q, kv: s - 0.5 * jnp.abs(q - kv)),
+                           "no score_mod or mask_mod"),
+                          (dict(max_seqlen_kv=9, score_mod=mods.alibi(np.linspace(0.1, 1, N).astype(np.float32))),
+                           "no score_mod or mask_mod")):
             prefix = "context_parallel_axis='cp': context_parallel_strategy='halo' .*"
             with pytest.raises(ValueError, match=prefix + match):
                 ask(**kw)
@@ -200,7 +206,9 @@ def test_documents_halo_refuses_what_it_cannot_run(cudnn_ring):
             q, q, q, segment_ids=ids, max_segments_per_seq=most, max_seqlen_kv=9, is_causal=True,
             context_parallel_axis="cp", context_parallel_strategy="auto").reason
         balanced = dict(max_seqlen_kv=9, load_balanced=True, segment_ids=sdpagraph.load_balance(ids, 4))
-        for kw in (dict(max_seqlen_kv=18), dict(max_seqlen_kv=9, score_mod=mods.softcap(3.0)), dict(), balanced):
+        relative = dict(max_seqlen_kv=9, score_mod=lambda s, b, h, q, kv: s - 0.5 * jnp.abs(q - kv))
+        for kw in (dict(max_seqlen_kv=18), dict(max_seqlen_kv=9, score_mod=mods.softcap(3.0)), dict(), balanced,
+                   relative):
             answer = sdpagraph.check_support(q, q, q, max_segments_per_seq=most, is_causal=True,
                                              context_parallel_axis="cp", context_parallel_strategy="auto",
                                              **{"segment_ids": ids, **kw})

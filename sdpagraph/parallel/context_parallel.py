@@ -126,20 +126,29 @@ def check(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh
     if strategy == "all_to_all" and (spec.num_heads % cp or spec.num_kv_heads % cp):
         raise _fail(axis, f"context_parallel_strategy='all_to_all' needs the query heads N={spec.num_heads} and "
                           f"key/value heads K={spec.num_kv_heads} divisible by cp={cp}; use 'ring'")
-    packed_graphs = not folds_segments(spec, call.score_mod)
     if strategy == "halo" and (why := halo_layout.unsupported(_global(spec, cp, manual), cp, load_balanced,
-                                                       packed_graphs)) is not None:
+                                                              halo_packed_graphs(call))) is not None:
         raise _fail(axis, f"context_parallel_strategy='halo' {why}")
     return shape, manual
 
 
+def halo_packed_graphs(call: PreparedCall) -> bool:
+    """Whether the halo's packed documents run on packed graphs: no mod at all (the halo's block graphs
+    take none with documents; a mod that reads positions would count from each document's start),
+    and the packed layout (`folds_segments`)."""
+    mods = call.score_mod is not None or call.inputs.python_mods is not None
+    return not mods and not folds_segments(call.spec, call.score_mod)
+
+
 def choose_strategy(spec: AttentionSpec, cp: int, strategy: str, ring_on_xla: bool = False,
-                    load_balanced: bool | str = False, packed_graphs: bool = False) -> str:
+                    load_balanced: bool | str = False, packed_graphs: bool = False,
+                    halo_documents: bool = False) -> str:
     """The strategy a call runs; 'auto' decides here, in this order (`spec`: global lengths):
     1. "halo" for bounded sliding windows, chunks that fit the blocks, and packed documents in natural
-       order on packed graphs whose `max_seqlen_kv` reaches back one block at most (`halo_layout.unsupported`), while
-       its traffic is at most AUTO_HALO_TRAFFIC's share of all_to_all's (`_halo_traffic_share`), or
-       when the heads do not divide cp (no all_to_all; the ring runs windows and chunks on XLA blocks);
+       order on packed graphs (`halo_documents`: `halo_packed_graphs`) whose `max_seqlen_kv` reaches
+       back one block at most (`halo_layout.unsupported`), while its traffic is at most
+       AUTO_HALO_TRAFFIC's share of all_to_all's (`_halo_traffic_share`), or when the heads do not
+       divide cp (no all_to_all; the ring runs windows and chunks on XLA blocks);
     2. the ring for packed documents on packed graphs (`packed_graphs`: no score_mod, so the ring's
        blocks run one packed call a step) when T >= AUTO_DOCUMENTS_RING_MIN_LEN;
     3. all_to_all when the heads divide cp and either T <= AUTO_ALL_TO_ALL_MAX_LEN, or the ring would
@@ -156,7 +165,7 @@ def choose_strategy(spec: AttentionSpec, cp: int, strategy: str, ring_on_xla: bo
     # Packed documents take the halo in natural order only: load-balanced, on 2 H100s at T32768 it ran
     # 0.85x of the ring (4.50 against 3.82 ms; docs/results/h100x2-2026-11-26-documents-halo.md).
     documents_balanced = bool(spec.segments) and bool(load_balanced)
-    if not documents_balanced and halo_layout.unsupported(spec, cp, load_balanced, packed_graphs) is None:
+    if not documents_balanced and halo_layout.unsupported(spec, cp, load_balanced, halo_documents) is None:
         share = _halo_traffic_share(spec, cp, load_balanced)
         limit = next(limit for least, limit in AUTO_HALO_TRAFFIC if cp >= least)
         if not heads_divide or share <= limit:
@@ -224,7 +233,8 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
     ring_reason = ring_plan.cudnn_reason(spec, call.score_mod, call.inputs.python_mods)
     ring_on_xla = ring_reason is not None and implementation != registry.reference().name
     packed_graphs = not folds_segments(spec, call.score_mod)
-    strategy = choose_strategy(_global(spec, cp, manual), cp, strategy, ring_on_xla, load_balanced, packed_graphs)
+    strategy = choose_strategy(_global(spec, cp, manual), cp, strategy, ring_on_xla, load_balanced, packed_graphs,
+                               halo_packed_graphs(call))
     # The batch splits over the other mesh axes when they divide it. Inside a shard_map the prepared
     # spec already holds the local batch and sequence blocks: the global lengths are cp times those.
     others = () if manual else tuple(a for a in shape if a != axis)
@@ -403,8 +413,9 @@ def attention(call: PreparedCall, q: Any, k: Any, v: Any, *, axis: str, load_bal
             ids = jax.lax.all_gather(ids, axis, axis=1, tiled=True)
         run = {"all_to_all": _all_to_all, "halo": _halo}.get(strategy, _ring)
         out, lse = run(call, local, axis, cp, load_balanced, backend, q, k, v, arrays, ids, sinks)
-        if ids is not None and call.row_check is not None:  # rows whose ids break a bound: NaN, as on one device
-            out, lse = call.poison(out, lse, call.row_check(ids))
+        rows = None if ids is None or call.row_check is None else call.row_check(ids)
+        if rows is not None:  # rows whose ids break a bound: NaN, as on one device
+            out, lse = call.poison(out, lse, rows)
         return out, lse
 
     if how.manual:

@@ -54,7 +54,8 @@ def _documents_unsupported(spec: AttentionSpec, count: int, load_balanced: Any, 
         return ("runs packed documents with is_causal=True and no local_window_size or chunk_size; use 'ring' or "
                 "'all_to_all'")
     if not packed_graphs:
-        return "runs packed documents on packed graphs, which take no score_mod; use 'ring' or 'all_to_all'"
+        return ("runs packed documents on packed graphs: no score_mod or mask_mod, and a value head dim equal to "
+                "the key's; use 'ring' or 'all_to_all'")
     block = spec.q_len // count
     if count < 2:
         return "has nothing to exchange over one block: use 'ring'"
@@ -69,7 +70,7 @@ def _documents_unsupported(spec: AttentionSpec, count: int, load_balanced: Any, 
 def unsupported(spec: AttentionSpec, cp: int, load_balanced: Any, packed_graphs: bool = True) -> str | None:
     """Why the halo strategy cannot run this call over `cp` devices (None: it can); names the
     argument at fault. `spec` has the global sequence lengths; `packed_graphs`: whether its packed
-    documents run on packed graphs (no score_mod)."""
+    documents run on packed graphs, with no mod at all (`context_parallel.halo_packed_graphs`)."""
     count = cp * (2 if load_balanced else 1)
     if spec.segments:
         if spec.q_len != spec.kv_len or spec.segments != "self":
