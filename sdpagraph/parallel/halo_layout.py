@@ -49,7 +49,8 @@ def chunk_fit(spec: AttentionSpec, count: int) -> str | None:
 def _documents_unsupported(spec: AttentionSpec, count: int, load_balanced: Any, packed_graphs: bool) -> str | None:
     """Why the halo cannot run these packed documents on `count` blocks (None: it can)."""
     if load_balanced == DOCUMENTS:
-        return f"needs whole blocks of the sequence: load_balanced={DOCUMENTS!r} cuts each document over the devices"
+        return (f"needs whole blocks of the sequence: load_balanced={DOCUMENTS!r} cuts each document over the "
+                "devices; use load_balanced=True or False, or 'ring' or 'all_to_all'")
     if not spec.is_causal or spec.has_window or spec.chunk_size is not None:
         return ("runs packed documents with is_causal=True and no local_window_size or chunk_size; use 'ring' or "
                 "'all_to_all'")
