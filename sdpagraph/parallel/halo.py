@@ -56,7 +56,8 @@ from sdpagraph.call import RuntimeInputs
 from sdpagraph.numerics import gate as numerics_gate
 from sdpagraph.parallel import halo_exchange, ring_documents
 from sdpagraph.parallel.halo_layout import WHOLE, WITHIN, HaloLayout, sides
-from sdpagraph.parallel.halo_split import DocumentIds, Exchange, SplitPlan, exchanged_attention, split_attention
+from sdpagraph.parallel.halo_split import (DocumentIds, Exchange, SplitPlan, exchanged_attention, slot_rows,
+                                           split_attention)
 from sdpagraph.parallel.ring_plan import OffsetMods, with_offsets
 from sdpagraph.scoremod.forms import PythonMods
 from sdpagraph.scoremod.ir import ScoreModIR
@@ -306,10 +307,7 @@ def _document_ids(plan: HaloPlan, split: SplitPlan, tok: tuple[Any, ...]) -> Doc
         first, before = tuple(x[:, :hl] for x in mine), _tokens(tok, jnp.maximum(start - hl, 0), hl)
         halo.append(ring_documents.shared_ids(first, before, start > 0, start > 0, most, 1))
 
-    def rows(pairs, side):  # (B, slots, L) -> (B·slots, L), as `halo_split._rows` puts the blocks
-        x = jnp.stack([p[side] for p in pairs], axis=1)
-        return x.reshape((-1,) + x.shape[2:])
-
+    rows = lambda pairs, side: slot_rows([p[side] for p in pairs])  # noqa: E731
     return DocumentIds((rows(local, 0), rows(local, 1)), (rows(halo, 0), rows(halo, 1)))
 
 

@@ -28,7 +28,8 @@ def sides(spec: AttentionSpec) -> tuple[int, int]:
     `document_reach`) can read; UNBOUNDED for an open side. Causal calls read none after."""
     left, right = spec.window
     if spec.segments and not spec.has_window:
-        left = UNBOUNDED if document_reach(spec) is None else document_reach(spec)
+        reach = document_reach(spec)
+        left = UNBOUNDED if reach is None else reach
     return left, 0 if spec.is_causal else right
 
 

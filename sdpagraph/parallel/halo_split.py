@@ -149,8 +149,8 @@ def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out,
     return dq, (dk, dv), (h_dk, h_dv), d_sinks
 
 
-def _no_gradient(arrays: Mapping[str, Any]) -> Any:
-    return jax.tree.map(lambda _: None, arrays)
+def _no_gradient(tree: Any) -> Any:
+    return jax.tree.map(lambda _: None, tree)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -196,6 +196,13 @@ def _rows(x: Any, slots: int) -> Any:
     return x.reshape((x.shape[0] * slots, x.shape[1] // slots) + x.shape[2:])
 
 
+def slot_rows(per_slot: list[Any]) -> Any:
+    """One (B, ...) array per slot -> (B·slots, ...), row b·slots + slot: the order `_rows` gives a
+    device's blocks."""
+    x = jnp.stack(per_slot, axis=1)
+    return x.reshape((-1,) + x.shape[2:])
+
+
 def _halo_rows(exchange: Exchange, k, v, hl: int) -> tuple[tuple[Any, Any], Any]:
     """The halos of k and v received for each slot, as batch rows (B·slots, hl, ...), and `present`
     per row."""
@@ -203,8 +210,7 @@ def _halo_rows(exchange: Exchange, k, v, hl: int) -> tuple[tuple[Any, Any], Any]
     received = halo_exchange.receive(exchange.routes, exchange.axis, (k, v))
     halos = [tuple(jnp.zeros((batch, hl) + x.shape[2:], x.dtype) for x in (k, v)) if got is None else got
              for got in received]
-    kv = tuple(jnp.stack([h[i] for h in halos], axis=1).reshape((batch * slots, hl) + x.shape[2:])
-               for i, x in enumerate((k, v)))
+    kv = tuple(slot_rows([h[i] for h in halos]) for i in range(2))
     present = jnp.asarray(exchange.present)[:, me]
     return kv, jnp.broadcast_to(present, (batch, slots)).reshape(batch * slots)
 
@@ -242,7 +248,7 @@ def _exchanged_bwd(plan: SplitPlan, exchange: Exchange, residuals, cotangents):
     h_dk, h_dv = per_slot(h_dk), per_slot(h_dv)
     grads = [None if r is None else (h_dk[:, slot], h_dv[:, slot]) for slot, r in enumerate(exchange.routes)]
     dk, dv = halo_exchange.send_back(exchange.routes, exchange.axis, grads, (dk, dv))
-    return dq, dk, dv, _no_gradient(arrays), d_sinks, None if ids is None else jax.tree.map(lambda _: None, ids)
+    return dq, dk, dv, _no_gradient(arrays), d_sinks, _no_gradient(ids)
 
 
 exchanged_attention.defvjp(_exchanged_fwd, _exchanged_bwd)

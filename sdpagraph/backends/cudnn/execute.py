@@ -74,7 +74,6 @@ _STACKED_ROLES = ("dk", "dv")
 TOKEN_RESULTS = ("o", "dq", "dk", "dv")
 
 
-
 def results_of(static: Static, result_roles: tuple[str, ...],
                results: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, jax.ShapeDtypeStruct]:
     """The results a graph call returns, by name: its result roles, dk and dv as one KV_GRADS
