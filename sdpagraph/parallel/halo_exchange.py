@@ -137,11 +137,12 @@ def receive(routes: Sequence[Route | None], axis: Any, kv: tuple[Any, Any]) -> l
     return pieces
 
 
-def send_back(routes: Sequence[Route | None], axis: Any, grads: Sequence[tuple[Any, Any] | None],
-              kv_grads: tuple[Any, Any]) -> tuple[Any, Any]:
-    """`kv_grads` (this device's dk, dv) with the gradients of the pieces `receive` gave (`grads[i]`
-    for route i, on the devices that read them) added where those pieces came from: the transpose
-    of `receive`, in place, in the same transfers."""
+def returned(routes: Sequence[Route | None], axis: Any, grads: Sequence[tuple[Any, Any] | None]) -> list[tuple[Any, tuple[Any, Any]]]:
+    """The gradients of the pieces `receive` gave (`grads[i]` for route i, on the devices that read
+    them) brought back to where those pieces came from, in the same transfers: (start, (dk rows, dv
+    rows)) for each piece this device gave, to add into its own dk and dv (`add_returned`). The
+    transpose of `receive`, apart from the adds so that the transfers can finish before the caller's
+    next call and only the adds wait for it."""
     me, shape = jax.lax.axis_index(axis), _shape_of(routes)
 
     def kept(index, source):  # route `index`'s gradient where this device read source `source`, else 0
@@ -151,10 +152,11 @@ def send_back(routes: Sequence[Route | None], axis: Any, grads: Sequence[tuple[A
         chosen = jnp.asarray(r.choice, jnp.int32)[me] == source
         return tuple(jnp.where(chosen, x, jnp.zeros_like(x)) for x in g)
 
+    pieces = []
     for index, r in enumerate(routes):
         for source, (slots, pairs) in enumerate(() if r is None else r.sources):
             if not pairs:  # a slice of the device's own other block
-                kv_grads = tuple(add_rows(x, g, _start(r, slots, me)) for x, g in zip(kv_grads, kept(index, source)))
+                pieces.append((_start(r, slots, me), kept(index, source)))
     for t in transfers(routes):
         # The piece a transfer brings a device is every one of its routes' candidate (`receive`): the
         # device sends back the sum of their gradients where they chose it (one, where it received;
@@ -163,18 +165,40 @@ def send_back(routes: Sequence[Route | None], axis: Any, grads: Sequence[tuple[A
         back = functools.reduce(lambda a, b: tuple(x + y for x, y in zip(a, b)), (kept(*take) for take in takes))
         # devices that sent nothing in this transfer receive zeros and add them
         moved = permute_pair(back, axis, [(receiver, sender) for sender, receiver in t.pairs])
-        kv_grads = tuple(add_rows(x, g, _start(shape, t.slots, me)) for x, g in zip(kv_grads, moved))
+        pieces.append((_start(shape, t.slots, me), moved))
+    return pieces
+
+
+def add_returned(pieces: Sequence[tuple[Any, tuple[Any, Any]]], kv_grads: tuple[Any, Any]) -> tuple[Any, Any]:
+    """`kv_grads` (this device's dk, dv) with each of `returned`'s pieces added where it starts, in place."""
+    for start, rows in pieces:
+        kv_grads = tuple(add_rows(x, g, start) for x, g in zip(kv_grads, rows))
     return kv_grads
 
 
+def send_back(routes: Sequence[Route | None], axis: Any, grads: Sequence[tuple[Any, Any] | None],
+              kv_grads: tuple[Any, Any]) -> tuple[Any, Any]:
+    """`kv_grads` (this device's dk, dv) with the gradients of the pieces `receive` gave added where
+    those pieces came from: `returned`, then `add_returned`."""
+    return add_returned(returned(routes, axis, grads), kv_grads)
+
+
+def replace_rows(x: Any, rows: Any, start: Any, axis: int = 1) -> Any:
+    """`x` with its `rows.shape[axis]` tokens from `start` along `axis` replaced by `rows`, in place.
+    The optimization barrier keeps XLA 0.11 on GPUs from fusing the update with the call that
+    produced `rows` or `x` (with the update straight after a merge it reported a cycle in a
+    dynamic-slice fusion on 2 H100s; fused with a graph call it failed to compile, "DynamicSliceFusion:
+    DUS target must be a fusion parameter"); a concatenation instead copies the whole block."""
+    x, rows = jax.lax.optimization_barrier((x, rows.astype(x.dtype)))
+    return jax.lax.dynamic_update_slice_in_dim(x, rows, start, axis=axis)
+
+
 def add_rows(x: Any, rows: Any, start: Any) -> Any:
-    """`x` with `rows` added to its tokens from `start` (axis 1), in place. The optimization barrier
-    keeps XLA 0.11 on GPUs from fusing the update with the graph call that produced `x`, which it
-    then failed to compile ("DynamicSliceFusion: DUS target must be a fusion parameter"); of the
-    forms that compile, a scatter-add was the fastest on 2 H100s (bench/probe_halo_in_place.py)."""
+    """`x` with `rows` added to its tokens from `start` (axis 1), in place: the sum of the rows is
+    computed apart, then written (`replace_rows`). XLA's GPU emitter writes a dynamic-update-slice in
+    place only where nothing else in its fusion reads the block, so the read of those rows and the
+    write must not fuse: as one scatter-add (or slice, add and update) it copied the whole block, 0.2
+    ms for a T65536 block on an H100."""
     x, rows = jax.lax.optimization_barrier((x, rows))
-    index = jnp.reshape(jnp.asarray(start, jnp.int32), (1,))
-    numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=tuple(range(x.ndim)), inserted_window_dims=(),
-                                              scatter_dims_to_operand_dims=(1,))
-    return jax.lax.scatter_add(x, index, rows.astype(x.dtype), numbers, indices_are_sorted=True,
-                               unique_indices=True, mode="promise_in_bounds")
+    summed = jax.lax.dynamic_slice_in_dim(x, start, rows.shape[1], axis=1) + rows.astype(x.dtype)
+    return replace_rows(x, summed, start)

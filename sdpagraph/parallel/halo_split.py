@@ -20,7 +20,7 @@ device runs the same two calls, where a `lax.switch` between "halo" and "no halo
 branch index to the host and wait for the device before each branch, on every step.
 
 Only the block's first `rows` rows see the halo: the merge and dq's sum update those rows of the
-local call's results in place (`_in_place`). `exchanged_attention` runs all of a device's blocks as
+local call's results in place (`halo_exchange.replace_rows`). `exchanged_attention` runs all of a device's blocks as
 the batch rows of one split call and receives their halos inside its custom_vjp, so their dk/dv go
 back and are added in place where they came from (`halo_exchange`).
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ from sdpagraph.backends import registry, sinks as sinks_mod
 from sdpagraph.backends.softmax_merge import merge
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.parallel import halo_exchange
-from sdpagraph.parallel.halo_exchange import Route
+from sdpagraph.parallel.halo_exchange import Route, replace_rows
 from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.spec import AttentionSpec
 
@@ -95,15 +95,6 @@ def _per_row(present: Any, x: Any) -> Any:
     return jnp.reshape(present, (-1,) + (1,) * (x.ndim - 1))
 
 
-def _in_place(x: Any, head: Any, axis: int) -> Any:
-    """`x` with its first rows along `axis` replaced by `head`, in place. The optimization barrier
-    keeps XLA from wrapping the update and the graph call that produced `head` into one
-    dynamic-slice fusion (with the update straight after the merge, XLA 0.11 reported a cycle in
-    one on 2 H100s); a concatenation instead copies the whole block a step."""
-    x, head = jax.lax.optimization_barrier((x, head.astype(x.dtype)))
-    return jax.lax.dynamic_update_slice_in_dim(x, head, 0, axis=axis)
-
-
 def forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, ids=None) -> tuple[Any, Any]:
     """(output, logsumexp) of the block: both calls, merged (module docstring); `ids`: a
     `DocumentIds` with packed documents."""
@@ -117,14 +108,16 @@ def forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, ids=N
     if present is not None:
         h_lse = jnp.where(_per_row(present, h_lse), h_lse, -jnp.inf)
     head, head_lse = merge((out[:, :plan.rows], lse[..., :plan.rows]), (h_out, h_lse))  # only these rows change
-    out, lse = _in_place(out, head, 1).astype(q.dtype), _in_place(lse, head_lse, 2)
+    out, lse = replace_rows(out, head, 0).astype(q.dtype), replace_rows(lse, head_lse, 0, axis=2)
     return (out, lse) if sinks is None else sinks_mod.apply(out, lse, sinks)
 
 
 def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out, lse, d_o,
-             ids=None) -> tuple[Any, ...]:
+             ids=None, send: Callable[[Any, Any], Any] | None = None) -> tuple[Any, ...]:
     """(dq, (dk, dv) of the block's own keys, (dk, dv) of the halo, d_sinks) given the FINAL output
-    and logsumexp and the output's cotangent."""
+    and logsumexp and the output's cotangent. `send(dk, dv)` of the halo, where given, runs before
+    the local part (their transfer back, `halo_exchange.returned`) and its result is returned in
+    place of the halo's (dk, dv)."""
     primary = registry.primary()
     local, halo = plan.statics()
     # The halo part first: its dk/dv can travel back (`send_back`) while the local part computes.
@@ -138,15 +131,17 @@ def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out,
                                               h_out, h_lse, h_do, True)
     if plan.reverse:
         h_dq, h_dk, h_dv = _flip(h_dq), _flip(h_dk), _flip(h_dv)
-    # The barrier makes the local part's inputs wait for the halo part's gradients: XLA scheduled the
-    # local part first on 2 H100s, and the transfer back then ran alone after both.
-    (h_dk, h_dv), (q, local_kv, out, lse, d_o) = jax.lax.optimization_barrier(((h_dk, h_dv),
-                                                                              (q, local_kv, out, lse, d_o)))
+    # The barrier makes the local part wait for the halo part's gradients and for `send`: XLA put the
+    # local part first on 2 H100s, and then the transfer back after it, synchronous, where the device
+    # that received waited for the other's local part to end (0.7 ms a step at T131072).
+    halo_grads = (h_dk, h_dv) if send is None else send(h_dk, h_dv)
+    halo_grads, (q, local_kv, out, lse, d_o) = jax.lax.optimization_barrier((halo_grads,
+                                                                            (q, local_kv, out, lse, d_o)))
     dq, dk, dv = primary.block_backward(local, q, *local_kv, _operands(local, arrays, ids and ids.local), out, lse,
                                         d_o, True)
-    dq = _in_place(dq, dq[:, :plan.rows].astype(jnp.float32) + h_dq.astype(jnp.float32), 1)
+    dq = replace_rows(dq, dq[:, :plan.rows].astype(jnp.float32) + h_dq.astype(jnp.float32), 0)
     d_sinks = None if sinks is None else sinks_mod.gradient(d_o, out, lse, sinks)
-    return dq, (dk, dv), (h_dk, h_dv), d_sinks
+    return dq, (dk, dv), halo_grads, d_sinks
 
 
 def _no_gradient(tree: Any) -> Any:
@@ -240,14 +235,18 @@ def _exchanged_fwd(plan: SplitPlan, exchange: Exchange, q, k, v, arrays, sinks, 
 def _exchanged_bwd(plan: SplitPlan, exchange: Exchange, residuals, cotangents):
     q, k, v, halo_kv, present, arrays, sinks, ids, out, lse = residuals
     slots = len(exchange.routes)
-    dq, (dk, dv), (h_dk, h_dv), d_sinks = backward(
-        plan, _rows(q, slots), (_rows(k, slots), _rows(v, slots)), halo_kv, arrays, sinks, present, out, lse,
-        _rows(cotangents[0], slots), ids)
-    dq, dk, dv = (x.reshape(y.shape) for x, y in ((dq, q), (dk, k), (dv, v)))
     per_slot = lambda x: x.reshape((q.shape[0], slots) + x.shape[1:])  # noqa: E731
-    h_dk, h_dv = per_slot(h_dk), per_slot(h_dv)
-    grads = [None if r is None else (h_dk[:, slot], h_dv[:, slot]) for slot, r in enumerate(exchange.routes)]
-    dk, dv = halo_exchange.send_back(exchange.routes, exchange.axis, grads, (dk, dv))
+
+    def send(h_dk, h_dv):  # the halos' gradients, on their way back before the local part runs
+        h_dk, h_dv = per_slot(h_dk), per_slot(h_dv)
+        grads = [None if r is None else (h_dk[:, slot], h_dv[:, slot]) for slot, r in enumerate(exchange.routes)]
+        return halo_exchange.returned(exchange.routes, exchange.axis, grads)
+
+    dq, (dk, dv), pieces, d_sinks = backward(
+        plan, _rows(q, slots), (_rows(k, slots), _rows(v, slots)), halo_kv, arrays, sinks, present, out, lse,
+        _rows(cotangents[0], slots), ids, send)
+    dq, dk, dv = (x.reshape(y.shape) for x, y in ((dq, q), (dk, k), (dv, v)))
+    dk, dv = halo_exchange.add_returned(pieces, (dk, dv))
     return dq, dk, dv, _no_gradient(arrays), d_sinks, _no_gradient(ids)
 
 
