@@ -1,8 +1,5 @@
-"""Which in-place forms XLA compiles and runs fastest for the halo's joins on GPUs, and when the
-halos' gradients should travel back: the halo rows' results into the block's
-(`halo_exchange.replace_rows`), the halos' gradients into dk, dv where they came from
-(`halo_exchange.add_rows`), and their transfer (`halo_exchange.returned`) before the local part's
-backward (the code) or wherever XLA puts it. Each variant patches those helpers, then compiles and
+"""Which in-place form XLA compiles and runs fastest on GPUs for adding the halos' gradients into dk,
+dv where they came from (`halo_exchange.add_rows`). Each variant patches that helper, then compiles and
 times `bench/multi_gpu.py --part cp-long` halo rows (2 GPUs), beside the same call on one.
 
     python3 bench/probe_halo_in_place.py [ROW ...]    (LONG_CALLS indexes; default 3 2 5 4)
@@ -16,11 +13,10 @@ import jax.numpy as jnp
 
 import multi_gpu  # bench/ is on sys.path when a script here runs
 from jax_timing import time_ms
-from sdpagraph.parallel import halo_exchange, halo_split
+from sdpagraph.parallel import halo_exchange
 
 
-# the code's forms, kept before the variants replace them
-replace_rows, split_add, backward = halo_exchange.replace_rows, halo_exchange.add_rows, halo_split.backward
+split_add = halo_exchange.add_rows  # the code's form, kept before the variants replace it
 
 
 def dus_add(x, rows, start):
@@ -37,21 +33,10 @@ def barrier_scatter_add(x, rows, start):  # the form before split_add: copied th
                                unique_indices=True, mode="promise_in_bounds")
 
 
-def send_after_local(*args):
-    """`halo_split.backward` with the transfer back left to XLA's scheduler (it put it after the local
-    part, synchronous)."""
-    *rest, send = args
-    dq, local, halo, d_sinks = backward(*rest)
-    return dq, local, halo if send is None else send(*halo), d_sinks
-
-
-VARIANTS = {  # name: (replace_rows, add_rows, backward)
-    "the code: split add, transfer before the local part": (replace_rows, split_add, backward),
-    "split add, transfer where XLA puts it": (replace_rows, split_add, send_after_local),
-    "barrier scatter-add, transfer before": (replace_rows, barrier_scatter_add, backward),
-    "barrier scatter-add, transfer where XLA puts it (the code before)": (replace_rows, barrier_scatter_add,
-                                                                          send_after_local),
-    "DUS-add without barriers": (replace_rows, dus_add, backward),
+VARIANTS = {  # name: add_rows
+    "the code: split add": split_add,
+    "barrier scatter-add (the code before)": barrier_scatter_add,
+    "DUS-add without barriers": dus_add,
 }
 
 
@@ -67,8 +52,7 @@ def main() -> None:
         print(f"| {label} | {scaled} | 1 GPU | {one:.3f} | | |", flush=True)
         args, mesh = multi_gpu.cp_inputs(scaled, heads, head_dim, docs, "halo", False)
         for name, variant in VARIANTS.items():
-            halo_exchange.replace_rows, halo_exchange.add_rows, halo_split.backward = variant
-            halo_split.replace_rows = halo_exchange.replace_rows
+            halo_exchange.add_rows = variant
             with jax.set_mesh(mesh):
                 try:
                     step = multi_gpu.cp_step(kwargs, "halo", False, impl).lower(*args).compile()

@@ -137,12 +137,11 @@ def receive(routes: Sequence[Route | None], axis: Any, kv: tuple[Any, Any]) -> l
     return pieces
 
 
-def returned(routes: Sequence[Route | None], axis: Any, grads: Sequence[tuple[Any, Any] | None]) -> list[tuple[Any, tuple[Any, Any]]]:
-    """The gradients of the pieces `receive` gave (`grads[i]` for route i, on the devices that read
-    them) brought back to where those pieces came from, in the same transfers: (start, (dk rows, dv
-    rows)) for each piece this device gave, to add into its own dk and dv (`add_returned`). The
-    transpose of `receive`, apart from the adds so that the transfers can finish before the caller's
-    next call and only the adds wait for it."""
+def send_back(routes: Sequence[Route | None], axis: Any, grads: Sequence[tuple[Any, Any] | None],
+              kv_grads: tuple[Any, Any]) -> tuple[Any, Any]:
+    """`kv_grads` (this device's dk, dv) with the gradients of the pieces `receive` gave (`grads[i]`
+    for route i, on the devices that read them) added where those pieces came from: the transpose
+    of `receive`, in place, in the same transfers."""
     me, shape = jax.lax.axis_index(axis), _shape_of(routes)
 
     def kept(index, source):  # route `index`'s gradient where this device read source `source`, else 0
@@ -152,11 +151,10 @@ def returned(routes: Sequence[Route | None], axis: Any, grads: Sequence[tuple[An
         chosen = jnp.asarray(r.choice, jnp.int32)[me] == source
         return tuple(jnp.where(chosen, x, jnp.zeros_like(x)) for x in g)
 
-    pieces = []
     for index, r in enumerate(routes):
         for source, (slots, pairs) in enumerate(() if r is None else r.sources):
             if not pairs:  # a slice of the device's own other block
-                pieces.append((_start(r, slots, me), kept(index, source)))
+                kv_grads = tuple(add_rows(x, g, _start(r, slots, me)) for x, g in zip(kv_grads, kept(index, source)))
     for t in transfers(routes):
         # The piece a transfer brings a device is every one of its routes' candidate (`receive`): the
         # device sends back the sum of their gradients where they chose it (one, where it received;
@@ -165,22 +163,8 @@ def returned(routes: Sequence[Route | None], axis: Any, grads: Sequence[tuple[An
         back = functools.reduce(lambda a, b: tuple(x + y for x, y in zip(a, b)), (kept(*take) for take in takes))
         # devices that sent nothing in this transfer receive zeros and add them
         moved = permute_pair(back, axis, [(receiver, sender) for sender, receiver in t.pairs])
-        pieces.append((_start(shape, t.slots, me), moved))
-    return pieces
-
-
-def add_returned(pieces: Sequence[tuple[Any, tuple[Any, Any]]], kv_grads: tuple[Any, Any]) -> tuple[Any, Any]:
-    """`kv_grads` (this device's dk, dv) with each of `returned`'s pieces added where it starts, in place."""
-    for start, rows in pieces:
-        kv_grads = tuple(add_rows(x, g, start) for x, g in zip(kv_grads, rows))
+        kv_grads = tuple(add_rows(x, g, _start(shape, t.slots, me)) for x, g in zip(kv_grads, moved))
     return kv_grads
-
-
-def send_back(routes: Sequence[Route | None], axis: Any, grads: Sequence[tuple[Any, Any] | None],
-              kv_grads: tuple[Any, Any]) -> tuple[Any, Any]:
-    """`kv_grads` (this device's dk, dv) with the gradients of the pieces `receive` gave added where
-    those pieces came from: `returned`, then `add_returned`."""
-    return add_returned(returned(routes, axis, grads), kv_grads)
 
 
 def replace_rows(x: Any, rows: Any, start: Any, axis: int = 1) -> Any:

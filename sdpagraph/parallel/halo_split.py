@@ -20,15 +20,15 @@ device runs the same two calls, where a `lax.switch` between "halo" and "no halo
 branch index to the host and wait for the device before each branch, on every step.
 
 Only the block's first `rows` rows see the halo: the merge and dq's sum update those rows of the
-local call's results in place (`halo_exchange.replace_rows`). `exchanged_attention` runs all of a device's blocks as
-the batch rows of one split call and receives their halos inside its custom_vjp, so their dk/dv go
-back and are added in place where they came from (`halo_exchange`).
+local call's results in place (`halo_exchange.replace_rows`). `exchanged_attention` runs all of a
+device's blocks as the batch rows of one split call and receives their halos inside its custom_vjp,
+so their dk/dv go back and are added in place where they came from (`halo_exchange`).
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -113,11 +113,9 @@ def forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, ids=N
 
 
 def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out, lse, d_o,
-             ids=None, send: Callable[[Any, Any], Any] | None = None) -> tuple[Any, ...]:
+             ids=None) -> tuple[Any, ...]:
     """(dq, (dk, dv) of the block's own keys, (dk, dv) of the halo, d_sinks) given the FINAL output
-    and logsumexp and the output's cotangent. `send(dk, dv)` of the halo, where given, runs before
-    the local part (their transfer back, `halo_exchange.returned`) and its result is returned in
-    place of the halo's (dk, dv)."""
+    and logsumexp and the output's cotangent."""
     primary = registry.primary()
     local, halo = plan.statics()
     # The halo part first: its dk/dv can travel back (`send_back`) while the local part computes.
@@ -131,17 +129,17 @@ def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out,
                                               h_out, h_lse, h_do, True)
     if plan.reverse:
         h_dq, h_dk, h_dv = _flip(h_dq), _flip(h_dk), _flip(h_dv)
-    # The barrier makes the local part wait for the halo part's gradients and for `send`: XLA put the
-    # local part first on 2 H100s, and then the transfer back after it, synchronous, where the device
-    # that received waited for the other's local part to end (0.7 ms a step at T131072).
-    halo_grads = (h_dk, h_dv) if send is None else send(h_dk, h_dv)
-    halo_grads, (q, local_kv, out, lse, d_o) = jax.lax.optimization_barrier((halo_grads,
-                                                                            (q, local_kv, out, lse, d_o)))
+    # The barrier makes the local part's inputs wait for the halo part's gradients, so that their
+    # transfer back can start first (XLA put the local part first on 2 H100s without it). Forcing the
+    # transfer itself before the local part too was 1.8-3.3% slower there with documents
+    # (bench/probe_halo_in_place.py).
+    (h_dk, h_dv), (q, local_kv, out, lse, d_o) = jax.lax.optimization_barrier(((h_dk, h_dv),
+                                                                              (q, local_kv, out, lse, d_o)))
     dq, dk, dv = primary.block_backward(local, q, *local_kv, _operands(local, arrays, ids and ids.local), out, lse,
                                         d_o, True)
     dq = replace_rows(dq, dq[:, :plan.rows].astype(jnp.float32) + h_dq.astype(jnp.float32), 0)
     d_sinks = None if sinks is None else sinks_mod.gradient(d_o, out, lse, sinks)
-    return dq, (dk, dv), halo_grads, d_sinks
+    return dq, (dk, dv), (h_dk, h_dv), d_sinks
 
 
 def _no_gradient(tree: Any) -> Any:
@@ -235,18 +233,14 @@ def _exchanged_fwd(plan: SplitPlan, exchange: Exchange, q, k, v, arrays, sinks, 
 def _exchanged_bwd(plan: SplitPlan, exchange: Exchange, residuals, cotangents):
     q, k, v, halo_kv, present, arrays, sinks, ids, out, lse = residuals
     slots = len(exchange.routes)
-    per_slot = lambda x: x.reshape((q.shape[0], slots) + x.shape[1:])  # noqa: E731
-
-    def send(h_dk, h_dv):  # the halos' gradients, on their way back before the local part runs
-        h_dk, h_dv = per_slot(h_dk), per_slot(h_dv)
-        grads = [None if r is None else (h_dk[:, slot], h_dv[:, slot]) for slot, r in enumerate(exchange.routes)]
-        return halo_exchange.returned(exchange.routes, exchange.axis, grads)
-
-    dq, (dk, dv), pieces, d_sinks = backward(
+    dq, (dk, dv), (h_dk, h_dv), d_sinks = backward(
         plan, _rows(q, slots), (_rows(k, slots), _rows(v, slots)), halo_kv, arrays, sinks, present, out, lse,
-        _rows(cotangents[0], slots), ids, send)
+        _rows(cotangents[0], slots), ids)
     dq, dk, dv = (x.reshape(y.shape) for x, y in ((dq, q), (dk, k), (dv, v)))
-    dk, dv = halo_exchange.add_returned(pieces, (dk, dv))
+    per_slot = lambda x: x.reshape((q.shape[0], slots) + x.shape[1:])  # noqa: E731
+    h_dk, h_dv = per_slot(h_dk), per_slot(h_dv)
+    grads = [None if r is None else (h_dk[:, slot], h_dv[:, slot]) for slot, r in enumerate(exchange.routes)]
+    dk, dv = halo_exchange.send_back(exchange.routes, exchange.axis, grads, (dk, dv))
     return dq, dk, dv, _no_gradient(arrays), d_sinks, _no_gradient(ids)
 
 
