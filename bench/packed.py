@@ -11,7 +11,8 @@ metadata alone (the XLA ops before cuDNN), and FlexAttention with a document blo
 with a score_mod run on bins (`graphs.binning`); they also time the same call unbinned (the dense
 twin over whole rows), without the `max_seqlen_kv` hint (bins of a quarter of a row), and the bins'
 layout alone. `--batch-sharded` (2 GPUs): those cases with the batch split over both (a shard_map,
-with and without the hint, and jit's partitioning) against FlexAttention on half the batch on one GPU.
+with and without the hint; jit's partitioning, with and without it, and with bins off) against
+FlexAttention on half the batch on one GPU.
 FlexAttention is compiled anew for each case (`attention.torch_flex_ms`). Prints ms,
 real-token TFLOP/s and ratios; writes packed.md / packed.json to --out.
 """
@@ -116,15 +117,17 @@ def packing_ms(q, seg, max_segments, hint, score_mod):
     plan = bin_plan(call.spec, call.score_mod)
     if plan is None:
         return None
-    layout = jax.jit(lambda ids: dataclasses.astuple(packed_bins._layout(ids, plan, max_segments, False)))
+    layout = jax.jit(lambda ids: dataclasses.astuple(packed_bins.lay_out(ids, plan, max_segments, False)))
     return time_ms(layout, seg)
 
 
-SHARDED = {  # label: (inside a shard_map, with the hint, SDPAGRAPH_CHECK_SEGMENTS or None for the default)
+SHARDED = {  # label: (inside a shard_map, with the hint, (variable, value) set while tracing, or None)
     "2 GPUs shard_map": (True, True, None),
     "2 GPUs shard_map no hint": (True, False, None),
-    "2 GPUs shard_map check off": (True, True, "off"),
-    "2 GPUs jit": (False, True, None),
+    "2 GPUs shard_map check off": (True, True, (CHECK_SEGMENTS.name, "off")),
+    "2 GPUs jit": (False, True, None),  # jit's partitioning: bins per device (`bins.partitioned`)
+    "2 GPUs jit no hint": (False, False, None),
+    "2 GPUs jit bins off": (False, True, (BINS.name, "0")),  # the dense twin per device
 }
 CHILD = "import sys; sys.path.insert(0, sys.argv[1]); import packed; packed.child_sharded(sys.argv[-1])"
 
@@ -153,11 +156,11 @@ def child_sharded(request):
     split over 2 GPUs, the way training shards it (training=True in both passes). Prints `RESULT`."""
     request = json.loads(request)
     index, backward = request["index"], request["backward"]
-    inside, hinted, check = SHARDED[request["label"]]
+    inside, hinted, env = SHARDED[request["label"]]
     _, q, k, v, seg, max_segments = case_inputs(index)
     fn = packed_call(index, max_segments, hinted, True)
-    if check is not None:
-        fn = with_env(fn, CHECK_SEGMENTS.name, check)
+    if env is not None:
+        fn = with_env(fn, *env)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("batch",))
     split = jax.sharding.PartitionSpec("batch")
     if inside:
@@ -268,13 +271,15 @@ def table(rows):
         lines += ["", "Batch split over 2 GPUs (per device: half the rows; training=True, each variant in a "
                   "process of its own), against FlexAttention on half the batch on one GPU:", "",
                   "| case | pass | shard_map | shard_map no hint | shard_map check off | jit, batch-sharded arguments | "
-                  "flex, half batch | flex/shard_map | flex/no hint |", "|---" * 9 + "|"]
+                  "jit no hint | jit, bins off | flex, half batch | flex/shard_map | flex/no hint | flex/jit | "
+                  "flex/jit no hint |", "|---" * 13 + "|"]
         for r in sharded:
             ratio = lambda key: (r["flex half batch ms"] / r[key]  # noqa: E731
                                  if r.get("flex half batch ms") and r.get(key) else None)
             lines.append(f"| {r['case']} | {r['pass']} | " + " | ".join(fmt(r.get(label + " ms")) for label in SHARDED) +
                          f" | {fmt(r.get('flex half batch ms'))} | {fmt(ratio('2 GPUs shard_map ms'), '.2f')} | "
-                         f"{fmt(ratio('2 GPUs shard_map no hint ms'), '.2f')} |")
+                         f"{fmt(ratio('2 GPUs shard_map no hint ms'), '.2f')} | {fmt(ratio('2 GPUs jit ms'), '.2f')} | "
+                         f"{fmt(ratio('2 GPUs jit no hint ms'), '.2f')} |")
             lines += [f"- {r['case']} {r['pass']}, {label}: {r[label + ' error'][-200:]}"
                       for label in SHARDED if r.get(label + " error")]
     return "\n".join(lines)

@@ -49,7 +49,7 @@ def run(out_dir):
         q, k, v = (jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.bfloat16) for _ in range(3))
         call = prepare_call(q, k, v, is_causal=True, segment_ids=ids, score_mod=softcap, max_seqlen_kv=hint)
         plan = bin_plan(call.spec, call.score_mod)
-        layout = packed_bins._layout(ids, plan, call.spec.max_segments, False)
+        layout = packed_bins.lay_out(ids, plan, call.spec.max_segments, False)
         needed = int(jnp.max(jnp.where(layout.dest < plan.bins * plan.rows, layout.dest // plan.rows, -1))) + 1
         base = B * T / plan.rows
         row = {"case": name, "rows": plan.rows, "plan bins": plan.bins, "needed bins": needed,
@@ -66,7 +66,7 @@ def run(out_dir):
                 row[label] = time_ms(jax.jit(fn), q, k, v)
         run_call = functools.partial(cudnn._attention, score_mod=call.score_mod, training=False, verify=None)
         dest, source = layout.dest, layout.source
-        to_bins = jax.jit(lambda q, k, v: tuple(packed_bins._to_bins(x, layout, plan) for x in (q, k, v)))
+        to_bins = jax.jit(lambda q, k, v: tuple(packed_bins.to_bins(x, layout, plan) for x in (q, k, v)))
         binned = to_bins(q, k, v)
         bin_inputs = dataclasses.replace(call.inputs, q_segment_ids=layout.bin_ids, kv_segment_ids=layout.bin_ids)
         inner = jax.jit(lambda q, k, v: run_call(plan.spec, q, k, v, bin_inputs)[0])
@@ -74,7 +74,7 @@ def run(out_dir):
         back = jax.jit(lambda o: packed_bins._move(o.reshape((-1,) + o.shape[2:]), dest, source))
         row.update({
             "layout ms": time_ms(jax.jit(lambda ids: dataclasses.astuple(
-                packed_bins._layout(ids, plan, call.spec.max_segments, False))), ids),
+                packed_bins.lay_out(ids, plan, call.spec.max_segments, False))), ids),
             "q, k, v into bins ms": time_ms(to_bins, q, k, v),
             "cuDNN on bins ms": time_ms(inner, *binned),
             "output back ms": time_ms(back, out_bins),

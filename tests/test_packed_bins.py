@@ -160,7 +160,7 @@ def test_a_call_on_bins_gives_what_it_gives_unbinned(is_causal, padding, kv_head
         if reference_fits(ids, plan):
             break
     assert plan is not None and plan.rows == 128 and plan.spec.batch == plan.bins
-    layout = packed_bins._layout(call.inputs.q_segment_ids, plan, call.spec.max_segments, True)
+    layout = packed_bins.lay_out(call.inputs.q_segment_ids, plan, call.spec.max_segments, True)
     assert bool(layout.fits)
     assert_same(*binned_and_unbinned(call, plan, q, k, v))
 
@@ -170,7 +170,7 @@ def test_documents_that_need_more_bins_run_unbinned():
     ids = random_documents(rng, 2, 1024, 65, 70)  # just over half a bin each: one per bin
     call, q, k, v = prepared(rng, ids, 128)
     plan = bin_plan(call.spec, call.score_mod)
-    assert not bool(packed_bins._layout(call.inputs.q_segment_ids, plan, call.spec.max_segments, True).fits)
+    assert not bool(packed_bins.lay_out(call.inputs.q_segment_ids, plan, call.spec.max_segments, True).fits)
     assert_same(*binned_and_unbinned(call, plan, q, k, v))
 
 
@@ -182,7 +182,7 @@ def test_a_document_longer_than_the_bins_runs_unbinned(monkeypatch):
     ids[1, 100:400] = 99  # a document of 300 tokens
     call, q, k, v = prepared(rng, ids, 128)
     plan = bin_plan(call.spec, call.score_mod)
-    assert not bool(packed_bins._layout(call.inputs.q_segment_ids, plan, call.spec.max_segments, True).fits)
+    assert not bool(packed_bins.lay_out(call.inputs.q_segment_ids, plan, call.spec.max_segments, True).fits)
     assert_same(*binned_and_unbinned(call, plan, q, k, v))
 
 
@@ -301,5 +301,6 @@ def test_a_process_with_several_gpus_says_once_why_its_documents_run_unbinned(mo
     caplog.set_level(logging.WARNING, logger="sdpagraph")
     packed_bins.say_why_not()
     packed_bins.say_why_not()
-    said = [r.getMessage() for r in caplog.records if "bins need the call on one device" in r.getMessage()]
-    assert len(said) == 1 and "this process has 4" in said[0] and "shard_map" in said[0]
+    said = [r.getMessage() for r in caplog.records if "bins run on one device, or per device" in r.getMessage()]
+    assert len(said) == 1 and "this process has 4 devices" in said[0] and "shard_map" in said[0]
+    assert "SDPAGRAPH_PARTITION=0" in said[0]

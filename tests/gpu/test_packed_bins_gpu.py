@@ -41,7 +41,7 @@ def test_bins_match_xla(low, high, hint, fits, monkeypatch):
     (_, out), grads = values_and_grads("cudnn", q, k, v, ids, hint, score_mod, do.astype(jnp.float32))
     assert calls == [1]
     call = prepare_call(q, k, v, is_causal=True, segment_ids=ids, score_mod=score_mod, max_seqlen_kv=hint)
-    layout = packed_bins._layout(ids, bin_plan(call.spec, call.score_mod), call.spec.max_segments, False)
+    layout = packed_bins.lay_out(ids, bin_plan(call.spec, call.score_mod), call.spec.max_segments, False)
     assert bool(layout.fits) == fits
     (_, want), want_grads = values_and_grads("xla", q, k, v, ids, hint, score_mod, do.astype(jnp.float32))
     errors = [rel_err(out, want)] + [rel_err(a, b) for a, b in zip(grads, want_grads)]

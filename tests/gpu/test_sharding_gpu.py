@@ -136,6 +136,45 @@ def test_user_shard_map_runs_on_the_local_arrays():
     assert all(rel_err(a, b) < 2e-2 for a, b in zip(grads, grads_ref))
 
 
+@pytest.mark.parametrize("hint", [1024, None])
+def test_packed_documents_run_on_bins_per_device_under_jit(monkeypatch, hint):
+    """Packed softcap documents under jax.jit with batch-sharded arguments over 2 GPUs (no shard_map):
+    each device packs and runs its own rows on bins (`bins.partitioned`), nothing is gathered, and
+    the result and gradients match the XLA backend."""
+    from sdpagraph.backends.cudnn.bins import partitioned as partitioned_bins
+    from tests.test_packed_bins import random_documents
+    from tests.test_sharding import COLLECTIVE_GATHERS
+
+    calls = []
+    real = partitioned_bins._execute
+    monkeypatch.setattr(partitioned_bins, "_execute", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    partitioned_bins._executor.cache_clear()
+    rng = np.random.default_rng()
+    t = 4096
+    q, k, v = (jnp.asarray(rng.standard_normal((B, t, 8, H)), jnp.bfloat16) for _ in range(3))
+    ids = jnp.asarray(random_documents(rng, B, t, 64, 1000, padding=int(rng.integers(0, 100))))
+    m = mesh()
+    kwargs = dict(is_causal=True, score_mod=mods.softcap(30.0), max_seqlen_kv=hint)
+
+    def step(impl):
+        def loss(q, k, v, ids):
+            out = sdpagraph.attention(q, k, v, segment_ids=ids, implementation=impl, **kwargs)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+    placed = [place(x, m, P("x")) for x in (q, k, v, ids)]
+    try:
+        value, grads = step("cudnn")(*placed)
+        hlo = step("cudnn").lower(*placed).compile().as_text()
+    finally:
+        partitioned_bins._executor.cache_clear()
+    assert {"forward", "backward"} <= set(calls), "the documents ran on bins per device"
+    assert not COLLECTIVE_GATHERS.search(hlo), "q, k, v or the ids were gathered"
+    value_ref, grads_ref = step("xla")(q, k, v, ids)
+    assert rel_err(value, value_ref) < 2e-2
+    assert all(rel_err(a, b) < 2e-2 for a, b in zip(grads, grads_ref))
+
+
 def test_packed_documents_run_on_bins_per_device_inside_a_user_shard_map(monkeypatch):
     """Packed softcap documents, the batch split over 2 GPUs inside a shard_map: each device packs its
     own rows into bins (`bins.packed.usable`), and the result and gradients match the XLA backend."""

@@ -24,7 +24,7 @@ from sdpagraph.config import NATIVE_SINKS
 from sdpagraph.backends import registry, sinks as sinks_mod
 from sdpagraph.backends.base import Backend, Verify
 from sdpagraph.backends.cudnn import fp8, paged_decode
-from sdpagraph.backends.cudnn.bins import packed as packed_bins
+from sdpagraph.backends.cudnn.bins import packed as packed_bins, partitioned as partitioned_bins
 from sdpagraph.backends.cudnn.call_operands import Validity, attended, bias_operand, call_operands, zero_rows
 from sdpagraph.backends.cudnn import execute
 from sdpagraph.backends.cudnn.execute import Static, run_graph
@@ -154,10 +154,14 @@ def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: Run
         ids = chunk_ids(spec)
         return run(documents, query, key, value, dataclasses.replace(inputs, q_segment_ids=ids, kv_segment_ids=ids))
     bins = bin_plan(spec, score_mod)
-    if bins is not None and not packed_bins.usable():
-        packed_bins.say_why_not()
-    elif bins is not None and _runs_here(bins.spec, score_mod, training, verify, scalars):
-        return packed_bins.attention(bins, spec, query, key, value, inputs, run)
+    if bins is not None:
+        one_device, per_device = packed_bins.usable(), partitioned_bins.usable(inputs, sinks)
+        if not (one_device or per_device):
+            packed_bins.say_why_not()
+        elif _runs_here(bins.spec, score_mod, training, verify, scalars):
+            if one_device:
+                return packed_bins.attention(bins, spec, query, key, value, inputs, run)
+            return partitioned_bins.attention(spec, query, key, value, inputs, score_mod, CudnnBackend)
     return run(spec, query, key, value, inputs)
 
 

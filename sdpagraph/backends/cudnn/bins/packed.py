@@ -21,7 +21,8 @@ The moves are gathers of whole (heads, dim) token rows, one in each direction, a
 other's transpose (`_move`): the gradient goes back by a gather too, not by a scatter-add.
 
 Where: a GPU call on one device: a process with one, or inside a `shard_map` manual over every
-mesh axis (the packer is a Pallas call, which XLA cannot partition);
+mesh axis (the packer is a Pallas call, which XLA cannot partition); under jit's partitioning in a
+process with several devices, each device runs its rows through `partitioned` instead.
 `SDPAGRAPH_BINS=0` switches it off (`graphs.binning` plans no bins then).
 """
 from __future__ import annotations
@@ -56,20 +57,22 @@ def usable() -> bool:
 
 def say_why_not() -> None:
     """Say once, at WARNING, why packed documents that bins would take run on whole rows here (about
-    twice as slow on an H100): on a GPU, a process with several devices outside a shard_map."""
+    twice as slow on an H100): on a GPU, a process with several devices outside a shard_map, where
+    they cannot run per device either (`partitioned.usable`)."""
     if jax.default_backend() != "gpu":
         return
     log_once(logger, logging.WARNING,
              "sdpagraph: packed documents with a score_mod run on whole rows (the dense twin over every "
-             "tile): bins need the call on one device, and this process has %d outside a shard_map. Call "
-             "sdpagraph.attention inside a jax.shard_map that is manual over every mesh axis (each device "
-             "packs its own rows), or run on one GPU (CUDA_VISIBLE_DEVICES).", jax.device_count(),
-             topic="bins need one device")
+             "tile): bins run on one device, or per device under jit's partitioning, which is off here "
+             "(SDPAGRAPH_PARTITION=0) or does not take the call's attention sinks or dropout; this process "
+             "has %d devices. Call sdpagraph.attention inside a jax.shard_map that is manual over every mesh "
+             "axis (each device packs its own rows), or run on one GPU (CUDA_VISIBLE_DEVICES).",
+             jax.device_count(), topic="bins need one device")
 
 
 # ----------------------------------------------------------------------------- moves
 
-def _gather_rows(x: Any, index: Any) -> Any:
+def gather_rows(x: Any, index: Any) -> Any:
     """x[index] along axis 0, zero where index is out of range (x.shape[0]: the sentinel)."""
     size = x.shape[0]
     rows = jnp.take(x, jnp.minimum(index, size - 1), axis=0)
@@ -81,15 +84,15 @@ def _gather_rows(x: Any, index: Any) -> Any:
 def _move(x: Any, to: Any, back: Any) -> Any:
     """`x[to]` (zero at sentinels); `back` is `to`'s inverse (each row of x that `to` picks, at the
     index that picks it; the sentinel elsewhere), so the transpose is a gather by `back`."""
-    return _gather_rows(x, to)
+    return gather_rows(x, to)
 
 
 def _move_fwd(x, to, back):
-    return _gather_rows(x, to), back
+    return gather_rows(x, to), back
 
 
 def _move_bwd(back, g):
-    return _gather_rows(g, back), None, None
+    return gather_rows(g, back), None, None
 
 
 _move.defvjp(_move_fwd, _move_bwd)
@@ -98,7 +101,7 @@ _move.defvjp(_move_fwd, _move_bwd)
 # ----------------------------------------------------------------------------- packing
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class Layout:
     """Where each token goes and where each bin slot comes from, flat over (B*T) and (bins*rows)."""
 
     dest: Any  # (B*T,) bin slot of each token; bins*rows for padding
@@ -113,7 +116,7 @@ class _Layout:
 MIN_DOC_SLOTS = 2048
 
 
-def _layout(ids: Any, plan: BinPlan, max_segments: int, interpret: bool) -> _Layout:
+def lay_out(ids: Any, plan: BinPlan, max_segments: int, interpret: bool) -> Layout:
     tokens = ids.size
     # at most max_segments per row count (the others are padding), in at least MIN_DOC_SLOTS slots
     docs = min(tokens, max(ids.shape[0] * max_segments, MIN_DOC_SLOTS))
@@ -138,7 +141,7 @@ def _layout(ids: Any, plan: BinPlan, max_segments: int, interpret: bool) -> _Lay
     dest = jnp.where(fits, dest, slots)  # a layout that does not fit is not used: keep it in range
     source = jnp.full((slots,), tokens, jnp.int32).at[dest].set(jnp.arange(tokens, dtype=jnp.int32), mode="drop")
     bin_doc = jnp.where(source < tokens, doc[jnp.minimum(source, tokens - 1)] + 1, 0)
-    return _Layout(dest, source, bin_doc.reshape(plan.bins, plan.rows).astype(jnp.int32), fits)
+    return Layout(dest, source, bin_doc.reshape(plan.bins, plan.rows).astype(jnp.int32), fits)
 
 
 # ----------------------------------------------------------------------------- the call
@@ -148,13 +151,13 @@ def attention(plan: BinPlan, spec: AttentionSpec, q: Any, k: Any, v: Any, inputs
     """(out (B, T, N, H_v), logsumexp (B, N, T) or None) of the packed call `spec`, on bins when its
     documents fit them (module docstring). `interpret` runs the packer in Pallas' interpreter (tests
     on a CPU)."""
-    layout = _layout(inputs.q_segment_ids, plan, spec.max_segments, interpret)
+    layout = lay_out(inputs.q_segment_ids, plan, spec.max_segments, interpret)
 
     def binned(q, k, v):
-        into = functools.partial(_to_bins, layout=layout, plan=plan)
+        into = functools.partial(to_bins, layout=layout, plan=plan)
         bin_inputs = dataclasses.replace(inputs, q_segment_ids=layout.bin_ids, kv_segment_ids=layout.bin_ids)
         out, lse = run(plan.spec, into(q), into(k), into(v), bin_inputs)
-        return _from_bins(out, lse, layout, spec)
+        return from_bins(out, lse, layout, spec)
 
     def unbinned(q, k, v):
         return run(spec, q, k, v, inputs)
@@ -162,18 +165,18 @@ def attention(plan: BinPlan, spec: AttentionSpec, q: Any, k: Any, v: Any, inputs
     return jax.lax.cond(layout.fits, binned, unbinned, q, k, v)
 
 
-def _to_bins(x: Any, layout: _Layout, plan: BinPlan) -> Any:
+def to_bins(x: Any, layout: Layout, plan: BinPlan) -> Any:
     flat = x.reshape((-1,) + x.shape[2:])
     return _move(flat, layout.source, layout.dest).reshape((plan.bins, plan.rows) + x.shape[2:])
 
 
-def _from_bins(out: Any, lse: Any, layout: _Layout, spec: AttentionSpec) -> tuple[Any, Any]:
+def from_bins(out: Any, lse: Any, layout: Layout, spec: AttentionSpec) -> tuple[Any, Any]:
     b, t = spec.batch, spec.q_len
     out = _move(out.reshape((-1,) + out.shape[2:]), layout.dest, layout.source).reshape((b, t) + out.shape[2:])
     if lse is None:
         return out, None
     heads = lse.shape[1]
     rows = jnp.swapaxes(lse, 1, 2).reshape(-1, heads)  # (bins*rows, N)
-    lse = _gather_rows(rows, layout.dest)
+    lse = gather_rows(rows, layout.dest)
     lse = jnp.where((layout.dest < rows.shape[0])[:, None], lse, -jnp.inf)
     return out, jnp.swapaxes(lse.reshape(b, t, heads), 1, 2)

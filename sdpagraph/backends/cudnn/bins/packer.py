@@ -89,9 +89,9 @@ def formulation() -> str:
 
 def _first_fit(lengths: Any, rows: int, bins: int, slots: int, interpret: bool) -> tuple[Any, Any, Any]:
     """`_place` as one Pallas (Triton) program, in Pallas' interpreter with `interpret` (tests on a
-    CPU), or as XLA's loop where this jax lowers no Triton kernels."""
+    CPU), or as XLA's loop off GPUs and where this jax lowers no Triton kernels."""
     placement = functools.partial(_place, rows=rows, bins=bins, slots=slots)
-    if not interpret and not pallas_triton.status().available:
+    if not interpret and (jax.default_backend() != "gpu" or not pallas_triton.status().available):
         return placement(lengths)
     from jax.experimental import pallas as pl
 
