@@ -211,7 +211,7 @@ def attention(
         regime (`max_seqlen_q` <= 4, `max_seqlen_kv` <= 32; without a hint it is not).
         In self-attention (one ids array) a segment has as many keys as queries, so the
         smaller hint given bounds both. cuDNN runs packed self-attention with a score_mod
-        on short rows of whole documents (bins: see `graphs.binning`; on one device), as long
+        on short rows of whole documents (bins: see `graphs.binning`; per device), as long
         as `max_seqlen_kv` (without it: a quarter of a row, and longer documents run on the
         whole rows); other backends only validate them. A longer
         segment raises `ValueError` (concrete ids) or gives its batch row NaN under `jit`,
