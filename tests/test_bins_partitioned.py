@@ -4,7 +4,8 @@ stand-in for its graphs (`tests.test_context_parallel.cudnn_like_executor`, whos
 output and stats it is given, as cuDNN's does), with the batch split over devices. Each device packs
 and runs its own rows: the per-device bins graphs are built, no q, k or v is gathered, and the
 output, logsumexp and gradients equal the XLA backend's on the whole batch; where a device's
-documents do not fit its bins, that device runs its rows unbinned.
+documents do not fit its bins, that device runs its rows unbinned; a recorded run's spec file covers
+the per-device bins' graphs.
 
 The rest of the suite runs in one process with one CPU device: the first test runs this file again
 in a subprocess with the devices."""
@@ -147,3 +148,27 @@ def test_bins_per_device_need_a_gpu_process_with_several_devices_and_partitionin
     monkeypatch.delenv("SDPAGRAPH_PARTITION")
     monkeypatch.setattr(jax, "device_count", lambda: 1)
     assert not partitioned_bins.usable(inputs_, None)
+
+
+@needs_devices
+def test_recorded_specs_and_their_alternatives_cover_the_per_device_bins(per_device_bins, cudnn_on_cpu, tmp_path):
+    """Precompiling what a sharded run records builds its per-device bins: the partition callback
+    records each device's spec, and precompile adds a spec's bins (`graphs.alternatives`)."""
+    from sdpagraph.deploy.specfile import load_specs
+    from sdpagraph.graph_store import graph_key
+    from sdpagraph.graphs.alternatives import alternatives
+
+    env = cudnn_on_cpu[1]
+    rng = np.random.default_rng()
+    arrays = inputs(rng, random_documents(rng, B, T, 9, HINT))
+    mesh = make_mesh((4, 2), ("data", "model"))
+    path = tmp_path / "specs.json"
+    with sdpagraph.record(str(path)), jax.set_mesh(mesh):
+        step("cudnn", max_seqlen_kv=HINT, max_segments_per_seq=T // 9 + 1)(*sharded(mesh, arrays, "data"))
+    entries = load_specs(path)
+    calls = [(e.spec, e.score_mod, d) for e in entries for d in e.directions]
+    derived = [alternative for e in entries for alternative in alternatives(e.spec, e.score_mod, e.training)]
+    calls += [(spec, ir, d) for spec, ir, _ in derived for d in ("forward", "backward")]
+    recorded = {graph_key(spec, ir, d, env) for spec, ir, d in calls}
+    used = {graph_key(spec, ir, d, env) for spec, ir, d in per_device_bins}
+    assert used <= recorded
