@@ -166,9 +166,7 @@ def cp_inputs(length, heads, head_dim, docs, strategy, load_balanced):
     mesh = None if strategy is None else Mesh(np.array(devices[:CP_DEVICES]), ("cp",))
     placement = jax.sharding.SingleDeviceSharding(devices[0]) if mesh is None else NamedSharding(mesh, P(None, "cp"))
     rng = np.random.default_rng(0)
-    # Made on the host and sent shard by shard: made on a device first, the whole arrays (and their
-    # float32 draws) would count in that device's peak memory, which the rows report.
-    qkv = [jax.device_put(rng.standard_normal((1, length, heads, head_dim)).astype(jnp.bfloat16), placement)
+    qkv = [jax.device_put(jnp.asarray(rng.standard_normal((1, length, heads, head_dim)), jnp.bfloat16), placement)
            for _ in range(3)]
     ids = None
     if docs is not None:
@@ -177,7 +175,7 @@ def cp_inputs(length, heads, head_dim, docs, strategy, load_balanced):
         ids = random_docs(1, length, *docs)
         if strategy is not None and load_balanced is True:  # load_balanced="documents" takes them as they are
             ids = sdpagraph.load_balance(ids, CP_DEVICES)
-        ids = jax.device_put(np.asarray(ids, np.int32), placement)
+        ids = jax.device_put(jnp.asarray(ids), placement)
     return qkv + [ids], mesh
 
 
