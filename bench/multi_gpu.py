@@ -195,6 +195,16 @@ def peak_bytes(devices):
     return None if None in peaks else max(peaks)
 
 
+def xla_memory(compiled):
+    """XLA's own account of a compiled step's device memory per device (`memory_analysis`): its
+    arguments, outputs and temporaries, in bytes (none where the backend does not report them)."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return {}
+    return {"xla_argument_bytes": stats.argument_size_in_bytes, "xla_output_bytes": stats.output_size_in_bytes,
+            "xla_temp_bytes": stats.temp_size_in_bytes}
+
+
 def measure_cp(length, heads, head_dim, attn_kwargs, strategy, load_balanced, impl, repeats, rounds, docs=None):
     """(ms per step, collective-permutes, all-gathers, all-to-alls, the plan's reason, the peak device
     memory since the process started) of one context-parallel row."""
@@ -205,7 +215,7 @@ def measure_cp(length, heads, head_dim, attn_kwargs, strategy, load_balanced, im
         ms = time_ms(compiled, args, repeats, rounds)
     result = {"ms": ms, "permutes": len(PERMUTE.findall(text)), "all_gathers": len(GATHER.findall(text)),
               "all_to_alls": len(ALL_TO_ALL.findall(text)),
-              "peak_bytes": peak_bytes(jax.devices()[:1 if mesh is None else CP_DEVICES])}
+              "peak_bytes": peak_bytes(jax.devices()[:1 if mesh is None else CP_DEVICES]), **xla_memory(compiled)}
     if mesh is not None:
         result["plan"] = cp_plan(args, mesh, attn_kwargs, strategy, load_balanced, impl)
     return result
@@ -438,7 +448,7 @@ def markdown(results):
              "instructions in the compiled HLO (async starts counted once)."]
     number = lambda key: lambda r: f"{r[key]:.3f}" if key in r else ""  # noqa: E731
     count = lambda key: lambda r: str(r.get(key, ""))  # noqa: E731
-    gib = lambda r: f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") else ""  # noqa: E731
+    gib = lambda key: lambda r: f"{r[key] / 2**30:.2f}" if r.get(key) else ""  # noqa: E731
     lines += _table(
         [r for r in results["rows"] if "impl" in r],
         "Data and head parallelism, B8 T4096 N16 H128. Ratio: step time over the per-device shape on one GPU "
@@ -455,9 +465,12 @@ def markdown(results):
         [r for r in results["rows"] if r.get("part") == "cp-long"],
         "Long context (`--part cp-long`), jitted fwd+bwd with q, k, v and segment ids as arguments. Speedup: "
         "the 1 GPU row's time over this row's. Peak: device memory per GPU (each row in its own process), "
-        "and its ratio to one GPU's. Plan: `check_support`'s strategy and block backend.",
-        [("ms", number("ms")), ("speedup", number("speedup")), ("peak GiB", gib),
-         ("memory ratio", number("memory_ratio")), ("collective-permutes", count("permutes")),
+        "and its ratio to one GPU's; XLA's account of the compiled step per device (`memory_analysis`): its "
+        "arguments, outputs and temporaries. Plan: `check_support`'s strategy and block backend.",
+        [("ms", number("ms")), ("speedup", number("speedup")), ("peak GiB", gib("peak_bytes")),
+         ("memory ratio", number("memory_ratio")), ("XLA args GiB", gib("xla_argument_bytes")),
+         ("XLA outputs GiB", gib("xla_output_bytes")), ("XLA temp GiB", gib("xla_temp_bytes")),
+         ("collective-permutes", count("permutes")),
          ("all-gathers", count("all_gathers")), ("all-to-alls", count("all_to_alls")),
          ("plan / skipped", lambda r: r.get("plan") or r.get("skipped", ""))])
     lines += [""] + [f"- {name}: {value:.3f}" for name, value in results["summary"].items()]
