@@ -103,6 +103,26 @@ def test_each_device_runs_its_rows_on_bins(per_device_bins, kv_heads, hint):
 
 
 @needs_devices
+@pytest.mark.parametrize("kv_heads", [N, 1])
+def test_bins_per_device_with_the_heads_split_too(per_device_bins, kv_heads):
+    """Batch over one mesh axis and query heads over the other (key/value heads with them, or whole
+    with one: their gradients summed over the heads' devices)."""
+    rng = np.random.default_rng()
+    ids = random_documents(rng, B, T, 9, HINT)
+    arrays = inputs(rng, ids, kv_heads)
+    kwargs = {"max_seqlen_kv": HINT, "max_segments_per_seq": T // 9 + 1}
+    want = step("xla", **kwargs)(*arrays)
+    mesh = make_mesh((4, 2), ("data", "model"))
+    with jax.set_mesh(mesh):
+        heads = P("data", None, "model")
+        placed = [jax.device_put(x, NamedSharding(mesh, heads if x.ndim == 4 and x.shape[2] > 1 else P("data")))
+                  for x in arrays]
+        got = step("cudnn", **kwargs)(*placed)
+    compare(got, want)
+    assert any(spec.num_heads == N // 2 and spec.q_len < T for spec, _, _ in per_device_bins), "per-device bins"
+
+
+@needs_devices
 def test_a_device_whose_documents_do_not_fit_runs_its_rows_unbinned(per_device_bins):
     """Without a hint bins hold a quarter of a row: a document longer than that, on one device's
     rows only, sends that device's rows through the unbinned call and leaves the others on bins."""
