@@ -51,6 +51,7 @@ def per_device_bins(cudnn_on_cpu, monkeypatch):
 
 
 def step(implementation, **kwargs):
+    """A jitted value_and_grad of a weighted sum of the call's output; (value, out), (dq, dk, dv)."""
     def loss(q, k, v, ids):
         out = sdpagraph.attention(q, k, v, is_causal=True, segment_ids=ids, score_mod=mods.softcap(20.0),
                                   implementation=implementation, **kwargs)
@@ -125,7 +126,8 @@ def test_bins_per_device_with_the_heads_split_too(per_device_bins, kv_heads):
 @needs_devices
 def test_a_device_whose_documents_do_not_fit_runs_its_rows_unbinned(per_device_bins):
     """Without a hint bins hold a quarter of a row: a document longer than that, on one device's
-    rows only, sends that device's rows through the unbinned call and leaves the others on bins."""
+    rows only, sends that device's rows through the unbinned call (`lax.cond`, per device) and leaves
+    the others on bins; the answer is right on every device."""
     rng = np.random.default_rng()
     ids = random_documents(rng, B, T, 9, T // 8)
     ids[2, :T // 2] = ids.max() + 1  # rows 2 and 3 are the second device's
@@ -137,8 +139,12 @@ def test_a_device_whose_documents_do_not_fit_runs_its_rows_unbinned(per_device_b
     with jax.set_mesh(mesh):
         got = step("cudnn", **kwargs)(*sharded(mesh, arrays, "data"))
     compare(got, want)
-    local = [spec for spec, _, _ in per_device_bins if spec.batch == 2 and spec.q_len == T]
-    assert local, "the unbinned per-device graphs were built"
+    # The case is the one named: only the second device's rows do not fit its bins.
+    local = local_spec(next(spec for spec, _, _ in per_device_bins if spec.batch == B), Split(("data",), (), 4, 1, 1))
+    plan = bin_plan(local, next(ir for spec, ir, _ in per_device_bins if spec.batch == B))
+    fits = [bool(packed_bins.lay_out(jnp.asarray(ids[d * 2:d * 2 + 2]), plan, local.max_segments, True).fits)
+            for d in range(4)]
+    assert fits == [True, False, True, True], fits
 
 
 @needs_devices
@@ -171,9 +177,31 @@ def test_bins_per_device_need_a_gpu_process_with_several_devices_and_partitionin
 
 
 @needs_devices
-def test_recorded_specs_and_their_alternatives_cover_the_per_device_bins(per_device_bins, cudnn_on_cpu, tmp_path):
+def test_a_call_that_does_not_train_runs_the_inference_graphs_per_device(per_device_bins):
+    rng = np.random.default_rng()
+    ids = random_documents(rng, B, T, 9, HINT)
+    q, k, v, ids = inputs(rng, ids)
+    kwargs = dict(is_causal=True, segment_ids=ids, score_mod=mods.softcap(20.0), max_seqlen_kv=HINT,
+                  max_segments_per_seq=T // 9 + 1, training=False)
+    want = sdpagraph.attention(q, k, v, implementation="xla", **kwargs)
+    mesh = make_mesh((4, 2), ("data", "model"))
+    with jax.set_mesh(mesh):
+        placed = sharded(mesh, (q, k, v, ids), "data")
+        got = jax.jit(lambda q, k, v, ids: sdpagraph.attention(q, k, v, implementation="cudnn",
+                                                               **{**kwargs, "segment_ids": ids}))(*placed)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=2e-4)
+    directions = {direction for spec, _, direction in per_device_bins}
+    assert directions == {"inference"}, directions
+    assert any(spec.q_len == HINT and spec.batch < B * T // HINT for spec, _, _ in per_device_bins), "per-device bins"
+
+
+@needs_devices
+@pytest.mark.parametrize("training", [True, False])
+def test_recorded_specs_and_their_alternatives_cover_the_per_device_bins(per_device_bins, cudnn_on_cpu, tmp_path,
+                                                                         training):
     """Precompiling what a sharded run records builds its per-device bins: the partition callback
-    records each device's spec, and precompile adds a spec's bins (`graphs.alternatives`)."""
+    records each device's spec, and precompile adds a spec's bins (`graphs.alternatives`); in
+    training and in inference (whose graphs are the inference ones)."""
     from sdpagraph.deploy.specfile import load_specs
     from sdpagraph.graph_store import graph_key
     from sdpagraph.graphs.alternatives import alternatives
@@ -183,12 +211,20 @@ def test_recorded_specs_and_their_alternatives_cover_the_per_device_bins(per_dev
     arrays = inputs(rng, random_documents(rng, B, T, 9, HINT))
     mesh = make_mesh((4, 2), ("data", "model"))
     path = tmp_path / "specs.json"
+    kwargs = dict(max_seqlen_kv=HINT, max_segments_per_seq=T // 9 + 1)
     with sdpagraph.record(str(path)), jax.set_mesh(mesh):
-        step("cudnn", max_seqlen_kv=HINT, max_segments_per_seq=T // 9 + 1)(*sharded(mesh, arrays, "data"))
+        placed = sharded(mesh, arrays, "data")
+        if training:
+            step("cudnn", **kwargs)(*placed)
+        else:
+            jax.jit(lambda q, k, v, ids: sdpagraph.attention(
+                q, k, v, is_causal=True, segment_ids=ids, score_mod=mods.softcap(20.0), implementation="cudnn",
+                training=False, **kwargs))(*placed)
     entries = load_specs(path)
     calls = [(e.spec, e.score_mod, d) for e in entries for d in e.directions]
     derived = [alternative for e in entries for alternative in alternatives(e.spec, e.score_mod, e.training)]
-    calls += [(spec, ir, d) for spec, ir, _ in derived for d in ("forward", "backward")]
+    calls += [(spec, ir, d) for spec, ir, trains in derived
+              for d in (("forward", "backward") if trains else ("inference",))]
     recorded = {graph_key(spec, ir, d, env) for spec, ir, d in calls}
     used = {graph_key(spec, ir, d, env) for spec, ir, d in per_device_bins}
     assert used <= recorded

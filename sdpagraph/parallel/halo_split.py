@@ -129,10 +129,10 @@ def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out,
                                               h_out, h_lse, h_do, True)
     if plan.reverse:
         h_dq, h_dk, h_dv = _flip(h_dq), _flip(h_dk), _flip(h_dv)
-    # The barrier makes the local part's inputs wait for the halo part's gradients, so that their
-    # transfer back can start first (XLA put the local part first on 2 H100s without it). Forcing the
-    # transfer itself before the local part too was 1.8-3.3% slower there with documents
-    # (bench/probe_halo_in_place.py).
+    # The barrier makes the local part's inputs wait for the halo part's gradients (XLA put the local
+    # part first on 2 H100s without it); a trace with it still showed their transfer back after the
+    # local part. Forcing the transfer before the local part too was 1.8-3.3% slower there with
+    # documents (bench/probe_halo_in_place.py).
     (h_dk, h_dv), (q, local_kv, out, lse, d_o) = jax.lax.optimization_barrier(((h_dk, h_dv),
                                                                               (q, local_kv, out, lse, d_o)))
     dq, dk, dv = primary.block_backward(local, q, *local_kv, _operands(local, arrays, ids and ids.local), out, lse,

@@ -147,7 +147,9 @@ def test_packed_documents_run_on_bins_per_device_under_jit(monkeypatch, hint):
 
     calls = []
     real = partitioned_bins._execute
-    monkeypatch.setattr(partitioned_bins, "_execute", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    # (direction, batch) of each call of the per-device function: B // 2 on a device's shard
+    monkeypatch.setattr(partitioned_bins, "_execute",
+                        lambda *a, **kw: calls.append((a[2], a[1].spec.batch)) or real(*a, **kw))
     partitioned_bins._executor.cache_clear()
     rng = np.random.default_rng()
     t = 4096
@@ -168,7 +170,7 @@ def test_packed_documents_run_on_bins_per_device_under_jit(monkeypatch, hint):
         hlo = step("cudnn").lower(*placed).compile().as_text()
     finally:
         partitioned_bins._executor.cache_clear()
-    assert {"forward", "backward"} <= set(calls), "the documents ran on bins per device"
+    assert {("forward", B // 2), ("backward", B // 2)} <= set(calls), "the documents ran on bins per device"
     assert not COLLECTIVE_GATHERS.search(hlo), "q, k, v or the ids were gathered"
     value_ref, grads_ref = step("xla")(q, k, v, ids)
     assert rel_err(value, value_ref) < 2e-2

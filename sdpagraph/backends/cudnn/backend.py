@@ -161,7 +161,8 @@ def attention(spec: AttentionSpec, query: Any, key: Any, value: Any, inputs: Run
         elif _runs_here(bins.spec, score_mod, training, verify, scalars):
             if one_device:
                 return packed_bins.attention(bins, spec, query, key, value, inputs, run)
-            return partitioned_bins.attention(spec, query, key, value, inputs, score_mod, CudnnBackend)
+            return partitioned_bins.attention(spec, query, key, value, inputs, score_mod, CudnnBackend,
+                                              training=training, verify=verify)
     return run(spec, query, key, value, inputs)
 
 
@@ -268,17 +269,20 @@ def _pair_segment_bounds(static: Static, inputs: RuntimeInputs) -> tuple[dict[st
 
 
 def block_forward(static: Static, q, k, v, operands: tuple[Mapping[str, Any], Validity],
-                  zero_unwritten: bool = False) -> tuple[Any, Any]:
+                  zero_unwritten: bool = False, inference: bool = False) -> tuple[Any, Any]:
     """(o (B, T, N, H_v), logsumexp (B, N, T) fp32) of one block. `zero_unwritten`: the executor
     zeroes the rows a packed graph leaves unwritten (a memset) instead of a masking pass after the
-    call; for callers that do not fuse that mask into a pass of their own (the ring's merges do)."""
+    call; for callers that do not fuse that mask into a pass of their own (the ring's merges do).
+    `inference`: the inference graph, which keeps no softmax stats (the logsumexp is then None)."""
     aux, validity = operands
     static = dataclasses.replace(static, zero_unwritten=zero_unwritten)
-    o, stats = _forward(static, q, k, v, None, dict(aux), "forward")
+    o, stats = _forward(static, q, k, v, None, dict(aux), "inference" if inference else "forward")
     if validity.q is None:
         return o, stats
-    lse = jnp.where(validity.q[:, None, :], _stats_as_lse(static.graph_spec, stats), -jnp.inf)
-    return (o if static.unwritten_zeroed else zero_rows(o, validity.q)), lse
+    o = o if static.unwritten_zeroed else zero_rows(o, validity.q)
+    if stats is None:
+        return o, None
+    return o, jnp.where(validity.q[:, None, :], _stats_as_lse(static.graph_spec, stats), -jnp.inf)
 
 
 def _block_grads(static: Static, q, k, v, operands: tuple[Mapping[str, Any], Validity], o, lse, d_o) -> dict[str, Any]:

@@ -19,8 +19,9 @@ runs the backward graph given the final output and logsumexp, as the context-par
 `block_operands`, `block_forward`, `block_backward`).
 
 The per-device graphs are built when XLA partitions the program, as every per-device graph of a
-sharded call (`sharding`), and are keyed by the local specs; they are not numerically checked (the
-context-parallel blocks' graphs are not either).
+sharded call (`sharding`), keyed by the local specs, and checked with the call's numerical check (a
+device whose graphs fail it runs their computation on XLA). A call that is not differentiated runs
+the inference graphs where it does not train, as the unbinned call does.
 """
 from __future__ import annotations
 
@@ -54,27 +55,38 @@ def usable(inputs: RuntimeInputs, sinks: Any) -> bool:
 
 
 def attention(spec: AttentionSpec, q: Any, k: Any, v: Any, inputs: RuntimeInputs, ir: ScoreModIR | None,
-              blocks: Any) -> tuple[Any, Any]:
-    """(out, logsumexp) of the packed self-attention call `spec` (which `bin_plan` bins), each device
-    running its own rows on bins (module docstring)."""
-    static = Static(spec, spec, ir, tuple(sorted((inputs.mod_scalars or {}).items())), True)
+              blocks: Any, *, training: bool = True,
+              verify: Callable[..., Any] | None = None) -> tuple[Any, Any]:
+    """(out, logsumexp or None for the inference graph) of the packed self-attention call `spec`
+    (which `bin_plan` bins), each device running its own rows on bins (module docstring). `verify`:
+    the numerical check the call's graphs passed; each device's graphs are checked with it, and a
+    device whose graphs fail it runs their computation on XLA (`execute`)."""
+    static = Static(spec, spec, ir, tuple(sorted((inputs.mod_scalars or {}).items())), training, verify)
     arrays = {ARRAY_PREFIX + name: x for name, x in (inputs.mod_arrays or {}).items()}
     out, stats = _binned(_executor(blocks), static, q, k, v, inputs.q_segment_ids, arrays)
-    return out, jnp.swapaxes(stats, 1, 2)
+    return out, None if stats is None else jnp.swapaxes(stats, 1, 2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _binned(execute: Callable[..., Any], static: Static, q, k, v, ids, arrays: Mapping[str, Any]):
-    return _binned_fwd(execute, static, q, k, v, ids, arrays)[0]
+    # Not differentiated: the forward graph where the call trains (its softmax stats are asked for),
+    # the inference graph otherwise.
+    return _forward(execute, static, q, k, v, ids, arrays, "forward" if static.training else "inference")
+
+
+def _forward(execute, static, q, k, v, ids, arrays, direction: str) -> tuple[Any, Any]:
+    spec = static.spec
+    results = {"o": jax.ShapeDtypeStruct(q.shape[:3] + (spec.head_dim_v,), q.dtype)}
+    if direction == "forward":
+        results["stats"] = jax.ShapeDtypeStruct((spec.batch, spec.q_len, spec.num_heads), jnp.float32)
+    out = sharding.call_per_shard(execute, static, direction, {"q": q, "k": k, "v": v, SEGMENT_IDS: ids, **arrays},
+                                  results)
+    return out["o"], out.get("stats")
 
 
 def _binned_fwd(execute, static, q, k, v, ids, arrays):
-    spec = static.spec
-    results = {"o": jax.ShapeDtypeStruct(q.shape[:3] + (spec.head_dim_v,), q.dtype),
-               "stats": jax.ShapeDtypeStruct((spec.batch, spec.q_len, spec.num_heads), jnp.float32)}
-    out = sharding.call_per_shard(execute, static, "forward", {"q": q, "k": k, "v": v, SEGMENT_IDS: ids, **arrays},
-                                  results)
-    return (out["o"], out["stats"]), (q, k, v, ids, arrays, out["o"], out["stats"])
+    o, stats = _forward(execute, static, q, k, v, ids, arrays, "forward")
+    return (o, stats), (q, k, v, ids, arrays, o, stats)
 
 
 def _binned_bwd(execute, static, residuals, cotangents):
@@ -99,24 +111,27 @@ def _executor(blocks: Any) -> Callable[..., dict[str, Any]]:
 
 def _execute(blocks: Any, static: Static, direction: str, operands: Mapping[str, Any],
              results: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
-    """One device's binned call, `direction` "forward" (o, stats (B, T, N)) or "backward" (dq, dk, dv),
-    on its own shard (`static`: the local spec)."""
+    """One device's binned call, `direction` "forward" (o, stats (B, T, N)), "inference" (o) or
+    "backward" (dq, dk, dv), on its own shard (`static`: the local spec)."""
     spec, ir, scalars = static.spec, static.ir, dict(static.scalars)
     ids = operands[SEGMENT_IDS]
     ids = jnp.where(segment_run_ids(ids) <= spec.max_segments, ids, 0)  # segments past the slots are padding
     arrays = {role[len(ARRAY_PREFIX):]: x for role, x in operands.items() if role.startswith(ARRAY_PREFIX)}
     inputs = RuntimeInputs(q_segment_ids=ids, kv_segment_ids=ids, mod_arrays=arrays or None,
                            mod_scalars=scalars or None)
+    backward = direction == "backward"
     tokens = tuple(operands[role] for role in ("q", "k", "v"))
-    if direction == "backward":
+    if backward:
         tokens += (operands["o"], operands["dO"])
-    lse = None if direction == "forward" else jnp.swapaxes(operands["stats"], 1, 2)
+    lse = jnp.swapaxes(operands["stats"], 1, 2) if backward else None
 
     def call(call_spec, call_inputs, q, k, v, o=None, d_o=None, lse=None):
-        block = blocks.block_static(call_spec, ir, scalars)
+        # the call's own graphs' numerical check and direction, for the block's graphs
+        block = dataclasses.replace(blocks.block_static(call_spec, ir, scalars), training=static.training,
+                                    verify=static.verify)
         block_operands = blocks.block_operands(block, call_inputs)
-        if direction == "forward":
-            return blocks.block_forward(block, q, k, v, block_operands)
+        if not backward:
+            return blocks.block_forward(block, q, k, v, block_operands, inference=direction == "inference")
         return blocks.block_backward(block, q, k, v, block_operands, o, lse, d_o)
 
     def unbinned(tokens, lse):
@@ -131,16 +146,16 @@ def _execute(blocks: Any, static: Static, direction: str, operands: Mapping[str,
         def binned(tokens, lse):
             bin_inputs = dataclasses.replace(inputs, q_segment_ids=layout.bin_ids, kv_segment_ids=layout.bin_ids)
             into = tuple(packed.to_bins(x, layout, plan) for x in tokens)
-            if direction == "forward":
+            if not backward:
                 return packed.from_bins(*call(plan.spec, bin_inputs, *into), layout, spec)
             grads = call(plan.spec, bin_inputs, *into, lse=_lse_to_bins(lse, layout, plan))
             return tuple(_gradient_from_bins(g, layout, x.shape) for g, x in zip(grads, tokens))
 
         values = jax.lax.cond(layout.fits, binned, unbinned, tokens, lse)
-    if direction == "forward":
-        out, lse = values
-        return {"o": out.astype(results["o"].dtype), "stats": jnp.swapaxes(lse, 1, 2)}
-    return dict(zip(("dq", "dk", "dv"), values))
+    if backward:
+        return dict(zip(("dq", "dk", "dv"), values))
+    out, lse = values
+    return {"o": out.astype(results["o"].dtype), **({} if lse is None else {"stats": jnp.swapaxes(lse, 1, 2)})}
 
 
 def _lse_to_bins(lse: Any, layout: packed.Layout, plan: Any) -> Any:
