@@ -364,7 +364,8 @@ def run_cp_long(quick, cpu, record, only, wanted=None):
                 result = run_child(CHILD, [bench_dir] + (["--cpu"] if cpu else []) + [json.dumps(request)],
                                    env=env, timeout=600, label=f"{label} T{length} {strategy}")
             else:  # this process's peak also covers the rows measured before: not this row's
-                result = {k: x for k, x in measure_long(**request).items() if k not in ("peak_bytes", "peak_step_bytes")}
+                result = {k: x for k, x in measure_long(**request).items()
+                          if k not in ("peak_bytes", "peak_step_bytes")}
             name = f"{label} T{length}, " + ("1 GPU" if strategy is None else
                                              f"{strategy}{BALANCE_LABELS[load_balanced]}, "
                                              f"{CP_DEVICES} GPUs")
