@@ -72,7 +72,7 @@ def say_why_not() -> None:
 
 # ----------------------------------------------------------------------------- moves
 
-def gather_rows(x: Any, index: Any) -> Any:
+def _gather_rows(x: Any, index: Any) -> Any:
     """x[index] along axis 0, zero where index is out of range (x.shape[0]: the sentinel)."""
     size = x.shape[0]
     rows = jnp.take(x, jnp.minimum(index, size - 1), axis=0)
@@ -84,15 +84,15 @@ def gather_rows(x: Any, index: Any) -> Any:
 def _move(x: Any, to: Any, back: Any) -> Any:
     """`x[to]` (zero at sentinels); `back` is `to`'s inverse (each row of x that `to` picks, at the
     index that picks it; the sentinel elsewhere), so the transpose is a gather by `back`."""
-    return gather_rows(x, to)
+    return _gather_rows(x, to)
 
 
 def _move_fwd(x, to, back):
-    return gather_rows(x, to), back
+    return _gather_rows(x, to), back
 
 
 def _move_bwd(back, g):
-    return gather_rows(g, back), None, None
+    return _gather_rows(g, back), None, None
 
 
 _move.defvjp(_move_fwd, _move_bwd)
@@ -101,7 +101,7 @@ _move.defvjp(_move_fwd, _move_bwd)
 # ----------------------------------------------------------------------------- packing
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class _Layout:
     """Where each token goes and where each bin slot comes from, flat over (B*T) and (bins*rows)."""
 
     dest: Any  # (B*T,) bin slot of each token; bins*rows for padding
@@ -116,7 +116,7 @@ class Layout:
 MIN_DOC_SLOTS = 2048
 
 
-def lay_out(ids: Any, plan: BinPlan, max_segments: int, interpret: bool) -> Layout:
+def lay_out(ids: Any, plan: BinPlan, max_segments: int, interpret: bool) -> _Layout:
     tokens = ids.size
     # at most max_segments per row count (the others are padding), in at least MIN_DOC_SLOTS slots
     docs = min(tokens, max(ids.shape[0] * max_segments, MIN_DOC_SLOTS))
@@ -141,7 +141,7 @@ def lay_out(ids: Any, plan: BinPlan, max_segments: int, interpret: bool) -> Layo
     dest = jnp.where(fits, dest, slots)  # a layout that does not fit is not used: keep it in range
     source = jnp.full((slots,), tokens, jnp.int32).at[dest].set(jnp.arange(tokens, dtype=jnp.int32), mode="drop")
     bin_doc = jnp.where(source < tokens, doc[jnp.minimum(source, tokens - 1)] + 1, 0)
-    return Layout(dest, source, bin_doc.reshape(plan.bins, plan.rows).astype(jnp.int32), fits)
+    return _Layout(dest, source, bin_doc.reshape(plan.bins, plan.rows).astype(jnp.int32), fits)
 
 
 # ----------------------------------------------------------------------------- the call
@@ -165,18 +165,18 @@ def attention(plan: BinPlan, spec: AttentionSpec, q: Any, k: Any, v: Any, inputs
     return jax.lax.cond(layout.fits, binned, unbinned, q, k, v)
 
 
-def to_bins(x: Any, layout: Layout, plan: BinPlan) -> Any:
+def to_bins(x: Any, layout: _Layout, plan: BinPlan) -> Any:
     flat = x.reshape((-1,) + x.shape[2:])
     return _move(flat, layout.source, layout.dest).reshape((plan.bins, plan.rows) + x.shape[2:])
 
 
-def from_bins(out: Any, lse: Any, layout: Layout, spec: AttentionSpec) -> tuple[Any, Any]:
+def from_bins(out: Any, lse: Any, layout: _Layout, spec: AttentionSpec) -> tuple[Any, Any]:
     b, t = spec.batch, spec.q_len
     out = _move(out.reshape((-1,) + out.shape[2:]), layout.dest, layout.source).reshape((b, t) + out.shape[2:])
     if lse is None:
         return out, None
     heads = lse.shape[1]
     rows = jnp.swapaxes(lse, 1, 2).reshape(-1, heads)  # (bins*rows, N)
-    lse = gather_rows(rows, layout.dest)
+    lse = _gather_rows(rows, layout.dest)
     lse = jnp.where((layout.dest < rows.shape[0])[:, None], lse, -jnp.inf)
     return out, jnp.swapaxes(lse.reshape(b, t, heads), 1, 2)

@@ -148,8 +148,11 @@ def _execute(blocks: Any, static: Static, direction: str, operands: Mapping[str,
             into = tuple(packed.to_bins(x, layout, plan) for x in tokens)
             if not backward:
                 return packed.from_bins(*call(plan.spec, bin_inputs, *into), layout, spec)
-            grads = call(plan.spec, bin_inputs, *into, lse=_lse_to_bins(lse, layout, plan))
-            return tuple(_gradient_from_bins(g, layout, x.shape) for g, x in zip(grads, tokens))
+            # the logsumexp moves as the tokens do, (B, T, N) rows; empty slots get 0: rows that attend
+            # nothing, which `block_backward` gives no gradient
+            lse_bins = jnp.swapaxes(packed.to_bins(jnp.swapaxes(lse, 1, 2), layout, plan), 1, 2)
+            grads = call(plan.spec, bin_inputs, *into, lse=lse_bins)
+            return tuple(packed.from_bins(g, None, layout, spec)[0] for g in grads)
 
         values = jax.lax.cond(layout.fits, binned, unbinned, tokens, lse)
     if backward:
@@ -157,15 +160,3 @@ def _execute(blocks: Any, static: Static, direction: str, operands: Mapping[str,
     out, lse = values
     return {"o": out.astype(results["o"].dtype), **({} if lse is None else {"stats": jnp.swapaxes(lse, 1, 2)})}
 
-
-def _lse_to_bins(lse: Any, layout: packed.Layout, plan: Any) -> Any:
-    """The (B, N, T) logsumexp moved into the bins' (bins, N, rows); empty slots 0 (rows that attend
-    nothing: `block_backward` gives them no gradient)."""
-    heads = lse.shape[1]
-    rows = packed.gather_rows(jnp.swapaxes(lse, 1, 2).reshape(-1, heads), layout.source)
-    return jnp.swapaxes(rows.reshape(plan.bins, plan.rows, heads), 1, 2)
-
-
-def _gradient_from_bins(x: Any, layout: packed.Layout, shape: tuple[int, ...]) -> Any:
-    """A gradient in the bins moved back to the tokens it belongs to (`shape`: (B, T, ...))."""
-    return packed.gather_rows(x.reshape((-1,) + x.shape[2:]), layout.dest).reshape(shape)
