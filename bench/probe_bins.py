@@ -40,6 +40,11 @@ def with_bins(plan, bins):
     return dataclasses.replace(plan, bins=bins, spec=dataclasses.replace(plan.spec, batch=bins))
 
 
+def with_ids(inputs, ids):
+    """`inputs` with `ids` as the self-attention segment ids."""
+    return dataclasses.replace(inputs, q_segment_ids=ids, kv_segment_ids=ids)
+
+
 def run(out_dir):
     rows = []
     for name, make_ids, hint in CASES:
@@ -59,25 +64,29 @@ def run(out_dir):
             for slack in SLACKS:
                 bins = math.ceil(slack * base) + 1
                 p = with_bins(plan, bins)
-                fn = lambda q, k, v, p=p: packed_bins.attention(p, call.spec, q, k, v, call.inputs, run_call)[0]  # noqa: E731
+                # the ids are an argument, as in a training step: the layout is computed on the device each call
+                fn = lambda q, k, v, ids, p=p: packed_bins.attention(  # noqa: E731
+                    p, call.spec, q, k, v, with_ids(call.inputs, ids), run_call)[0]
                 if backward:
-                    fn = jax.grad(lambda q, k, v, f=fn: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+                    fn = jax.grad(lambda q, k, v, ids, f=fn: jnp.sum(f(q, k, v, ids).astype(jnp.float32)),
+                                  argnums=(0, 1, 2))
                 label = f"{'fwd+bwd' if backward else 'fwd'} ms at {bins} bins"
-                row[label] = time_ms(jax.jit(fn), q, k, v)
+                row[label] = time_ms(jax.jit(fn), q, k, v, ids)
         run_call = functools.partial(cudnn._attention, score_mod=call.score_mod, training=False, verify=None)
-        dest, source = layout.dest, layout.source
-        to_bins = jax.jit(lambda q, k, v: tuple(packed_bins.to_bins(x, layout, plan) for x in (q, k, v)))
-        binned = to_bins(q, k, v)
-        bin_inputs = dataclasses.replace(call.inputs, q_segment_ids=layout.bin_ids, kv_segment_ids=layout.bin_ids)
-        inner = jax.jit(lambda q, k, v: run_call(plan.spec, q, k, v, bin_inputs)[0])
-        out_bins = inner(*binned)
-        back = jax.jit(lambda o: packed_bins._move(o.reshape((-1,) + o.shape[2:]), dest, source))
+        # each part timed alone, the layout's arrays passed as arguments (dest, source, bin ids, fits)
+        parts = dataclasses.astuple(layout)
+        to_bins = jax.jit(lambda q, k, v, parts: tuple(packed_bins.to_bins(x, type(layout)(*parts), plan)
+                                                      for x in (q, k, v)))
+        binned = to_bins(q, k, v, parts)
+        inner = jax.jit(lambda q, k, v, bin_ids: run_call(plan.spec, q, k, v, with_ids(call.inputs, bin_ids))[0])
+        out_bins = inner(*binned, layout.bin_ids)
+        back = jax.jit(lambda o, dest, source: packed_bins._move(o.reshape((-1,) + o.shape[2:]), dest, source))
         row.update({
             "layout ms": time_ms(jax.jit(lambda ids: dataclasses.astuple(
                 packed_bins.lay_out(ids, plan, call.spec.max_segments, False))), ids),
-            "q, k, v into bins ms": time_ms(to_bins, q, k, v),
-            "cuDNN on bins ms": time_ms(inner, *binned),
-            "output back ms": time_ms(back, out_bins),
+            "q, k, v into bins ms": time_ms(to_bins, q, k, v, parts),
+            "cuDNN on bins ms": time_ms(inner, *binned, layout.bin_ids),
+            "output back ms": time_ms(back, out_bins, layout.dest, layout.source),
         })
         rows.append(row)
         print(json.dumps(row), flush=True)
