@@ -31,6 +31,7 @@ from sdpagraph.call import prepare_call
 from cuda_timing import cuda_event_ms  # bench/ is on sys.path when a script here runs
 
 CAP = 30.0
+SWEEP_SECONDS = 75  # per graph: building a plan compiles its kernel (seconds each for mods)
 
 
 def _typed(tensor, name="FLOAT"):
@@ -151,8 +152,23 @@ def buffers(torch, descs, roles, rng):
     return out
 
 
-def time_plans(torch, cudnn, handle, call, direction, pack_extra, rng, only_first=False, emitter=ModEmitter):
-    """[(index, plan name, workspace MB, ms or error)] for every plan of the graph."""
+def sweep_knobs(graph, limit):
+    """Append to the graph's plans the first plan's engine with each of its knobs set to 0..limit-1 in
+    turn (the others as the heuristic chose them): the kernel configurations no heuristic offers."""
+    engine, knobs = graph.get_engine_and_knobs_at_index(0)
+    for knob, chosen in knobs.items():
+        for value in range(limit):
+            if value != chosen:
+                try:
+                    graph.create_execution_plan(engine, {**knobs, knob: value})
+                except Exception:  # noqa: BLE001 - a value the engine does not take
+                    pass
+
+
+def time_plans(torch, cudnn, handle, call, direction, pack_extra, rng, only_first=False, emitter=ModEmitter,
+               sweep=0):
+    """[(index, plan name, workspace MB, ms or error)] for every plan of the graph (and, with `sweep`,
+    of the first plan's engine at every value below it of each of its knobs)."""
     spec, ir = call.spec, call.score_mod
     graph = new_graph(spec, direction, cudnn)
     lowering_module.ModEmitter = emitter
@@ -165,6 +181,9 @@ def time_plans(torch, cudnn, handle, call, direction, pack_extra, rng, only_firs
     graph.build_operation_graph()
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
     graph.check_support()
+    offered = graph.get_execution_plan_count()
+    if sweep:
+        sweep_knobs(graph, sweep)
     bufs = buffers(torch, descs, [r for r in lowering.operand_roles if r not in pack_extra], rng)
     bufs.update(pack_extra)
     bufs.update(buffers(torch, descs, lowering.result_roles, rng))
@@ -174,9 +193,13 @@ def time_plans(torch, cudnn, handle, call, direction, pack_extra, rng, only_firs
         value = scalars[source] if kind == "scalar" else source
         pack[uid] = torch.full((1, 1, 1, 1), value, dtype=getattr(torch, dtype))
     rows = []
-    count = graph.get_execution_plan_count()
-    for index in range(1 if only_first else count):
+    swept = range(offered, graph.get_execution_plan_count())
+    deadline = time.perf_counter() + SWEEP_SECONDS
+    for index in [*range(1 if only_first else offered), *swept]:
         name = graph.get_plan_name_at_index(index)
+        if index >= offered and time.perf_counter() > deadline:
+            rows.append((index, name, None, f"not built: the sweep's {SWEEP_SECONDS} s were spent"))
+            continue
         try:
             graph.build_plan_at_index(index)
             if graph.selected_engine is not None:
@@ -197,6 +220,8 @@ def main() -> int:
     parser.add_argument("--shape", default="4,4096,16,128")
     parser.add_argument("--only", default="", help="formulations to run, separated by ';' (default: all)")
     parser.add_argument("--first-plan", action="store_true", help="time only the heuristic's first plan")
+    parser.add_argument("--sweep-knobs", type=int, default=0, metavar="N",
+                        help="also time the first plan's engine with each knob at 0..N-1")
     args = parser.parse_args()
     import jax
     import torch
@@ -226,7 +251,7 @@ def main() -> int:
                 extra = {"o": fwd["o"], "stats": fwd["stats"]}
             try:
                 rows, _ = time_plans(torch, cudnn, handle, call, direction, extra, rng, only_first=args.first_plan,
-                                     emitter=emitter)
+                                     emitter=emitter, sweep=args.sweep_knobs)
             except Exception as error:  # noqa: BLE001
                 rows = [("-", "-", None, "graph declined: " + " ".join(str(error).split())[:100])]
             for index, name, ws, ms in rows:

@@ -29,20 +29,28 @@ from jax_timing import time_ms  # bench/ is on sys.path when a script here runs
 from trace_summary import traced
 
 CAP = 30.0
+SCALE = 1 / np.sqrt(128)
+# name -> (score_mod, extra attention arguments). The last forms tell where the cost is: any mod at
+# all (a min, a multiply), tanh through a sigmoid, and the attention scale folded into 1/cap.
 FORMS = {
-    "causal": None,
-    "mods.softcap (s / cap)": mods.softcap(CAP),
-    "jnp cap * tanh(s / cap)": lambda s, b, h, q, kv: CAP * jnp.tanh(s / CAP),
-    "jnp cap * tanh(s * (1 / cap))": lambda s, b, h, q, kv: CAP * jnp.tanh(s * (1.0 / CAP)),
+    "causal": (None, {}),
+    "mods.softcap (s / cap)": (mods.softcap(CAP), {}),
+    "jnp cap * tanh(s / cap)": (lambda s, b, h, q, kv: CAP * jnp.tanh(s / CAP), {}),
+    "jnp cap * tanh(s * (1 / cap))": (lambda s, b, h, q, kv: CAP * jnp.tanh(s * (1.0 / CAP)), {}),
+    "jnp min(s, cap) (one cheap op)": (lambda s, b, h, q, kv: jnp.minimum(s, CAP), {}),
+    "jnp s * 0.5 (one multiply)": (lambda s, b, h, q, kv: s * 0.5, {}),
+    "jnp 2 cap sigmoid(2 s / cap) - cap": (lambda s, b, h, q, kv: 2 * CAP * jax.nn.sigmoid(s * (2 / CAP)) - CAP, {}),
+    "jnp cap * tanh(s), scale / cap": (lambda s, b, h, q, kv: CAP * jnp.tanh(s), {"scale": SCALE / CAP}),
+    "jnp tanh(s) only, scale / cap (not softcap)": (lambda s, b, h, q, kv: jnp.tanh(s), {"scale": SCALE / CAP}),
 }
 
 
 def softcap_rows() -> None:
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((4, 4096, 16, 128)), jnp.bfloat16) for _ in range(3))
-    for name, mod in FORMS.items():
-        attend = lambda q, k, v, mod=mod: sdpagraph.attention(q, k, v, is_causal=True, score_mod=mod,  # noqa: E731
-                                                              implementation="cudnn")
+    for name, (mod, extra) in FORMS.items():
+        attend = lambda q, k, v, mod=mod, extra=extra: sdpagraph.attention(  # noqa: E731
+            q, k, v, is_causal=True, score_mod=mod, implementation="cudnn", **extra)
         forward = jax.jit(attend)
         both = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
         fwd = time_ms(forward, q, k, v, repeats=20, rounds=5)
