@@ -7,7 +7,9 @@ trace of the compile's host work. Needs a GPU.
 bf16 B4 T4096 N16 H128, `jax.value_and_grad` of `sum(attention(...).astype(float32))`, as
 bench/coldstart.py. Programs, each in fresh processes with a warm graph cache (strict) and no JAX
 compilation cache:
-- `sdpagraph`: softcap(30)+causal through sdpagraph;
+- `sdpagraph`: softcap(30)+causal through sdpagraph, with each `SDPAGRAPH_PREPARE` (what the
+  executor does with the graphs in the background while XLA compiles: nothing, deserialize them, or
+  deserialize and warm them up);
 - `jax`: jax.nn.dot_product_attention(implementation="cudnn"), causal;
 - `reduce only`: the same loss over `q * k` in place of attention (a product, a float32 sum and
   their gradients): about what any first compile of a small step pays;
@@ -70,9 +72,18 @@ print(json.dumps(row))
 """
 
 
-def child(which: str, graph_dir: str, trace_dir: str = "") -> dict:
-    env = dict(os.environ, SDPAGRAPH_CACHE_DIR=graph_dir, SDPAGRAPH_CACHE_MODE="strict" if trace_dir != "fill" else
-               "readwrite")
+# (label, program, SDPAGRAPH_PREPARE)
+PROGRAMS = (("sdpagraph, prepare off", "sdpagraph", "off"), ("sdpagraph, prepare load", "sdpagraph", "load"),
+            ("sdpagraph, prepare warmup", "sdpagraph", "warmup"), ("jax", "jax", "off"),
+            ("reduce only", "reduce only", "off"),
+            ("sdpagraph after a compile, prepare off", "sdpagraph after a compile", "off"),
+            ("sdpagraph after a compile, prepare load", "sdpagraph after a compile", "load"),
+            ("sdpagraph after a compile, prepare warmup", "sdpagraph after a compile", "warmup"))
+
+
+def child(which: str, graph_dir: str, trace_dir: str = "", prepare: str = "off") -> dict:
+    env = dict(os.environ, SDPAGRAPH_CACHE_DIR=graph_dir, SDPAGRAPH_PREPARE=prepare,
+               SDPAGRAPH_CACHE_MODE="strict" if trace_dir != "fill" else "readwrite")
     result = subprocess.run([sys.executable, "-c", CHILD, which, "" if trace_dir == "fill" else trace_dir], env=env,
                             capture_output=True, text=True, timeout=300)
     if result.returncode != 0:
@@ -105,7 +116,6 @@ def main() -> int:
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    programs = ("sdpagraph", "jax", "reduce only", "sdpagraph after a compile")
     lines = [f"bf16 B4 T4096 N16 H128, first jitted value_and_grad call, fresh processes, warm graph cache, no JAX "
              f"compilation cache, median of {args.repeats}; {time.strftime('%Y-%m-%d')}", "",
              "| program | trace+lower s | XLA compile s | first run s | first call s | fusions | custom calls |",
@@ -117,22 +127,23 @@ def main() -> int:
         if "error" in filled:
             print("filling the graph cache failed:", filled["error"])
             return 1
-        for which in programs:
-            rows = [child(which, graphs) for _ in range(args.repeats)]
+        for label, which, prepare in PROGRAMS:
+            rows = [child(which, graphs, prepare=prepare) for _ in range(args.repeats)]
             good = [r for r in rows if "error" not in r]
             if not good:
-                lines.append(f"| {which} | error: {rows[-1]['error']} | | | | | |")
+                lines.append(f"| {label} | error: {rows[-1]['error']} | | | | | |")
                 continue
             med = {key: statistics.median(r[key] for r in good)
                    for key in ("trace_lower_s", "compile_s", "run_s", "first_call_s")}
-            lines.append(f"| {which} | {med['trace_lower_s']:.3f} | {med['compile_s']:.3f} | {med['run_s']:.3f} | "
+            lines.append(f"| {label} | {med['trace_lower_s']:.3f} | {med['compile_s']:.3f} | {med['run_s']:.3f} | "
                          f"{med['first_call_s']:.3f} | {good[0]['fusions']} | {good[0]['custom_calls']} |")
             print(lines[-1], flush=True)
-            (out / f"compile-hlo-{which.replace(' ', '-')}.txt").write_text(good[0]["hlo"])
-            trace_dir = pathlib.Path(tmp) / which.replace(" ", "-")
-            traced = child(which, graphs, str(trace_dir))
+            name = label.replace(" ", "-").replace(",", "")
+            (out / f"compile-hlo-{name}.txt").write_text(good[0]["hlo"])
+            trace_dir = pathlib.Path(tmp) / name
+            traced = child(which, graphs, str(trace_dir), prepare)
             if "error" not in traced:
-                traces += ["", f"### {which}: host events of the traced first call (compile "
+                traces += ["", f"### {label}: host events of the traced first call (compile "
                            f"{traced['compile_s']:.3f} s, traced)", "", "| event | total ms | calls |", "|---|---|---|"]
                 traces += host_events(trace_dir)
     text = "\n".join(lines + traces)

@@ -169,6 +169,13 @@ PARTITION = Switch(
     "`0`, `false`, `off` or `no`: cuDNN calls are not partitioned under SPMD: one call over the "
     "global shapes, which XLA gathers onto every device",
     words=True)
+PREPARE = Choice(
+    "SDPAGRAPH_PREPARE", "load",
+    "what the executor does with a graph when a call is traced, in a background thread while XLA "
+    "compiles, so that its first run finds it ready: `load` deserializes it on the default device "
+    "(its kernels load on their first launch); `warmup` also runs it once to load its kernels (which "
+    "synchronizes the device); `off`: nothing before its first run",
+    choices=("load", "warmup", "off"), fold_case=True)
 EXECUTOR_LIBRARY = Text(
     "SDPAGRAPH_EXECUTOR_LIBRARY", "",
     "the C++ executor library to load instead of the installed one (a build directory's)")
@@ -188,6 +195,6 @@ COMMAND_BUFFER_COMPATIBLE = Variable(
 
 VARIABLES: tuple[Variable, ...] = (
     CACHE_DIR, CACHE_MODE, CACHE_MAX_BYTES, VERIFY, RECORD, DISPATCH_TABLE, CHECK_SEGMENTS, BINS,
-    SMALL_SEQ_KERNEL, PALLAS_TRITON, NATIVE_SINKS, PARTITION, EXECUTOR_LIBRARY, REQUIRE_FFI,
+    SMALL_SEQ_KERNEL, PALLAS_TRITON, NATIVE_SINKS, PARTITION, PREPARE, EXECUTOR_LIBRARY, REQUIRE_FFI,
     REBUILD_EXECUTOR, COMMAND_BUFFER_COMPATIBLE,
 )

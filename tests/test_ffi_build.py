@@ -37,6 +37,7 @@ ENTRY_POINTS = (
     "sdpagraph_device_free",
     "sdpagraph_device_copy",
     "sdpagraph_run_graph",
+    "sdpagraph_prepare_graph",
 )
 
 needs_library = pytest.mark.skipif(not LIBRARY.is_file(), reason="FFI extension not built (`pip install .` builds it)")

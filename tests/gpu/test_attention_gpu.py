@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 import threading
 
 import numpy as np
@@ -322,3 +323,32 @@ def test_fresh_process_from_persistent_compilation_cache_and_command_buffers(tmp
            f"command buffers {buffered['seconds']:.2f} s")
     assert np.allclose(first["checksum"], restored["checksum"], rtol=1e-6)
     assert np.allclose(first["checksum"], buffered["checksum"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode, length", [("load", 192), ("warmup", 160)])
+def test_graphs_are_prepared_while_xla_compiles(monkeypatch, mode, length):
+    """With SDPAGRAPH_PREPARE, tracing a call deserializes its graphs in the background: by the first
+    run they are ready (the run deserializes nothing), and the values are the XLA backend's."""
+    monkeypatch.setenv("SDPAGRAPH_PREPARE", mode)
+    monkeypatch.setenv("SDPAGRAPH_VERIFY", "off")  # the check's own runs would deserialize them first
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((1, length, 2, 64)), jnp.bfloat16) for _ in range(3))
+
+    def grads(implementation):
+        def loss(q, k, v):
+            out = sdpagraph.attention(q, k, v, is_causal=True, score_mod=mods.softcap(7.0),
+                                      implementation=implementation)
+            return jnp.sum(out.astype(jnp.float32) * jnp.arange(out.shape[-1], dtype=jnp.float32))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+    before = ffi.deserialize_count()
+    compiled = grads("cudnn").lower(q, k, v).compile()
+    deadline = time.monotonic() + 30
+    while ffi.deserialize_count() < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ffi.deserialize_count() == before + 2  # forward and backward, before any run
+    got = compiled(q, k, v)
+    assert ffi.deserialize_count() == before + 2
+    want = grads("xla")(q, k, v)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert rel_err(g, w) < 2e-2, name

@@ -144,7 +144,18 @@ def _execute(static: Static, direction: str, operands: Mapping[str, Any],
         return restacked(run_on_xla(static, operands, unstacked(results)), results)
     graph = cached_graph(static.spec, static.ir, direction)
     ffi.register_graph(graph.digest, graph.compiled.blob)
+    _prepare_on_default_device(graph.digest)
     return call_executor(static, graph, operands, results)
+
+
+def _prepare_on_default_device(digest: str) -> None:
+    """Get the graph ready on the device a call most likely runs on (jax's default device) while
+    XLA compiles (`ffi.prepare_soon`); a call on another device deserializes it itself."""
+    device = jax.config.jax_default_device
+    if not isinstance(device, jax.Device):
+        device = jax.local_devices()[0]
+    if device.platform == "gpu":
+        ffi.prepare_soon(digest, device.local_hardware_id)
 
 
 def checked(static: Static) -> bool:

@@ -166,6 +166,15 @@ SDPAGRAPH_EXPORT int sdpagraph_run_graph(const char* key_digest, int device, siz
   });
 }
 
+// Deserializes the graph registered under `key_digest` for `device` now (its plan warmed up when
+// `warmup` != 0), so that its first call finds it ready. A no-op when it already is.
+SDPAGRAPH_EXPORT int sdpagraph_prepare_graph(const char* key_digest, int device, int warmup, char* error,
+                                             size_t error_size) {
+  if (key_digest == nullptr || !sdpagraph::IsGraphKey(key_digest)) return sdpagraph::kStatusInvalidKey;
+  return sdpagraph::GuardedEntry(error, error_size,
+                                 [&] { sdpagraph::PrepareDirect(key_digest, device, warmup != 0); });
+}
+
 // Total graph deserializations in this process, over all keys and devices (for tests).
 SDPAGRAPH_EXPORT int64_t sdpagraph_deserialize_count(void) {
   return sdpagraph::State().deserialize_count.load(std::memory_order_relaxed);

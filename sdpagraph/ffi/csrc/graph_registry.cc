@@ -10,12 +10,12 @@ namespace sdpagraph {
 namespace {
 
 std::unique_ptr<const DeviceGraph> Deserialize(const std::vector<uint8_t>& blob, ThreadHandle& thread_handle,
-                                               cudaStream_t xla_stream) {
+                                               cudaStream_t xla_stream, bool warmup_allowed) {
   RelaxedCaptureModeScope relaxed;
   // The frontend's warmup runs the plan once inside a throwaway capture so that its kernels are
   // loaded before anyone captures it for real; it synchronizes the device, which must not happen
   // while XLA is capturing, so a graph first met during capture loads its kernels on first launch.
-  const bool warmup = !IsCapturing(xla_stream);
+  const bool warmup = warmup_allowed && !IsCapturing(xla_stream);
   // On the default stream, the warmup captures a private stream of its own, never XLA's.
   const cudnnHandle_t handle = thread_handle.OnStream(nullptr);
   thread_handle.ForgetStream();
@@ -30,11 +30,11 @@ std::unique_ptr<const DeviceGraph> Deserialize(const std::vector<uint8_t>& blob,
 }  // namespace
 
 const DeviceGraph& GraphEntry::ForDevice(int device, ThreadHandle& handle, cudaStream_t xla_stream,
-                                         std::atomic<int64_t>& deserialize_count) {
+                                         std::atomic<int64_t>& deserialize_count, bool warmup_allowed) {
   DeviceSlot& slot = SlotFor(device);
   std::lock_guard<std::mutex> lock(slot.mutex);
   if (!slot.graph) {
-    slot.graph = Deserialize(blob_, handle, xla_stream);
+    slot.graph = Deserialize(blob_, handle, xla_stream, warmup_allowed);
     deserialize_count.fetch_add(1, std::memory_order_relaxed);
   }
   return *slot.graph;

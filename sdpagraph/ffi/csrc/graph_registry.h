@@ -34,9 +34,11 @@ class GraphEntry {
 
   // Deserializes on the first call for `device` and returns the same graph afterwards. The device's
   // mutex is held while deserializing, so each device deserializes at most once; a failure leaves
-  // the slot empty and the next call tries again.
+  // the slot empty and the next call tries again. The deserialization warms the plan up (loads its
+  // kernels with a throwaway run, which synchronizes the device) unless `xla_stream` is capturing
+  // or `warmup_allowed` is false; the kernels then load on the first launch.
   const DeviceGraph& ForDevice(int device, ThreadHandle& handle, cudaStream_t xla_stream,
-                               std::atomic<int64_t>& deserialize_count);
+                               std::atomic<int64_t>& deserialize_count, bool warmup_allowed = true);
 
  private:
   struct DeviceSlot {
