@@ -189,10 +189,21 @@ def cp_plan(args, mesh, attn_kwargs, strategy, load_balanced, impl):
                                        **attn_kwargs, **extra).reason
 
 
+def device_peaks(devices):
+    """Each device's peak of allocated device memory so far (None where not reported: CPU)."""
+    return [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+
+
 def peak_bytes(devices):
     """The largest peak of allocated device memory over `devices` (None where not reported: CPU)."""
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    peaks = device_peaks(devices)
     return None if None in peaks else max(peaks)
+
+
+def stage_text(stages):
+    """'inputs 1.50/0.75; compiled ...' : each device's peak in GiB after each stage of a row."""
+    return "; ".join(f"{name} " + "/".join("-" if b is None else f"{b / 2**30:.2f}" for b in peaks)
+                     for name, peaks in stages.items())
 
 
 def xla_memory(compiled):
@@ -202,7 +213,7 @@ def xla_memory(compiled):
     if stats is None:
         return {}
     return {"xla_argument_bytes": stats.argument_size_in_bytes, "xla_output_bytes": stats.output_size_in_bytes,
-            "xla_temp_bytes": stats.temp_size_in_bytes}
+            "xla_temp_bytes": stats.temp_size_in_bytes, "xla_peak_bytes": getattr(stats, "peak_memory_in_bytes", None)}
 
 
 def measure_cp(length, heads, head_dim, attn_kwargs, strategy, load_balanced, impl, repeats, rounds, docs=None):
@@ -212,15 +223,18 @@ def measure_cp(length, heads, head_dim, attn_kwargs, strategy, load_balanced, im
     allocates its own; the peak after one step is the step's alone (and the compile's)."""
     args, mesh = cp_inputs(length, heads, head_dim, docs, strategy, load_balanced)
     devices = jax.devices()[:1 if mesh is None else CP_DEVICES]
+    stages = {"inputs": device_peaks(devices)}
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         compiled = cp_step(attn_kwargs, strategy, load_balanced, impl).lower(*args).compile()
+        stages["compiled"] = device_peaks(devices)
         text = compiled.as_text()
         jax.block_until_ready(compiled(*args))
+        stages["one step"] = device_peaks(devices)
         one_step = peak_bytes(devices)
         ms = time_ms(compiled, args, repeats, rounds)
     result = {"ms": ms, "permutes": len(PERMUTE.findall(text)), "all_gathers": len(GATHER.findall(text)),
               "all_to_alls": len(ALL_TO_ALL.findall(text)), "peak_bytes": peak_bytes(devices),
-              "peak_step_bytes": one_step, **xla_memory(compiled)}
+              "peak_step_bytes": one_step, "peak_stages": stage_text(stages), **xla_memory(compiled)}
     if mesh is not None:
         result["plan"] = cp_plan(args, mesh, attn_kwargs, strategy, load_balanced, impl)
     return result
@@ -365,7 +379,7 @@ def run_cp_long(quick, cpu, record, only, wanted=None):
                                    env=env, timeout=600, label=f"{label} T{length} {strategy}")
             else:  # this process's peak also covers the rows measured before: not this row's
                 result = {k: x for k, x in measure_long(**request).items()
-                          if k not in ("peak_bytes", "peak_step_bytes")}
+                          if k not in ("peak_bytes", "peak_step_bytes", "peak_stages")}
             name = f"{label} T{length}, " + ("1 GPU" if strategy is None else
                                              f"{strategy}{BALANCE_LABELS[load_balanced]}, "
                                              f"{CP_DEVICES} GPUs")
@@ -475,12 +489,15 @@ def markdown(results):
         "the 1 GPU row's time over this row's. Peak: device memory per GPU (each row in its own process), "
         "after the timed steps (back to back: a step's results are held while the next allocates) and after "
         "one step, and their ratios to one GPU's; XLA's account of the compiled step per device "
-        "(`memory_analysis`): its arguments, outputs and temporaries. Plan: `check_support`'s strategy and "
+        "(`memory_analysis`): its arguments, outputs, temporaries and peak; each device's peak after the inputs "
+        "are made, after the compile and after one step. Plan: `check_support`'s strategy and "
         "block backend.",
         [("ms", number("ms")), ("speedup", number("speedup")), ("peak GiB", gib("peak_bytes")),
          ("memory ratio", number("memory_ratio")), ("peak GiB, one step", gib("peak_step_bytes")),
          ("one-step ratio", number("step_memory_ratio")), ("XLA args GiB", gib("xla_argument_bytes")),
          ("XLA outputs GiB", gib("xla_output_bytes")), ("XLA temp GiB", gib("xla_temp_bytes")),
+         ("XLA peak GiB", gib("xla_peak_bytes")), ("peak GiB per device after inputs; compile; one step",
+                                                   lambda r: r.get("peak_stages", "")),
          ("collective-permutes", count("permutes")),
          ("all-gathers", count("all_gathers")), ("all-to-alls", count("all_to_alls")),
          ("plan / skipped", lambda r: r.get("plan") or r.get("skipped", ""))])
