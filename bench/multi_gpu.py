@@ -189,9 +189,10 @@ def cp_plan(args, mesh, attn_kwargs, strategy, load_balanced, impl):
                                        **attn_kwargs, **extra).reason
 
 
-def device_peaks(devices):
-    """Each device's peak of allocated device memory so far (None where not reported: CPU)."""
-    return [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+def device_peaks(devices, stat="peak_bytes_in_use"):
+    """Each device's peak of allocated device memory so far, or another of its `memory_stats` (None
+    where not reported: CPU)."""
+    return [(d.memory_stats() or {}).get(stat) for d in devices]
 
 
 def peak_bytes(devices):
@@ -228,8 +229,10 @@ def measure_cp(length, heads, head_dim, attn_kwargs, strategy, load_balanced, im
         compiled = cp_step(attn_kwargs, strategy, load_balanced, impl).lower(*args).compile()
         stages["compiled"] = device_peaks(devices)
         text = compiled.as_text()
-        jax.block_until_ready(compiled(*args))
+        outputs = jax.block_until_ready(compiled(*args))
         stages["one step"] = device_peaks(devices)
+        del outputs  # what stays allocated past a step besides the inputs: the runtime's own
+        stages["live after it"] = device_peaks(devices, "bytes_in_use")
         one_step = peak_bytes(devices)
         ms = time_ms(compiled, args, repeats, rounds)
     result = {"ms": ms, "permutes": len(PERMUTE.findall(text)), "all_gathers": len(GATHER.findall(text)),
@@ -496,7 +499,8 @@ def markdown(results):
          ("memory ratio", number("memory_ratio")), ("peak GiB, one step", gib("peak_step_bytes")),
          ("one-step ratio", number("step_memory_ratio")), ("XLA args GiB", gib("xla_argument_bytes")),
          ("XLA outputs GiB", gib("xla_output_bytes")), ("XLA temp GiB", gib("xla_temp_bytes")),
-         ("XLA peak GiB", gib("xla_peak_bytes")), ("peak GiB per device after inputs; compile; one step",
+         ("XLA peak GiB", gib("xla_peak_bytes")),
+         ("peak GiB per device after inputs; compile; one step; in use after it, its results freed",
                                                    lambda r: r.get("peak_stages", "")),
          ("collective-permutes", count("permutes")),
          ("all-gathers", count("all_gathers")), ("all-to-alls", count("all_to_alls")),
