@@ -224,7 +224,7 @@ def measure_cp(length, heads, head_dim, attn_kwargs, strategy, load_balanced, im
     allocates its own; the peak after one step is the step's alone (and the compile's)."""
     args, mesh = cp_inputs(length, heads, head_dim, docs, strategy, load_balanced)
     devices = jax.devices()[:1 if mesh is None else CP_DEVICES]
-    stages = {"inputs": device_peaks(devices)}
+    stages = {"inputs": device_peaks(devices), "in use": device_peaks(devices, "bytes_in_use")}
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         compiled = cp_step(attn_kwargs, strategy, load_balanced, impl).lower(*args).compile()
         stages["compiled"] = device_peaks(devices)
@@ -500,7 +500,7 @@ def markdown(results):
          ("one-step ratio", number("step_memory_ratio")), ("XLA args GiB", gib("xla_argument_bytes")),
          ("XLA outputs GiB", gib("xla_output_bytes")), ("XLA temp GiB", gib("xla_temp_bytes")),
          ("XLA peak GiB", gib("xla_peak_bytes")),
-         ("peak GiB per device after inputs; compile; one step; in use after it, its results freed",
+         ("peak GiB per device after inputs (in use then); compile; one step; in use after it, results freed",
                                                    lambda r: r.get("peak_stages", "")),
          ("collective-permutes", count("permutes")),
          ("all-gathers", count("all_gathers")), ("all-to-alls", count("all_to_alls")),
