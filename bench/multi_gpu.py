@@ -343,6 +343,7 @@ def measure_long(index, strategy, load_balanced, quick, cpu):
             return {"skipped": str(err)}
         if not cpu and "blocks run on the XLA backend" in plan and length > RING_ON_XLA_MAX_LEN:
             return {"skipped": plan}
+        del args  # measure_cp makes its own: these would stay allocated beside them, in its peaks
     repeats, rounds = (2, 2) if quick or cpu else (5, 3)
     return measure_cp(length, heads, head_dim, kwargs, strategy, load_balanced, impl, repeats, rounds, docs)
 
