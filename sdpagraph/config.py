@@ -169,13 +169,11 @@ PARTITION = Switch(
     "`0`, `false`, `off` or `no`: cuDNN calls are not partitioned under SPMD: one call over the "
     "global shapes, which XLA gathers onto every device",
     words=True)
-PREPARE = Choice(
-    "SDPAGRAPH_PREPARE", "load",
-    "what the executor does with a graph when a call is traced, in a background thread while XLA "
-    "compiles, so that its first run finds it ready: `load` deserializes it on the default device "
-    "(its kernels load on their first launch); `warmup` also runs it once to load its kernels (which "
-    "synchronizes the device); `off`: nothing before its first run",
-    choices=("load", "warmup", "off"), fold_case=True)
+PREPARE = Switch(
+    "SDPAGRAPH_PREPARE", "1",
+    "`0`, `false`, `off` or `no`: a graph is deserialized on its device by its first run, not in a "
+    "background thread while XLA compiles the program that calls it",
+    words=True)
 EXECUTOR_LIBRARY = Text(
     "SDPAGRAPH_EXECUTOR_LIBRARY", "",
     "the C++ executor library to load instead of the installed one (a build directory's)")

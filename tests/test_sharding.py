@@ -480,3 +480,19 @@ def test_fp8_training_split_over_the_query_heads_of_one_kv_head(cudnn_on_cpu, mo
     for a, b in zip(whole, split):  # each within e5m2's rounding (~10%) of the truth: 0.15 of each other
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.all(np.isfinite(b)) and np.linalg.norm(a - b) <= 0.15 * np.linalg.norm(a)
+
+
+@needs_devices
+def test_per_device_graphs_are_prepared_on_the_mesh_devices(cudnn_on_cpu, monkeypatch):
+    """The per-device graphs, built while XLA partitions the call, are handed to the background
+    preparation with the mesh's devices (`sharding.shard_devices`); the global trace's with none (the
+    default device)."""
+    from sdpagraph.backends.cudnn import sharding
+
+    seen = []
+    monkeypatch.setattr(cudnn_execute, "_prepare", lambda digest: seen.append(sharding.shard_devices()))
+    run_case("causal", "cudnn", np.random.default_rng(2))
+    assert None in seen
+    meshes = [devices for devices in seen if devices is not None]
+    assert meshes and all(set(devices) == set(jax.devices()) for devices in meshes)
+    assert sharding.shard_devices() is None  # reset once the lowering is done

@@ -146,7 +146,7 @@ class ExecutorLib:
             ctypes.c_char_p, ctypes.c_int, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int64),
             ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.POINTER(ctypes.c_int64),
             ctypes.POINTER(ctypes.c_uint32), *error]
-        library.sdpagraph_prepare_graph.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, *error]
+        library.sdpagraph_prepare_graph.argtypes = [ctypes.c_char_p, ctypes.c_int, *error]
         for name in ("sdpagraph_device_alloc", "sdpagraph_device_free", "sdpagraph_device_copy",
                      "sdpagraph_run_graph", "sdpagraph_prepare_graph"):
             getattr(library, name).restype = ctypes.c_int
@@ -209,11 +209,11 @@ class ExecutorLib:
             addresses, len(scalar_uids), scalar_uids.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)),
             words.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)))
 
-    def prepare_graph(self, digest: str, device: int, warmup: bool) -> None:
-        """Deserializes the registered graph `digest` on `device` (CUDA ordinal) now, and with
-        `warmup` runs it once to load its kernels (which synchronizes the device), so that its first
-        call finds it ready; a no-op when it already is."""
-        self._direct("sdpagraph_prepare_graph", digest.encode(), device, int(warmup))
+    def prepare_graph(self, digest: str, device: int) -> None:
+        """Deserializes the registered graph `digest` on `device` (CUDA ordinal) now, so that its
+        first call finds it ready (its kernels load on their first launch); a no-op when it already
+        is."""
+        self._direct("sdpagraph_prepare_graph", digest.encode(), device)
 
     def _direct(self, name: str, *arguments: Any) -> None:
         reason = self._failure(name, *arguments)

@@ -1,14 +1,17 @@
 """Getting a graph ready on its device while XLA compiles the program that calls it.
 
-    prepare_soon(digest, device)    start deserializing a registered graph in a background thread
+    prepare_soon(digest, device)    queue a registered graph's deserialization on a background thread
+    pending()                       preparations queued or running
 
-A graph's first run deserializes it (and warms its plan up) on the device it runs on: about 30 ms
-for a softcap forward and 10 ms for its backward on an H100 (bench/probe_compile.py), paid inside the
-first call, after XLA's compile. The backend calls `prepare_soon` when a call is traced, once the
-graph is registered, so that this work overlaps XLA's compile instead. `SDPAGRAPH_PREPARE` says how
-far it goes (`load`: deserialize; `warmup`: also load the kernels with one throwaway run, which
-synchronizes the device; `off`). It is safe to race: a call that needs the graph meanwhile waits for
-the deserialization, and a failure here only leaves the work to the first call (logged at debug).
+A graph's first run deserializes it on the device it runs on: about 30 ms for a softcap forward and
+10 ms for its backward on an H100 (docs/results/h100-2026-11-27-warm-start-softcap.md), paid inside
+the first call, after XLA's compile. The backend calls `prepare_soon` when a call is traced, once
+the graph is registered, so that this work overlaps XLA's compile instead (`SDPAGRAPH_PREPARE=0`
+turns it off). Only the deserialization runs here: the plan's kernels load on its first launch, since
+the warmup run that would load them synchronizes the device, which would break a command buffer XLA
+may be recording meanwhile. A call that needs the graph meanwhile waits for its deserialization (the
+executor's per-device lock), and a failure here only leaves the work to the first run (logged at
+debug).
 """
 from __future__ import annotations
 
@@ -30,24 +33,30 @@ _started = BoundedMemo(4096)
 _queue: queue.Queue = queue.Queue()
 _worker: threading.Thread | None = None
 _lock = threading.Lock()
-# At exit, how long to wait for preparations still queued (their CUDA work must not race teardown).
+# At exit, how long to wait for the preparation in progress (its CUDA work must not race teardown).
 EXIT_WAIT_S = 5.0
 
 
 def prepare_soon(digest: str, device: int) -> None:
     """Deserialize the registered graph `digest` on `device` (CUDA ordinal) in the background,
-    unless `SDPAGRAPH_PREPARE` is `off` or this pair was queued before."""
+    unless `SDPAGRAPH_PREPARE` is off or this pair was queued before."""
     global _worker
-    mode = PREPARE.get()
-    if mode == "off":
+    if not PREPARE.enabled():
         return
     with _lock:
         if not _started.add((digest, device)):
             return
-        _queue.put((digest, device, mode == "warmup"))
         if _worker is None:
-            _worker = threading.Thread(target=_work, name="sdpagraph-prepare", daemon=True)
-            _worker.start()
+            worker = threading.Thread(target=_work, name="sdpagraph-prepare", daemon=True)
+            try:
+                worker.start()
+            except RuntimeError:  # the interpreter is shutting down: the first run deserializes it
+                return
+            _worker = worker
+            # Registered now, after jax (which the caller traced with) registered its own teardown:
+            # handlers run last-in first-out, so this one waits for the worker before jax tears down.
+            atexit.register(_stop)
+        _queue.put((digest, device))
 
 
 def pending() -> int:
@@ -61,19 +70,23 @@ def _work() -> None:
         try:
             if item is None:
                 return
-            digest, device, warmup = item
+            digest, device = item
             try:
-                _loaded().prepare_graph(digest, device, warmup)
-            except Exception as error:  # noqa: BLE001 - the graph's first call deserializes it instead
+                _loaded().prepare_graph(digest, device)
+            except Exception as error:  # noqa: BLE001 - the graph's first run deserializes it instead
                 logger.log(logging.DEBUG, "preparing graph %s on device %d failed: %s", digest, device, error)
         finally:
             _queue.task_done()
 
 
-@atexit.register
-def _wait_at_exit() -> None:
-    with _lock:
-        worker = _worker
-    if worker is not None:
-        _queue.put(None)
-        worker.join(EXIT_WAIT_S)
+def _stop() -> None:
+    """At exit: drop what is still queued, and wait (a while) for the preparation in progress."""
+    while True:
+        try:
+            _queue.get_nowait()
+        except queue.Empty:
+            break
+        _queue.task_done()
+    _queue.put(None)
+    if _worker is not None:
+        _worker.join(EXIT_WAIT_S)

@@ -144,18 +144,32 @@ def _execute(static: Static, direction: str, operands: Mapping[str, Any],
         return restacked(run_on_xla(static, operands, unstacked(results)), results)
     graph = cached_graph(static.spec, static.ir, direction)
     ffi.register_graph(graph.digest, graph.compiled.blob)
-    _prepare_on_default_device(graph.digest)
+    _prepare(graph.digest)
     return call_executor(static, graph, operands, results)
 
 
-def _prepare_on_default_device(digest: str) -> None:
-    """Get the graph ready on the device a call most likely runs on (jax's default device) while
-    XLA compiles (`ffi.prepare_soon`); a call on another device deserializes it itself."""
+def _prepare(digest: str) -> None:
+    """Get the graph ready on the GPUs it will run on while XLA compiles (`ffi.prepare_soon`): a
+    per-device call's on its mesh's local devices, any other on jax's default device. A graph that
+    runs elsewhere is deserialized by its first run. (A sharded call's global-shape graph, traced
+    before the partitioning, is prepared on the default device although only its per-device graphs
+    run.)"""
+    devices = sharding.shard_devices()
+    for device in _default_device() if devices is None else devices:
+        if device.platform == "gpu":
+            ffi.prepare_soon(digest, device.local_hardware_id)
+
+
+def _default_device() -> tuple[jax.Device, ...]:
+    """jax's default device (`jax.default_device`, `jax_default_device`): a device, a platform's
+    first, or the first local device when none is set."""
     device = jax.config.jax_default_device
-    if not isinstance(device, jax.Device):
-        device = jax.local_devices()[0]
-    if device.platform == "gpu":
-        ffi.prepare_soon(digest, device.local_hardware_id)
+    if isinstance(device, jax.Device):
+        return (device,)
+    try:
+        return tuple(jax.local_devices(backend=device)[:1])  # a platform name, or None: the default backend
+    except RuntimeError:  # a platform this process has no backend for
+        return ()
 
 
 def checked(static: Static) -> bool:

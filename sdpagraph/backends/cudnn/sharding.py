@@ -36,6 +36,7 @@ partitioning existed; kept for benchmarks and debugging).
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import itertools
@@ -301,6 +302,23 @@ def _notify_listeners(static: Any, direction: str) -> None:
     notify_trace_listeners(static.spec, static.ir, direction != "inference")
 
 
+# The local devices of the mesh whose per-device call is being lowered (`_partition`), so that the
+# backend gets that call's graphs ready on them (`execute._prepare`); None outside a partitioning.
+_shard_devices: contextvars.ContextVar = contextvars.ContextVar("sdpagraph_shard_devices", default=None)
+
+
+def shard_devices() -> tuple[Any, ...] | None:
+    """The local devices a per-device call being lowered now runs on (None when not partitioning)."""
+    return _shard_devices.get()
+
+
+def _local_devices(mesh: Any) -> tuple[Any, ...] | None:
+    devices = getattr(mesh, "devices", None)
+    if devices is None:  # an abstract mesh names no devices
+        return None
+    return tuple(d for d in np.asarray(devices).flat if d.process_index == jax.process_index())
+
+
 def _partition(call: _GraphCall, mesh: Any, arg_shapes: tuple[Any, ...], result_shape: tuple[Any, ...]):
     q_sharding = arg_shapes[call.roles.index("q")].sharding
     if not isinstance(q_sharding, NamedSharding):  # e.g. inside a shard_map that leaves some axes automatic
@@ -319,6 +337,7 @@ def _partition(call: _GraphCall, mesh: Any, arg_shapes: tuple[Any, ...], result_
     arg_shardings = _shardings(call, mesh, split, (s.shape for s in arg_shapes), call.roles)
 
     def per_device(*arrays):
+        devices = _shard_devices.set(_local_devices(mesh))
         try:
             results = call.run(static, arrays, split)
         except CacheMissError as miss:
@@ -326,6 +345,8 @@ def _partition(call: _GraphCall, mesh: Any, arg_shapes: tuple[Any, ...], result_
                 f"{miss} It is the per-device graph of a sharded call ({static.spec.summary()} on each device). "
                 "Record the sharded run (SDPAGRAPH_RECORD=specs.json records per-device specs too) and run "
                 "`sdpagraph precompile specs.json` on this GPU type.") from None
+        finally:
+            _shard_devices.reset(devices)
         return tuple(_sum_broadcast_grad(role, shape, x, call, split)
                      for (role, shape, _), x in zip(call.results, results))
 

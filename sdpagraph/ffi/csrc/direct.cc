@@ -42,13 +42,13 @@ void RunDirect(const std::string& key, int device, const std::vector<TensorPoint
   stream.Synchronize();
 }
 
-void PrepareDirect(const std::string& key, int device, bool warmup) {
+void PrepareDirect(const std::string& key, int device) {
   BindCudnnLibrary();
   UseDevice(device);
   const std::shared_ptr<GraphEntry> entry = FindOrLoadGraph(key, "");
-  OwnedStream stream;
   ThreadHandle& thread_handle = State().handles.ForCurrentThread(device);
-  entry->ForDevice(device, thread_handle, stream.get(), State().deserialize_count, warmup);
+  entry->ForDevice(device, thread_handle, /*xla_stream=*/nullptr, State().deserialize_count,
+                   /*warmup_allowed=*/false);
 }
 
 }  // namespace sdpagraph

@@ -78,10 +78,11 @@ void CopyAllSync(size_t count, void* const* destinations, const void* const* sou
 // host pointers) with a workspace of its own, and waits for it.
 void RunDirect(const std::string& key, int device, const std::vector<TensorPointer>& given);
 
-// Deserializes the registered graph `key` for `device` ahead of its first call (which then finds it
-// ready), warming its plan up or not (`warmup`: see GraphEntry::ForDevice). Safe beside XLA's own
-// calls: a call that needs the graph meanwhile waits for this one's deserialization.
-void PrepareDirect(const std::string& key, int device, bool warmup);
+// Deserializes the registered graph `key` for `device` ahead of its first call, which then finds it
+// ready. No warmup run: that synchronizes the device, which would break a command buffer XLA may be
+// recording on another thread; the plan's kernels load on its first launch instead. A call that
+// needs the graph meanwhile waits for this deserialization (GraphEntry::ForDevice).
+void PrepareDirect(const std::string& key, int device);
 
 }  // namespace sdpagraph
 

@@ -166,13 +166,11 @@ SDPAGRAPH_EXPORT int sdpagraph_run_graph(const char* key_digest, int device, siz
   });
 }
 
-// Deserializes the graph registered under `key_digest` for `device` now (its plan warmed up when
-// `warmup` != 0), so that its first call finds it ready. A no-op when it already is.
-SDPAGRAPH_EXPORT int sdpagraph_prepare_graph(const char* key_digest, int device, int warmup, char* error,
-                                             size_t error_size) {
+// Deserializes the graph registered under `key_digest` for `device` now, so that its first call
+// finds it ready. A no-op when it already is.
+SDPAGRAPH_EXPORT int sdpagraph_prepare_graph(const char* key_digest, int device, char* error, size_t error_size) {
   if (key_digest == nullptr || !sdpagraph::IsGraphKey(key_digest)) return sdpagraph::kStatusInvalidKey;
-  return sdpagraph::GuardedEntry(error, error_size,
-                                 [&] { sdpagraph::PrepareDirect(key_digest, device, warmup != 0); });
+  return sdpagraph::GuardedEntry(error, error_size, [&] { sdpagraph::PrepareDirect(key_digest, device); });
 }
 
 // Total graph deserializations in this process, over all keys and devices (for tests).
