@@ -21,7 +21,7 @@ import sdpagraph
 from sdpagraph import mods
 from sdpagraph.backends.cudnn import execute as cudnn_execute
 from sdpagraph.backends.cudnn.bins import packed as packed_bins, partitioned as partitioned_bins
-from sdpagraph.backends.cudnn.sharding import local_spec, Split
+from sdpagraph.shard_spec import local_spec, Split
 from sdpagraph.graphs.binning import bin_plan
 from tests.devices import has_cpu_devices, make_mesh, rerun_with_cpu_devices
 from tests.test_context_parallel import cudnn_like_executor

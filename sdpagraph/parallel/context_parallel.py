@@ -38,7 +38,7 @@ from sdpagraph.parallel import halo, halo_layout, ring, ring_plan
 from sdpagraph.call import PreparedCall, notify_trace_listeners
 from sdpagraph.parallel.load_balance import DOCUMENTS, document_order, gather_tokens, load_balance, unload_balance
 from sdpagraph.segments.metadata import segment_positions, segment_run_ids
-from sdpagraph.backends.cudnn.sharding import Split, local_ir, local_spec
+from sdpagraph.shard_spec import Split, local_ir, local_spec
 from sdpagraph.meshes import varying_like, whole_along_sequence
 from sdpagraph.spec import AttentionSpec
 
