@@ -195,10 +195,14 @@ def device_peaks(devices, stat="peak_bytes_in_use"):
     return [(d.memory_stats() or {}).get(stat) for d in devices]
 
 
+def largest(peaks):
+    """The largest of the devices' peaks (None where one is not reported: CPU)."""
+    return None if None in peaks else max(peaks)
+
+
 def peak_bytes(devices):
     """The largest peak of allocated device memory over `devices` (None where not reported: CPU)."""
-    peaks = device_peaks(devices)
-    return None if None in peaks else max(peaks)
+    return largest(device_peaks(devices))
 
 
 def stage_text(stages):
@@ -233,11 +237,10 @@ def measure_cp(length, heads, head_dim, attn_kwargs, strategy, load_balanced, im
         stages["one step"] = device_peaks(devices)
         del outputs  # what stays allocated past a step besides the inputs: the runtime's own
         stages["live after it"] = device_peaks(devices, "bytes_in_use")
-        one_step = peak_bytes(devices)
         ms = time_ms(compiled, args, repeats, rounds)
     result = {"ms": ms, "permutes": len(PERMUTE.findall(text)), "all_gathers": len(GATHER.findall(text)),
               "all_to_alls": len(ALL_TO_ALL.findall(text)), "peak_bytes": peak_bytes(devices),
-              "peak_step_bytes": one_step, "peak_stages": stage_text(stages), **xla_memory(compiled)}
+              "peak_step_bytes": largest(stages["one step"]), "peak_stages": stage_text(stages), **xla_memory(compiled)}
     if mesh is not None:
         result["plan"] = cp_plan(args, mesh, attn_kwargs, strategy, load_balanced, impl)
     return result

@@ -111,12 +111,8 @@ def test_at_exit_what_is_queued_is_dropped(monkeypatch):
     assert queue.get_nowait() is None and queue.empty()
 
 
-class FakeDevice(SimpleNamespace):
-    pass
-
-
 def _fake(platform, hardware_id):
-    return FakeDevice(platform=platform, local_hardware_id=hardware_id)
+    return SimpleNamespace(platform=platform, local_hardware_id=hardware_id)
 
 
 def test_the_backend_prepares_on_the_default_gpu(monkeypatch):
