@@ -27,28 +27,40 @@ void CopyAllSync(size_t count, void* const* destinations, const void* const* sou
   stream.Synchronize();
 }
 
-void RunDirect(const std::string& key, int device, const std::vector<TensorPointer>& given) {
+namespace {
+
+// A registered graph's entry and this thread's cuDNN handle, with `device` made current (so that
+// streams made next belong to it).
+struct DirectEntry {
+  std::shared_ptr<GraphEntry> entry;
+  ThreadHandle& thread_handle;
+};
+
+DirectEntry EntryOnDevice(const std::string& key, int device) {
   BindCudnnLibrary();
   UseDevice(device);
-  const std::shared_ptr<GraphEntry> entry = FindOrLoadGraph(key, "");
+  return {FindOrLoadGraph(key, ""), State().handles.ForCurrentThread(device)};
+}
+
+}  // namespace
+
+void RunDirect(const std::string& key, int device, const std::vector<TensorPointer>& given) {
+  const DirectEntry direct = EntryOnDevice(key, device);
   OwnedStream stream;
-  ThreadHandle& thread_handle = State().handles.ForCurrentThread(device);
-  const DeviceGraph& graph = entry->ForDevice(device, thread_handle, stream.get(), State().deserialize_count);
+  const DeviceGraph& graph =
+      direct.entry->ForDevice(device, direct.thread_handle, stream.get(), State().deserialize_count);
   std::vector<void*> pointers = VariantPack(given, graph.variant_pack_uids);
   DeviceBuffer workspace(static_cast<size_t>(graph.workspace_size));
-  CheckFrontend(graph.graph.execute(thread_handle.OnStream(stream.get()), pointers.data(),
+  CheckFrontend(graph.graph.execute(direct.thread_handle.OnStream(stream.get()), pointers.data(),
                                     static_cast<int>(pointers.size()), workspace.get()),
                 "execute");
   stream.Synchronize();
 }
 
 void PrepareDirect(const std::string& key, int device) {
-  BindCudnnLibrary();
-  UseDevice(device);
-  const std::shared_ptr<GraphEntry> entry = FindOrLoadGraph(key, "");
-  ThreadHandle& thread_handle = State().handles.ForCurrentThread(device);
-  entry->ForDevice(device, thread_handle, /*xla_stream=*/nullptr, State().deserialize_count,
-                   /*warmup_allowed=*/false);
+  const DirectEntry direct = EntryOnDevice(key, device);
+  direct.entry->ForDevice(device, direct.thread_handle, /*xla_stream=*/nullptr, State().deserialize_count,
+                          /*warmup_allowed=*/false);
 }
 
 }  // namespace sdpagraph
