@@ -16,6 +16,7 @@ from sdpagraph.backends.cudnn.bins import packer as bin_packer
 from sdpagraph.backends.cudnn.bins import packed as packed_bins
 from sdpagraph.call import prepare_call
 from sdpagraph.backends.xla import xla_attention
+from tests.test_sharding import cudnn_on_cpu  # noqa: F401 (a fixture)
 
 
 def softcap(score, b, h, q_idx, kv_idx):
@@ -304,3 +305,39 @@ def test_a_process_with_several_gpus_says_once_why_its_documents_run_unbinned(mo
     said = [r.getMessage() for r in caplog.records if "bins run on one device, or per device" in r.getMessage()]
     assert len(said) == 1 and "this process has 4 devices" in said[0] and "shard_map" in said[0]
     assert "SDPAGRAPH_PARTITION=0" in said[0]
+
+
+def test_a_binned_call_keeps_one_set_of_residuals_for_its_gradient(cudnn_on_cpu, monkeypatch):
+    """Under autodiff a `lax.cond` keeps a slot for each residual of either branch (one slot for those
+    of the same shape and dtype): the unbinned fallback keeps q, k and v laid flat in the bins' shapes
+    and recomputes its forward, so a binned call keeps about what the unbinned call alone keeps (more
+    by the bins' slack), not both sets; the gradients stay the unbinned call's."""
+    import sdpagraph
+    from sdpagraph.backends.cudnn import execute as cudnn_execute
+    from tests.cudnn_standin import stats_backward_executor
+
+    monkeypatch.setattr(cudnn_execute, "call_executor", stats_backward_executor)
+    monkeypatch.setattr(packed_bins, "usable", lambda: True)
+    rng = np.random.default_rng()
+    ids = random_documents(rng, 2, 1024, 9, 120)
+    call, q, k, v = prepared(rng, ids, 128, n=4, h=32)
+    plan = bin_plan(call.spec, call.score_mod)
+    weights = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+    def residuals_and_grads():
+        def loss(q, k, v):
+            return jnp.sum(weights * sdpagraph.attention(q, k, v, is_causal=True, segment_ids=ids, score_mod=softcap,
+                                                         max_seqlen_kv=128, implementation="cudnn"))
+        _, pullback = jax.vjp(loss, q, k, v)
+        kept = sum(x.nbytes for x in jax.tree.leaves(pullback) if isinstance(x, jax.Array))
+        return kept, pullback(jnp.ones((), jnp.float32))
+
+    built = cudnn_on_cpu[0]
+    binned, binned_grads = residuals_and_grads()
+    assert {spec.batch for spec, _, _ in built} == {plan.bins, call.spec.batch}  # the bins' graphs, the fallback's
+    monkeypatch.setenv(BINS.name, "0")
+    unbinned, grads = residuals_and_grads()
+    slack = plan.bins * plan.rows / ids.size
+    assert unbinned < binned <= 1.05 * slack * unbinned, (binned / unbinned, slack)  # both branches': ~2.2x
+    for got, want in zip(binned_grads, grads):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)

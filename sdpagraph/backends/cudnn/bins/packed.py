@@ -14,8 +14,10 @@
    needed, or a document longer than `plan.rows` (a call without a `max_seqlen_kv` hint, whose
    bins are a quarter of a row, or SDPAGRAPH_CHECK_SEGMENTS=0).
    `lax.cond` picks at run time, so both are compiled, and the answer is the same either way.
-   (Under autodiff a `cond` keeps the residuals of both branches, the unused one's as zeros: the
-   binned call also writes a zero output of the unbinned shape.)
+   Under autodiff a `cond` keeps a slot for every residual of either branch, sharing slots only
+   between residuals of one shape and dtype: the unbinned call keeps q, k and v laid flat in the
+   bins' shapes and recomputes its forward in the backward (`_in_bin_shapes`), so that a binned call
+   keeps one set of residuals, not both branches'.
 
 The moves are gathers of whole (heads, dim) token rows, one in each direction, and each is the
 other's transpose (`_move`): the gradient goes back by a gather too, not by a scatter-add.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from typing import Any, Callable
 
 import jax
@@ -160,9 +163,31 @@ def attention(plan: BinPlan, spec: AttentionSpec, q: Any, k: Any, v: Any, inputs
         return from_bins(out, lse, layout, spec)
 
     def unbinned(q, k, v):
-        return run(spec, q, k, v, inputs)
+        return _in_bin_shapes(lambda q, k, v: run(spec, q, k, v, inputs), plan, q, k, v)
 
     return jax.lax.cond(layout.fits, binned, unbinned, q, k, v)
+
+
+def _in_bin_shapes(call: Callable[..., Any], plan: BinPlan, *tokens: Any) -> Any:
+    """`call(*tokens)` ((B, T, ...) each), keeping for its gradient only `tokens` laid flat into arrays
+    of the bins' shapes (plan.bins * plan.rows >= B * T token rows, zero past them); its backward
+    recomputes its forward. Under autodiff a `cond` keeps a slot for each residual of either branch,
+    but one slot for residuals of the same shape and dtype: the unbinned branch's then share the binned
+    graph's (q, k and v in the bins), so a binned call keeps one set, and only a call whose documents
+    do not fit pays for a second forward."""
+    slots = plan.bins * plan.rows
+    shapes = [x.shape for x in tokens]
+
+    def laid_flat(x):
+        flat = x.reshape((-1,) + x.shape[2:])
+        return jnp.pad(flat, [(0, slots - flat.shape[0])] + [(0, 0)] * (flat.ndim - 1)).reshape(
+            (plan.bins, plan.rows) + x.shape[2:])
+
+    def from_flat(*padded):
+        return call(*(x.reshape((-1,) + x.shape[2:])[:math.prod(shape[:2])].reshape(shape)
+                      for x, shape in zip(padded, shapes)))
+
+    return jax.checkpoint(from_flat, policy=jax.checkpoint_policies.nothing_saveable)(*map(laid_flat, tokens))
 
 
 def to_bins(x: Any, layout: _Layout, plan: BinPlan) -> Any:
