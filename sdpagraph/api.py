@@ -237,7 +237,7 @@ def attention(
         "all_to_all" (heads <-> sequence with `all_to_all`: each device attends the whole
         sequence on N/cp heads; N and K must be divisible by cp), "halo" (sliding windows
         and chunks: each device receives from its neighbours only the keys its windows
-        reach, then runs one call), or "auto" (`context_parallel.choose_strategy`: the halo
+        reach, then runs one call), or "auto" (`strategy.choose_strategy`: the halo
         for windows and chunks it takes, the ring for packed documents without a score_mod
         from T32768, all_to_all when the heads divide cp and T <= 65536 or the ring would
         run XLA blocks, else the ring; measured on two GPUs, docs/multi-gpu.md).

@@ -511,7 +511,7 @@ def test_errors_name_the_argument_and_the_numbers():
 
 
 def test_auto_rule():
-    from sdpagraph.parallel.context_parallel import choose_strategy
+    from sdpagraph.parallel.strategy import choose_strategy
     from sdpagraph.spec import AttentionSpec
 
     spec = lambda t, n, k: AttentionSpec(1, t, t, n, k, 128, 128, "bfloat16", 0.1)  # noqa: E731

@@ -15,7 +15,7 @@ import pytest
 
 import sdpagraph
 from sdpagraph import mods
-from sdpagraph.parallel.context_parallel import choose_strategy
+from sdpagraph.parallel.strategy import choose_strategy
 from sdpagraph.spec import AttentionSpec
 from tests.devices import make_mesh, on_axis_types, rerun_with_cpu_devices
 from tests.test_context_parallel_windows import (B, DEVICES, HERE_WITH_DEVICES, H, N, T, assert_same_step, needs_devices,

@@ -255,9 +255,9 @@ def test_support_names_the_ring_on_cudnn(cudnn_ring):
 
 @needs_devices
 def test_auto_runs_long_packed_documents_on_the_ring_and_their_dense_twin_on_all_to_all(cudnn_ring):
-    """`context_parallel.choose_strategy`: documents on packed graphs from T32768 (the ring measured
+    """`strategy.choose_strategy`: documents on packed graphs from T32768 (the ring measured
     faster than all_to_all there), with a score_mod (the ring's dense twin) or shorter: all_to_all."""
-    from sdpagraph.parallel.context_parallel import AUTO_DOCUMENTS_RING_MIN_LEN
+    from sdpagraph.parallel.strategy import AUTO_DOCUMENTS_RING_MIN_LEN
 
     with jax.set_mesh(make_mesh((2,), ("cp",))):
         for length, score_mod, want in ((AUTO_DOCUMENTS_RING_MIN_LEN, None, "ring"),

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import sdpagraph
 from sdpagraph import mods
-from sdpagraph.parallel.context_parallel import choose_strategy
+from sdpagraph.parallel.strategy import choose_strategy
 from sdpagraph.spec import AttentionSpec
 from tests.devices import has_cpu_devices, make_mesh, on_axis_types, rerun_with_cpu_devices
 from tests.test_context_parallel import assert_same, value_and_grads

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from sdpagraph import mods
-from sdpagraph.scoremod.ir import FLOAT, INT, RecordingGraph
+from sdpagraph.scoremod.ir import FLOAT, INT
+from sdpagraph.scoremod.recording import RecordingGraph
 from sdpagraph.scoremod.ir_eval import evaluate
 from sdpagraph.scoremod.jnp.apply import apply_jnp_mask_mod, apply_jnp_score_mod
 from sdpagraph.scoremod.jnp.convert import (

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from sdpagraph.scoremod.ir import BOOL, FLOAT, INT, LEAF_OPS, OP_PARAMS, ScoreModIR, _canonicalize
+from sdpagraph.scoremod.ir import BOOL, FLOAT, INT, LEAF_OPS, OP_PARAMS, ScoreModIR, canonicalize
 from sdpagraph.spec import AttentionSpec
 
 
@@ -72,7 +72,7 @@ def recorded_score_mod(raw: Any, spec: AttentionSpec) -> ScoreModIR:
                          "which only the bprop ('grad_output') has")
     if ir.nodes[ir.output].dtype == BOOL:
         raise ValueError(f"the IR's output (node {ir.output}) is boolean; a score_mod returns the modified score")
-    canonical = _canonicalize(ir.nodes, ir.output, ir.grad_output, {}, ir.scalar_names, ir.array_names)
+    canonical = canonicalize(ir.nodes, ir.output, ir.grad_output, {}, ir.scalar_names, ir.array_names)
     if (canonical.nodes, canonical.output, canonical.grad_output, canonical.scalar_names, canonical.array_names) != (
             ir.nodes, ir.output, ir.grad_output, ir.scalar_names, ir.array_names):
         raise ValueError("the IR is not in the canonical form the recorder writes (every node reachable from "

@@ -72,7 +72,7 @@ def _documents_unsupported(spec: AttentionSpec, count: int, load_balanced: Any, 
 def unsupported(spec: AttentionSpec, cp: int, load_balanced: Any, packed_graphs: bool = True) -> str | None:
     """Why the halo strategy cannot run this call over `cp` devices (None: it can); names the
     argument at fault. `spec` has the global sequence lengths; `packed_graphs`: whether its packed
-    documents run on packed graphs, with no mod at all (`context_parallel.halo_packed_graphs`)."""
+    documents run on packed graphs, with no mod at all (`strategy.halo_packed_graphs`)."""
     count = cp * (2 if load_balanced else 1)
     if spec.segments:
         if spec.q_len != spec.kv_len or spec.segments != "self":

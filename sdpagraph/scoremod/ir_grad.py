@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from sdpagraph.scoremod.ir import FLOAT, RecordingGraph, ScoreModError
+from sdpagraph.scoremod.ir import FLOAT, ScoreModError
+from sdpagraph.scoremod.recording import RecordingGraph
 
 ZERO_GRAD_OPS = frozenset({
     "gen_index", "floor", "ceil", "logical_not", "logical_and", "logical_or",

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from sdpagraph.scoremod.ir import BOOL, ModTensor, RecordingGraph, ScoreModError, ScoreModIR
+from sdpagraph.scoremod.ir import BOOL, ScoreModError, ScoreModIR
+from sdpagraph.scoremod.recording import ModTensor, RecordingGraph
 from sdpagraph.scoremod.ir_grad import derive_bprop
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from sdpagraph.scoremod.ir import FLOAT, INT, OP_PARAMS, ModTensor, Node, reachable, result_type
+from sdpagraph.scoremod.ir import FLOAT, INT, OP_PARAMS, Node, reachable, result_type
+from sdpagraph.scoremod.recording import ModTensor
 
 
 # ----------------------------------------------------------------------------- the DAG

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdpagraph.errors import Unsupported
-from sdpagraph.scoremod.ir import BOOL, FLOAT, INT, RecordingGraph
+from sdpagraph.scoremod.ir import BOOL, FLOAT, INT
+from sdpagraph.scoremod.recording import RecordingGraph
 from sdpagraph.scoremod.ir_eval import evaluate
 from sdpagraph.scoremod.jnp.dag import Dag, formula_nodes, replay
 from sdpagraph.scoremod.jnp.operands import OperandBuilder
