@@ -148,7 +148,7 @@ def cp_step(attn_kwargs, strategy, load_balanced, impl):
     under context parallelism over the mesh axis "cp" (strategy None: one device, no context
     parallelism)."""
     def attn(q, k, v, ids):
-        kw = {} if strategy is None else dict(context_parallel_axis="cp", load_balanced=load_balanced,
+        kw = {} if strategy is None else dict(context_parallel_axis="cp", load_balanced=call_balance(load_balanced),
                                               context_parallel_strategy=strategy)
         if ids is not None:
             kw["segment_ids"] = ids
@@ -175,6 +175,8 @@ def cp_inputs(length, heads, head_dim, docs, strategy, load_balanced):
         ids = random_docs(1, length, *docs)
         if strategy is not None and load_balanced is True:  # load_balanced="documents" takes them as they are
             ids = sdpagraph.load_balance(ids, CP_DEVICES)
+        elif strategy is not None and load_balanced == WHOLE:  # the documents whole, reordered to even their work
+            ids = sdpagraph.load_balance(ids, CP_DEVICES, segment_ids=ids, whole_documents=True)
         ids = jax.device_put(jnp.asarray(ids), placement)
     return qkv + [ids], mesh
 
@@ -185,8 +187,14 @@ def cp_plan(args, mesh, attn_kwargs, strategy, load_balanced, impl):
     extra = {} if ids is None else {"segment_ids": ids}
     with jax.set_mesh(mesh):
         return sdpagraph.check_support(q, k, v, is_causal=True, implementation=impl, context_parallel_axis="cp",
-                                       context_parallel_strategy=strategy, load_balanced=load_balanced,
-                                       **attn_kwargs, **extra).reason
+                                       context_parallel_strategy=strategy,
+                                       load_balanced=call_balance(load_balanced), **attn_kwargs, **extra).reason
+
+
+def call_balance(load_balanced):
+    """The call's `load_balanced` for a row's order: rows of whole documents reordered are ordinary
+    packed rows (False)."""
+    return False if load_balanced == WHOLE else load_balanced
 
 
 def device_peaks(devices, stat="peak_bytes_in_use"):
@@ -288,8 +296,12 @@ ALL_STRATEGIES = (("ring", True), ("all_to_all", True), ("halo", False), ("auto"
 HALO_STRATEGIES = ALL_STRATEGIES + (("auto", False),)
 # Documents: also each document cut over the devices (load_balanced="documents", `load_balance`'s segment_ids).
 DOCUMENT_STRATEGIES = ALL_STRATEGIES + (("ring", "documents"), ("all_to_all", "documents"), ("auto", "documents"))
-# Documents with their longest length given (`max_seqlen_kv`): the halo takes them, in either order.
-HINTED_STRATEGIES = (("halo", False), ("halo", True), ("ring", True), ("auto", False), ("auto", True))
+# Documents with their longest length given (`max_seqlen_kv`): the halo takes them, in either order,
+# and with the documents kept whole but reordered to even their causal work over the devices (WHOLE:
+# `load_balance(..., whole_documents=True)`; the call sees an ordinary packed row).
+WHOLE = "whole documents"
+HINTED_STRATEGIES = (("halo", False), ("halo", True), ("ring", True), ("auto", False), ("auto", True),
+                     ("halo", WHOLE), ("auto", WHOLE))
 LONG_CALLS = (
     ("packed documents 512-8192", 32768, {}, (512, 8192), False, DOCUMENT_STRATEGIES, 1.5),
     ("packed documents 512-8192", 131072, {}, (512, 8192), True, DOCUMENT_STRATEGIES, 1.8),
@@ -303,8 +315,10 @@ LONG_CALLS = (
     ("chunked attention (chunk 8192)", 65536, {"chunk_size": 8192}, None, False, HALO_STRATEGIES, 1.9),
     ("dense causal", 32768, {}, None, True, (("ring", True), ("all_to_all", True), ("auto", True)), 1.7),
 )
-BALANCE_LABELS = {False: "", True: ", load-balanced", "documents": ", documents balanced"}
-ORDERS = {False: "natural order", True: "load-balanced", "documents": "documents balanced"}
+BALANCE_LABELS = {False: "", True: ", load-balanced", "documents": ", documents balanced",
+                  WHOLE: ", whole documents reordered"}
+ORDERS = {False: "natural order", True: "load-balanced", "documents": "documents balanced",
+          WHOLE: "whole documents reordered"}
 CPU_SCALE = 128  # --cpu: lengths, documents, windows and chunks divided by this
 # Longer rings on XLA blocks are skipped on GPUs: 0.02-0.03x of one GPU at T16384-32768 already
 # (docs/results/h100x2-2026-11-26-context-parallel.md), seconds per step beyond.

@@ -231,7 +231,9 @@ def attention(
         "documents" (packed documents): q, k, v come from `load_balance(x, cp,
         segment_ids=ids)`, which cuts every document that way, so their causal work is
         even too; `segment_ids` are given in their natural order. The ring runs it as
-        one packed cuDNN call a step (no score_mod), all_to_all runs any call.
+        one packed cuDNN call a step (no score_mod), all_to_all runs any call. Rows
+        from `load_balance(x, cp, segment_ids=ids, whole_documents=True)` (documents
+        kept whole, reordered to even their work) are ordinary packed rows: False.
       context_parallel_strategy: "ring" (K/V blocks pass around the ring with
         `ppermute`, overlapped with compute; causal blocks in the future are skipped),
         "all_to_all" (heads <-> sequence with `all_to_all`: each device attends the whole

@@ -15,7 +15,9 @@ balance them only as evenly as the documents happen to fall (`bench/cp_balance.p
 row's `segment_ids`, the same assignment applies to each document instead (`document_order`):
 every run of equal ids (padding too) is cut into 2cp pieces, device i takes pieces i and
 2cp - 1 - i of every document, in the row's order. Pieces differ by at most one token; the longer
-ones go round the 2cp piece positions along the row, so every device holds T / cp tokens.
+ones go round the 2cp piece positions along the row, so every device holds T / cp tokens. Or the
+documents stay whole and only their order in the row changes (`whole_documents`), which leaves an
+ordinary packed row that every strategy runs.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdpagraph.meshes import explicit_axes
+from sdpagraph.parallel.whole_documents import whole_document_order
 
 DOCUMENTS = "documents"  # load_balanced=DOCUMENTS: q, k, v in `document_order`
 
@@ -115,10 +118,19 @@ def gather_tokens(x: Any, order: Any, seq_axis: int) -> Any:
     return jnp.take_along_axis(x, order.reshape(shape), axis=seq_axis)
 
 
-def _reorder_documents(x: Any, cp_size: int, seq_axis: int, segment_ids: Any, inverse: bool, who: str) -> Any:
-    """`x` in `document_order` of `segment_ids` (or back, `inverse`), keeping its sharding."""
+def _reorder_documents(x: Any, cp_size: int, seq_axis: int, segment_ids: Any, inverse: bool, whole: bool,
+                       who: str) -> Any:
+    """`x` in `document_order` of `segment_ids` (or `whole_document_order`; back, `inverse`), keeping
+    its sharding."""
     x = jnp.asarray(x)
-    order = document_order(_check_documents(x, segment_ids, seq_axis, who), cp_size)[0]
+    ids = _check_documents(x, segment_ids, seq_axis, who)
+    if whole:
+        if isinstance(segment_ids, jax.core.Tracer):
+            raise TypeError(f"{who}(whole_documents=True) orders the documents on the host: pass concrete "
+                            "segment_ids (the data pipeline's, a NumPy array), not values traced under jit")
+        order = jnp.asarray(whole_document_order(np.asarray(segment_ids), cp_size))
+    else:
+        order = document_order(ids, cp_size)[0]
     order = jnp.argsort(order, axis=1).astype(jnp.int32) if inverse else order
     explicit = explicit_axes(x)
     if explicit:  # gathers along an Explicit-sharded axis have no type: reorder on Auto axes, typed as x
@@ -130,7 +142,8 @@ def _reorder_documents(x: Any, cp_size: int, seq_axis: int, segment_ids: Any, in
     return out
 
 
-def load_balance(x: Any, cp_size: int, seq_axis: int = 1, segment_ids: Any = None) -> Any:
+def load_balance(x: Any, cp_size: int, seq_axis: int = 1, segment_ids: Any = None,
+                 whole_documents: bool = False) -> Any:
     """Reorder the sequence of `x` for load-balanced causal context parallelism.
 
     The sequence (axis `seq_axis`, length divisible by `2 * cp_size`) is cut into `2 * cp_size`
@@ -143,16 +156,33 @@ def load_balance(x: Any, cp_size: int, seq_axis: int = 1, segment_ids: Any = Non
     cut that way instead (`document_order`; x batch first): apply it to q, k, v, and pass the
     natural-order `segment_ids` with `load_balanced="documents"`. Example, `cp_size=2`, documents
     `[1 1 1 1 2 2 2 2]`: `[0 1 2 3 4 5 6 7] -> [0 3 4 7 1 2 5 6]`.
+
+    With `segment_ids` and `whole_documents=True`, the documents stay whole and are reordered in
+    their row so that each device's contiguous shard holds an even share of their causal work
+    (`whole_documents.whole_document_order`, searched on the host: `segment_ids` must be concrete,
+    as a data pipeline has them). The result is an ordinary packed row: apply it to q, k, v and to
+    the segment ids themselves, and pass those reordered ids with `load_balanced=False`; every
+    strategy takes such rows, the halo (`max_seqlen_kv`) included.
     """
     axis = _check(x, cp_size, seq_axis, "load_balance")
     if segment_ids is not None:
-        return _reorder_documents(x, cp_size, axis, segment_ids, False, "load_balance")
+        return _reorder_documents(x, cp_size, axis, segment_ids, False, whole_documents, "load_balance")
+    _no_whole_documents(whole_documents, "load_balance")
     return _permute_chunks(x, cp_size, axis, balanced_order(cp_size))
 
 
-def unload_balance(x: Any, cp_size: int, seq_axis: int = 1, segment_ids: Any = None) -> Any:
-    """The inverse of `load_balance` (with the same `segment_ids`): the sequence back in its natural order."""
+def unload_balance(x: Any, cp_size: int, seq_axis: int = 1, segment_ids: Any = None,
+                   whole_documents: bool = False) -> Any:
+    """The inverse of `load_balance` (with the same natural-order `segment_ids` and `whole_documents`):
+    the sequence back in its natural order."""
     axis = _check(x, cp_size, seq_axis, "unload_balance")
     if segment_ids is not None:
-        return _reorder_documents(x, cp_size, axis, segment_ids, True, "unload_balance")
+        return _reorder_documents(x, cp_size, axis, segment_ids, True, whole_documents, "unload_balance")
+    _no_whole_documents(whole_documents, "unload_balance")
     return _permute_chunks(x, cp_size, axis, np.argsort(balanced_order(cp_size)).astype(np.int32))
+
+
+def _no_whole_documents(whole_documents: bool, who: str) -> None:
+    if whole_documents:
+        raise ValueError(f"{who}: whole_documents=True reorders a row's documents: pass the row's natural-order "
+                         "segment_ids too")
