@@ -17,6 +17,14 @@ def explicit_axes(x: Any) -> tuple[str, ...]:
     return tuple(getattr(mesh, "explicit_axes", ()))
 
 
+def inside_full_shard_map() -> bool:
+    """Whether the code is being traced inside a `shard_map` that is manual over every axis of its
+    mesh (each device runs what is traced on its own shard)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    names = tuple(getattr(mesh, "axis_names", ()))
+    return bool(names) and set(names) <= set(getattr(mesh, "manual_axes", ()))
+
+
 def whole_along_sequence(ids: Any) -> Any:
     """(B, T) `ids` split over Explicit axes along T, resharded to keep only their batch split: the
     segment helpers shift ids along the sequence, which a sequence-sharded type does not allow.

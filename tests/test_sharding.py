@@ -496,3 +496,19 @@ def test_per_device_graphs_are_prepared_on_the_mesh_devices(cudnn_on_cpu, monkey
     meshes = [devices for devices in seen if devices is not None]
     assert meshes and all(set(devices) == set(jax.devices()) for devices in meshes)
     assert sharding.shard_devices() is None  # reset once the lowering is done
+    assert cudnn_execute.preparation_devices() == (jax.devices()[0],)  # outside any partitioning
+
+
+@needs_devices
+def test_graphs_traced_inside_a_full_shard_map_are_prepared_on_every_local_device(cudnn_on_cpu, monkeypatch):
+    """Inside a `shard_map` manual over every mesh axis each device runs the graph on its own shard:
+    it is prepared on all of them, not on the default device alone."""
+    seen = []
+    monkeypatch.setattr(cudnn_execute, "_prepare", lambda digest: seen.append(cudnn_execute.preparation_devices()))
+    m = mesh()
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32) for _ in range(3))
+    attend = jax.shard_map(lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=True, implementation="cudnn"),
+                           mesh=m, in_specs=P("data", None, "model"), out_specs=P("data", None, "model"))
+    jax.jit(attend)(q, k, v)
+    assert seen and all(devices == tuple(jax.local_devices()) for devices in seen)

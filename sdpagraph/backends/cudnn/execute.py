@@ -23,7 +23,7 @@ from sdpagraph.graphs.binning import bin_plan
 from sdpagraph.graphs.compiled import scalar_bits
 from sdpagraph.graphs.operands import KV_GRADS, graph_io
 from sdpagraph.graphs.support import Support, environment_reason, graph_answer
-from sdpagraph.meshes import varying_like
+from sdpagraph.meshes import inside_full_shard_map, varying_like
 from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.spec import AttentionSpec
 
@@ -149,15 +149,22 @@ def _execute(static: Static, direction: str, operands: Mapping[str, Any],
 
 
 def _prepare(digest: str) -> None:
-    """Get the graph ready on the GPUs it will run on while XLA compiles (`ffi.prepare_soon`): a
-    per-device call's on its mesh's local devices, any other on jax's default device. A graph that
-    runs elsewhere is deserialized by its first run. (A sharded call's global-shape graph, traced
-    before the partitioning, is prepared on the default device although only its per-device graphs
-    run.)"""
-    devices = sharding.shard_devices()
-    for device in _default_device() if devices is None else devices:
+    """Get the graph ready on the GPUs it will run on while XLA compiles (`ffi.prepare_soon`)."""
+    for device in preparation_devices():
         if device.platform == "gpu":
             ffi.prepare_soon(digest, device.local_hardware_id)
+
+
+def preparation_devices() -> tuple[jax.Device, ...]:
+    """The devices a graph traced now will run on: a per-device call's mesh's local devices, every
+    local device inside a `shard_map` manual over every mesh axis, else jax's default device. A
+    graph that runs elsewhere is deserialized by its first run. (A sharded call's global-shape graph,
+    traced before the partitioning, goes to the default device although only its per-device graphs
+    run.)"""
+    devices = sharding.shard_devices()
+    if devices is not None:
+        return devices
+    return tuple(jax.local_devices()) if inside_full_shard_map() else _default_device()
 
 
 def _default_device() -> tuple[jax.Device, ...]:

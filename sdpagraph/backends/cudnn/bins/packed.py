@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from sdpagraph.graphs.binning import BinPlan
 from sdpagraph.logs import log_once, logger
+from sdpagraph.meshes import inside_full_shard_map
 from sdpagraph.backends.cudnn.bins import packer as bin_packer
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.segments.metadata import segment_positions, segment_run_ids
@@ -51,11 +52,7 @@ def usable() -> bool:
     that is manual over every mesh axis (each device packs its own batch rows)."""
     if jax.default_backend() != "gpu":
         return False
-    if jax.device_count() == 1:
-        return True
-    mesh = jax.sharding.get_abstract_mesh()
-    names = tuple(getattr(mesh, "axis_names", ()))
-    return bool(names) and set(names) <= set(getattr(mesh, "manual_axes", ()))
+    return jax.device_count() == 1 or inside_full_shard_map()
 
 
 def say_why_not() -> None:
