@@ -110,6 +110,10 @@ def test_whole_documents_need_concrete_natural_order_ids():
     ids = np.ones((1, 64), np.int32)
     with pytest.raises(TypeError, match=r"load_balance\(whole_documents=True\) orders the documents on the host"):
         jax.jit(lambda x, ids: sdpagraph.load_balance(x, 2, segment_ids=ids, whole_documents=True))(x, ids)
-    # traced x with concrete ids is fine: the order is a constant of the program
-    jitted = jax.jit(lambda x: sdpagraph.load_balance(x, 2, segment_ids=ids, whole_documents=True))
-    np.testing.assert_array_equal(jitted(x), x)
+    with pytest.raises(ValueError, match=r"length 63 \(axis 1\) must be divisible by cp_size = 2: each device"):
+        sdpagraph.load_balance(x[:, :63], 2, segment_ids=ids[:, :63], whole_documents=True)
+    # only cp need divide the length (no 2cp chunks): 3 devices of 2 tokens, documents of 3 and 3
+    six = np.array([[1, 1, 1, 2, 2, 2]])
+    back = sdpagraph.unload_balance(sdpagraph.load_balance(six, 3, segment_ids=six, whole_documents=True), 3,
+                                    segment_ids=six, whole_documents=True)
+    np.testing.assert_array_equal(back, six)

@@ -46,7 +46,7 @@ def balanced_order(cp_size: int) -> np.ndarray:
     return np.array([c for pair in device_chunks(cp_size, True) for c in pair], np.int32)
 
 
-def _check(x: Any, cp_size: Any, seq_axis: int, who: str) -> int:
+def _check(x: Any, cp_size: Any, seq_axis: int, who: str, whole_documents: bool = False) -> int:
     if isinstance(cp_size, bool) or not isinstance(cp_size, (int, np.integer)) or cp_size < 1:
         raise ValueError(f"{who}: cp_size must be a positive int (the size of the context-parallel mesh axis), "
                          f"got {cp_size!r}")
@@ -54,7 +54,10 @@ def _check(x: Any, cp_size: Any, seq_axis: int, who: str) -> int:
     if not -ndim <= seq_axis < ndim:
         raise ValueError(f"{who}: seq_axis={seq_axis} is out of range for an array of shape {tuple(x.shape)}")
     length = x.shape[seq_axis]
-    if length % (2 * cp_size):
+    if whole_documents and length % cp_size:
+        raise ValueError(f"{who}: the sequence length {length} (axis {seq_axis}) must be divisible by "
+                         f"cp_size = {cp_size}: each device holds an equal shard")
+    if not whole_documents and length % (2 * cp_size):
         raise ValueError(f"{who}: the sequence length {length} (axis {seq_axis}) must be divisible by "
                          f"2 * cp_size = {2 * cp_size}: it is cut into 2 * cp_size equal chunks")
     return seq_axis % ndim
@@ -127,7 +130,8 @@ def _reorder_documents(x: Any, cp_size: int, seq_axis: int, segment_ids: Any, in
     if whole:
         if isinstance(segment_ids, jax.core.Tracer):
             raise TypeError(f"{who}(whole_documents=True) orders the documents on the host: pass concrete "
-                            "segment_ids (the data pipeline's, a NumPy array), not values traced under jit")
+                            "segment_ids (the data pipeline's, a NumPy array), not traced values (jit, vmap, "
+                            "shard_map); call it eagerly, outside jit")
         order = jnp.asarray(whole_document_order(np.asarray(segment_ids), cp_size))
     else:
         order = document_order(ids, cp_size)[0]
@@ -159,12 +163,13 @@ def load_balance(x: Any, cp_size: int, seq_axis: int = 1, segment_ids: Any = Non
 
     With `segment_ids` and `whole_documents=True`, the documents stay whole and are reordered in
     their row so that each device's contiguous shard holds an even share of their causal work
-    (`whole_documents.whole_document_order`, searched on the host: `segment_ids` must be concrete,
-    as a data pipeline has them). The result is an ordinary packed row: apply it to q, k, v and to
-    the segment ids themselves, and pass those reordered ids with `load_balanced=False`; every
-    strategy takes such rows, the halo (`max_seqlen_kv`) included.
+    (`whole_documents.whole_document_order`, searched on the host: call it eagerly, in the data
+    pipeline, with concrete `segment_ids`; the sequence length need only divide by `cp_size`). The
+    result is an ordinary packed row: apply it to q, k, v and to the segment ids themselves, and pass
+    those reordered ids with `load_balanced=False`; every strategy takes such rows, the halo
+    (`max_seqlen_kv`) included.
     """
-    axis = _check(x, cp_size, seq_axis, "load_balance")
+    axis = _check(x, cp_size, seq_axis, "load_balance", whole_documents and segment_ids is not None)
     if segment_ids is not None:
         return _reorder_documents(x, cp_size, axis, segment_ids, False, whole_documents, "load_balance")
     _no_whole_documents(whole_documents, "load_balance")
@@ -175,7 +180,7 @@ def unload_balance(x: Any, cp_size: int, seq_axis: int = 1, segment_ids: Any = N
                    whole_documents: bool = False) -> Any:
     """The inverse of `load_balance` (with the same natural-order `segment_ids` and `whole_documents`):
     the sequence back in its natural order."""
-    axis = _check(x, cp_size, seq_axis, "unload_balance")
+    axis = _check(x, cp_size, seq_axis, "unload_balance", whole_documents and segment_ids is not None)
     if segment_ids is not None:
         return _reorder_documents(x, cp_size, axis, segment_ids, True, whole_documents, "unload_balance")
     _no_whole_documents(whole_documents, "unload_balance")

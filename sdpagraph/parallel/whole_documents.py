@@ -31,8 +31,9 @@ MAX_SWAPS = 4096  # and at most this many,
 EVEN_ENOUGH = 1.005  # or until the busiest device does at most this times 1/cp of the row's work
 
 
-# Orders already searched, by the ids' bytes: a batch's q, k, v, ids and output all ask for one.
-_ORDERS = BoundedMemo(64)
+# Orders already searched, by the ids' bytes: a batch's q, k, v, ids and output all ask for one, and
+# a data pipeline moves on to new ids each step (a (B, T) order is 4 MiB at B8 T131072).
+_ORDERS = BoundedMemo(4)
 
 
 def whole_document_order(segment_ids: np.ndarray, cp_size: int) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Tracing a `score_mod(graph, score, tensors)` callback into a `ScoreModIR`.
 
-The callback is called once on a `RecordingGraph` (`scoremod.ir`); its bprop is the user's
+The callback is called once on a `RecordingGraph` (`scoremod.recording`); its bprop is the user's
 `score_mod_bprop` traced the same way, or derived by `scoremod.ir_grad`.
 """
 from __future__ import annotations
