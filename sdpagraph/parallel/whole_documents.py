@@ -12,7 +12,7 @@ The search runs on the host, in NumPy, on concrete segment ids (a data pipeline'
 better of the natural order and a greedy one (each next document the one that keeps the running work
 closest to its even share), then swap pairs of documents (a seeded generator, so that the same ids
 always give the same order) while the busiest device's work does not grow, until it is within
-EVEN_ENOUGH of an even share. Two runs of the same
+EVEN_ENOUGH of an even share or STALL tries in a row have not lowered it. Two runs of the same
 nonzero id never end up side by side, where they would become one document. The model of a
 document's work is causal: its token at position p attends to p + 1 keys; padding (id 0) does none.
 The answer is remembered by the ids' content, so reordering q, k, v, the ids and then the output
@@ -28,7 +28,8 @@ from sdpagraph.memo import BoundedMemo
 
 SWAPS_PER_DOCUMENT = 64  # the local search's tries: this many per document of the row,
 MAX_SWAPS = 4096  # and at most this many,
-EVEN_ENOUGH = 1.005  # or until the busiest device does at most this times 1/cp of the row's work
+EVEN_ENOUGH = 1.005  # or until the busiest device does at most this times 1/cp of the row's work,
+STALL = 512  # or after this many tries in a row that did not lower it
 
 
 # Orders already searched, by the ids' bytes: a batch's q, k, v, ids and output all ask for one, and
@@ -90,9 +91,11 @@ def _balanced_runs(lengths: np.ndarray, run_ids: np.ndarray, length: int, cp_siz
     best_work = busiest(best)
     even = EVEN_ENOUGH * np.where(working, lengths * (lengths + 1) / 2, 0.0).sum() / cp_size
     rng = np.random.default_rng(0)
+    stalled = 0
     for _ in range(min(SWAPS_PER_DOCUMENT * len(lengths), MAX_SWAPS)):
-        if best_work <= even:
+        if best_work <= even or stalled >= STALL:
             break
+        stalled += 1
         i, j = rng.integers(len(lengths), size=2)
         if i == j:
             continue
@@ -100,6 +103,7 @@ def _balanced_runs(lengths: np.ndarray, run_ids: np.ndarray, length: int, cp_siz
         candidate[[i, j]] = candidate[[j, i]]
         work = busiest(candidate)
         if work <= best_work and allowed(candidate):
+            stalled = 0 if work < best_work else stalled
             best, best_work = candidate, work
     return best
 
