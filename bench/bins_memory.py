@@ -5,8 +5,8 @@
 A binned call (`graphs.binning`) runs its bins' graphs inside a `lax.cond` whose other branch is the
 unbinned call (the dense twin over whole rows), for rows whose documents do not fit the bins. Under
 `jax.grad` XLA keeps what either branch's backward needs; the unbinned branch keeps its residuals in
-the bins' shapes so that the two share them (`packed._in_bin_shapes`). This measures it, for one case of bench/packed.py (default: B8 T8192, documents of 64-2048
-tokens, softcap 30, causal): the jitted gradient of sum(attention) in q, k and v, with the ids as a
+the bins' shapes so that the two share them (`packed._in_bin_shapes`). This measures it, for one
+case of bench/packed.py (default: B8 T8192, documents of 64-2048 tokens, softcap 30, causal): the jitted gradient of sum(attention) in q, k and v, with the ids as a
 jit argument, each variant in a fresh process:
 - `bins, hint`: the case's `max_seqlen_kv` hint (bins of that size);
 - `bins, no hint`: planned without it;
@@ -26,7 +26,6 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
-import jax.numpy as jnp
 
 VARIANTS = {  # label: (with the case's ids, with its hint, SDPAGRAPH_BINS)
     "bins, hint": (True, True, "1"),

@@ -42,9 +42,9 @@ keeps one rectangle of chunk pieces per document). Whole documents reordered are
 documents are short against a shard (T131072: 1.00-1.01) and as even as whole documents allow where
 they are not (T32768, cp 8: shards of 4096 tokens, documents of up to 8192); their `ring` column is a
 contiguous row's (the ring does not gain from them; the halo, which needs whole documents, does).
-Striping is not taken: its blocks need a causal
-diagonal per document that falls between tokens (key b of stripe j precedes query a of stripe i
-when b < a, or b == a and j <= i), a change of the whole ring.
+Striping is not taken: its blocks need a causal diagonal per document that falls between tokens
+(key b of stripe j precedes query a of stripe i when b < a, or b == a and j <= i), a change of the
+whole ring.
 """
 from __future__ import annotations
 

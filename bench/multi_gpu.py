@@ -298,7 +298,8 @@ HALO_STRATEGIES = ALL_STRATEGIES + (("auto", False),)
 DOCUMENT_STRATEGIES = ALL_STRATEGIES + (("ring", "documents"), ("all_to_all", "documents"), ("auto", "documents"))
 # Documents with their longest length given (`max_seqlen_kv`): the halo takes them, in either order,
 # and with the documents kept whole but reordered to even their causal work over the devices (WHOLE:
-# `load_balance(..., whole_documents=True)`; the call sees an ordinary packed row).
+# `load_balance(..., whole_documents=True)` on the host, as a data pipeline does, before the step; the
+# call sees an ordinary packed row). The one-GPU row runs the same documents in their natural order.
 WHOLE = "whole documents"
 HINTED_STRATEGIES = (("halo", False), ("halo", True), ("ring", True), ("auto", False), ("auto", True),
                      ("halo", WHOLE), ("auto", WHOLE))

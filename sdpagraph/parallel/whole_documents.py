@@ -55,14 +55,19 @@ def device_work(lengths: np.ndarray, working: np.ndarray, length: int, cp_size: 
     """(cp,) the causal work each of `cp_size` contiguous shards of a row of `length` tokens holds,
     for runs of `lengths` laid in that order (`working`: whether a run is a document, not padding)."""
     ends = np.cumsum(lengths)
-    starts = ends - lengths
-    done = np.concatenate([[0.0], np.cumsum(np.where(working, lengths * (lengths + 1) / 2, 0.0))])
+    done = np.concatenate([[0.0], np.cumsum(_run_work(lengths, working))])
     bounds = np.arange(1, cp_size) * (length // cp_size)
     run = np.searchsorted(ends, bounds, side="right")  # the run each inner boundary falls in
-    inside = bounds - starts[np.minimum(run, len(lengths) - 1)]
-    partial = np.where(working[np.minimum(run, len(lengths) - 1)], inside * (inside + 1) / 2, 0.0)
+    at = np.minimum(run, len(lengths) - 1)
+    partial = _run_work(bounds - (ends - lengths)[at], working[at])  # its tokens before the boundary
     cumulative = np.concatenate([[0.0], done[run] + np.where(run < len(lengths), partial, 0.0), [done[-1]]])
     return np.diff(cumulative)
+
+
+def _run_work(lengths: np.ndarray, working: np.ndarray) -> np.ndarray:
+    """The causal work of runs of `lengths` tokens: a document's token at position p attends to p + 1
+    keys; padding (`working` False) does none."""
+    return np.where(working, lengths * (lengths + 1) / 2, 0.0)
 
 
 def _row_order(row: np.ndarray, cp_size: int) -> np.ndarray:
@@ -89,7 +94,7 @@ def _balanced_runs(lengths: np.ndarray, run_ids: np.ndarray, length: int, cp_siz
 
     best = min((o for o in (natural, _greedy(lengths, working, length)) if allowed(o)), key=busiest)
     best_work = busiest(best)
-    even = EVEN_ENOUGH * np.where(working, lengths * (lengths + 1) / 2, 0.0).sum() / cp_size
+    even = EVEN_ENOUGH * _run_work(lengths, working).sum() / cp_size
     rng = np.random.default_rng(0)
     stalled = 0
     for _ in range(min(SWAPS_PER_DOCUMENT * len(lengths), MAX_SWAPS)):
@@ -111,7 +116,7 @@ def _balanced_runs(lengths: np.ndarray, run_ids: np.ndarray, length: int, cp_siz
 def _greedy(lengths: np.ndarray, working: np.ndarray, length: int) -> np.ndarray:
     """Runs in the order that keeps the running causal work closest to the even line (its share of the
     row's work at each position): each next run the one that ends nearest to it."""
-    work = np.where(working, lengths * (lengths + 1) / 2, 0.0)
+    work = _run_work(lengths, working)
     per_token = work.sum() / length
     left = np.ones(len(lengths), bool)
     order, at, done = [], 0, 0.0
