@@ -134,8 +134,8 @@ def test_halo_on_the_cudnn_path(name, cp, load_balanced, axis_type, cudnn_on_cpu
     assert_same_step(ours, ref, tol=3e-5)
     assert_no_gather(hlo)
     # Per case of halo lengths (blocks near the ends have shorter halos): a causal window its halo
-    # covers as square top-left calls, its own keys (L, L) and its halo reversed (hl, hl)
-    # (`halo_split`); otherwise one call over [halo ++ block], bottom-right aligned.
+    # covers as square top-left calls, its own keys (L, L) and its halo (hl, hl) with the band
+    # (0, unbounded) (`halo_split`); otherwise one call over [halo ++ block], bottom-right aligned.
     kwargs = case(name)[0]
     blocks = cp * (2 if load_balanced else 1)
     block, left = T // blocks, kwargs["local_window_size"][0]

@@ -165,7 +165,7 @@ def split_plan(plan: HaloPlan, case: tuple[int, int]) -> SplitPlan | None:
                                     max_segments=ring_documents.slots(spec.max_segments, block, True),
                                     max_seqlen_q=None, max_seqlen_kv=None)
         halo = dataclasses.replace(local, q_len=hl, kv_len=hl, is_causal=False, max_segments=1) if hl else None
-        return SplitPlan(local, halo, hl, False, None, plan.scalars)
+        return SplitPlan(local, halo, hl, None, plan.scalars)
     left, _ = sides(spec)
     if not spec.is_causal or hr or plan.reads_positions or plan.python_mods is not None:
         return None
@@ -177,10 +177,10 @@ def split_plan(plan: HaloPlan, case: tuple[int, int]) -> SplitPlan | None:
     local = dataclasses.replace(spec, q_len=block, kv_len=block, causal_alignment="top_left",
                                 chunk_size=spec.chunk_size if plan.layout.fit == WHOLE else None)
     halo = None
-    if hl:  # a window: causal over both reversed (T = S = hl); a chunk holding the block: every halo key
-        halo = dataclasses.replace(local, q_len=hl if windowed else block, kv_len=hl, is_causal=windowed,
-                                   window=(UNBOUNDED, UNBOUNDED), chunk_size=None)
-    return SplitPlan(local, halo, halo.q_len if halo is not None else 0, windowed, plan.score_mod, plan.scalars)
+    if hl:  # a window: query i sees halo key j >= i (T = S = hl); a chunk holding the block: every halo key
+        halo = dataclasses.replace(local, q_len=hl if windowed else block, kv_len=hl, is_causal=False,
+                                   window=(0, UNBOUNDED) if windowed else (UNBOUNDED, UNBOUNDED), chunk_size=None)
+    return SplitPlan(local, halo, halo.q_len if halo is not None else 0, plan.score_mod, plan.scalars)
 
 
 def _case_cudnn(plan: HaloPlan, case, q_start, q, k, v, arrays: Mapping[str, Any], sinks: Any) -> tuple[Any, Any]:

@@ -6,9 +6,10 @@ S17408, window (1024, 0)) ran 10x slower than the same window over T = S, as if 
 So a causal block splits into
 - the local part: its queries over its own keys, T = S = L, the causal window top-left (the
   one-device graph);
-- the halo part: with a window of `left` = hl <= L keys, query i sees halo key j iff j >= i, which
-  with both reversed is causal top-left over T = S = hl (`reverse`); with the block inside one chunk
-  and no window (`chunk_fit` WITHIN), every query sees every halo key: a dense (L, hl) call;
+- the halo part: with a window of `left` = hl <= L keys, query i sees halo key j iff j >= i: the
+  band (0, unbounded) around the top-left diagonal over T = S = hl, no causal mask; with the block
+  inside one chunk and no window (`chunk_fit` WITHIN), every query sees every halo key: a dense
+  (L, hl) call;
 merged by their logsumexps. As in the ring, one custom_vjp: each part's backward graph is given the
 FINAL output and logsumexp (cuDNN's backward takes no logsumexp cotangent), and the sinks join once,
 after the merge.
@@ -49,8 +50,7 @@ class SplitPlan:
     local: AttentionSpec  # T = S = L
     halo: AttentionSpec | None  # T = rows, S = hl; None without a halo
     rows: int  # the block's first `rows` queries see the halo
-    reverse: bool  # the halo part runs on reversed queries and keys (a causal graph)
-    score_mod: ScoreModIR | None  # reads no positions (a reversed part would see them mirrored)
+    score_mod: ScoreModIR | None  # reads no positions (each call counts them from its own first token)
     scalars: tuple[tuple[str, Any], ...]
 
     def statics(self) -> tuple[Any, Any]:
@@ -79,15 +79,9 @@ def _operands(static: Any, arrays: Mapping[str, Any], ids: tuple[Any, Any] | Non
     return registry.primary().block_operands(static, inputs)
 
 
-def _flip(x: Any, axis: int = 1) -> Any:
-    return jnp.flip(x, axis=axis)
-
-
 def _halo_inputs(plan: SplitPlan, q: Any, kv: tuple[Any, Any]) -> tuple[Any, Any, Any]:
-    """The halo part's q (its first `rows`), k, v, reversed when the plan says so."""
-    q = q[:, :plan.rows]
-    k, v = kv
-    return (_flip(q), _flip(k), _flip(v)) if plan.reverse else (q, k, v)
+    """The halo part's q (the block's first `rows` queries), k and v."""
+    return (q[:, :plan.rows], *kv)
 
 
 def _per_row(present: Any, x: Any) -> Any:
@@ -103,8 +97,6 @@ def forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, ids=N
     out, lse = primary.block_forward(local, q, *local_kv, _operands(local, arrays, ids and ids.local), True)
     hq, hk, hv = _halo_inputs(plan, q, halo_kv)
     h_out, h_lse = primary.block_forward(halo, hq, hk, hv, _operands(halo, arrays, ids and ids.halo), True)
-    if plan.reverse:
-        h_out, h_lse = _flip(h_out), _flip(h_lse, axis=-1)
     if present is not None:
         h_lse = jnp.where(_per_row(present, h_lse), h_lse, -jnp.inf)
     head, head_lse = merge((out[:, :plan.rows], lse[..., :plan.rows]), (h_out, h_lse))  # only these rows change
@@ -123,12 +115,8 @@ def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out,
     h_out, h_lse, h_do = out[:, :plan.rows], lse[..., :plan.rows], d_o[:, :plan.rows]
     if present is not None:  # zero dO: zero gradients from the halo part
         h_do = jnp.where(_per_row(present, h_do), h_do, jnp.zeros_like(h_do))
-    if plan.reverse:
-        h_out, h_lse, h_do = _flip(h_out), _flip(h_lse, axis=-1), _flip(h_do)
     h_dq, h_dk, h_dv = primary.block_backward(halo, hq, hk, hv, _operands(halo, arrays, ids and ids.halo),
                                               h_out, h_lse, h_do, True)
-    if plan.reverse:
-        h_dq, h_dk, h_dv = _flip(h_dq), _flip(h_dk), _flip(h_dv)
     # The barrier makes the local part's inputs wait for the halo part's gradients (XLA put the local
     # part first on 2 H100s without it); a trace with it still showed their transfer back after the
     # local part. Forcing the transfer before the local part too was 1.8-3.3% slower there with
