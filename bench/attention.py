@@ -38,6 +38,9 @@ SOFTCAP_CASE = ("B4 T4096 N16 H128 softcap30+causal", 4, 4096, 16, 16, 128, True
 # document masking of packed training, which cuDNN runs as a dense graph masking by segment bounds.
 PACKED_DOCS = 4
 PACKED_CASE = (f"B4 T4096 N16 H128 softcap30+causal, {PACKED_DOCS} packed docs", 4, 4096, 16, 16, 128, True)
+# The same documents with their length given (max_seqlen_kv): the call runs on bins (`graphs.binning`),
+# which it cannot plan for so few documents a row without the hint.
+HINTED_CASE = (PACKED_CASE[0] + f", max_seqlen_kv={4096 // PACKED_DOCS}",) + PACKED_CASE[1:]
 
 
 def flops(B, T, N, H, causal, backward, docs=1):
@@ -64,9 +67,9 @@ def packed_ids(B, T, docs):
     return np.repeat(np.arange(1, docs + 1, dtype=np.int32), T // docs)[None].repeat(B, axis=0)
 
 
-def implementations(causal, score_mod=None, training=True, segment_ids=None):
+def implementations(causal, score_mod=None, training=True, segment_ids=None, max_seqlen_kv=None):
     """training=False for forward-only timing: the inference graph, as jax's cuDNN path uses."""
-    packed = {} if segment_ids is None else dict(segment_ids=jnp.asarray(segment_ids),
+    packed = {} if segment_ids is None else dict(segment_ids=jnp.asarray(segment_ids), max_seqlen_kv=max_seqlen_kv,
                                                  max_segments_per_seq=int(segment_ids.max()))
     impls = {
         "sdpagraph": lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=causal, implementation="cudnn",
@@ -195,13 +198,15 @@ def host_overhead_rows():
 def run(quick):
     rows = []
     cases = PLAIN_CASES[:1] if quick else PLAIN_CASES
-    for name, B, T, N, K, H, causal in cases + [SOFTCAP_CASE, PACKED_CASE]:
+    for name, B, T, N, K, H, causal in cases + [SOFTCAP_CASE, PACKED_CASE, HINTED_CASE]:
         score_mod = mods.softcap(30.0) if "softcap" in name else None
         ids = packed_ids(B, T, PACKED_DOCS) if "packed" in name else None
+        hint = T // PACKED_DOCS if "max_seqlen_kv" in name else None
         q, k, v = inputs(B, T, N, K, H)
         for backward in (False, True):
             row = {"case": name, "pass": "fwd+bwd" if backward else "fwd"}
-            for impl, attn in implementations(causal, score_mod, training=backward, segment_ids=ids).items():
+            impls = implementations(causal, score_mod, training=backward, segment_ids=ids, max_seqlen_kv=hint)
+            for impl, attn in impls.items():
                 try:
                     row[impl] = time_ms(jax_fns(attn, backward), q, k, v)
                 except Exception as error:  # record and keep measuring the rest
