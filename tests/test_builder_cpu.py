@@ -506,7 +506,10 @@ def test_support_builds_the_runtime_graphs_and_remembers_answers(fake_gpu, tmp_p
     assert cache.stats()["builds"] == 2
     assert check_graphs(spec, None, False, cache).reason == "cuDNN builds the inference graph"
     packed = make_spec(is_causal=True, segments="self", max_segments=4)
-    assert "dense layout" in check_graphs(packed, softcap_ir(), False, cache).reason
+    reason = check_graphs(packed, softcap_ir(), False, cache).reason
+    assert "dense layout" in reason and "pass max_seqlen_kv=<the longest document> to move" in reason
+    hinted = dataclasses.replace(packed, max_seqlen_kv=1024)  # on bins: says so instead
+    assert "pass max_seqlen_kv" not in check_graphs(hinted, softcap_ir(), False, cache).reason
     assert check_graphs(packed, None, False, cache).reason == "cuDNN builds the inference graph"
 
 

@@ -79,8 +79,8 @@ def bin_plan(spec: AttentionSpec, ir: ScoreModIR | None) -> BinPlan | None:
     less than half of the dense twin's tiles, or SDPAGRAPH_BINS=0, read when a call is traced)."""
     if not BINS.enabled() or bin_reason(spec, ir) is not None:
         return None
-    if spec.max_seqlen_kv is None and spec.max_segments <= UNHINTED_ROW_SHARE:
-        return None  # a row of so few documents fills quarter-row bins only when cut evenly
+    if _too_few_documents_unhinted(spec):
+        return None
     rows = min(spec.q_len, -(-longest_document(spec) // ROW_MULTIPLE) * ROW_MULTIPLE)
     bins = math.ceil(BIN_SLACK * spec.batch * spec.q_len / rows) + 1
     if bins * rows * rows > MAX_WORK_SHARE * spec.batch * spec.q_len * spec.q_len:
@@ -89,3 +89,15 @@ def bin_plan(spec: AttentionSpec, ir: ScoreModIR | None) -> BinPlan | None:
     binned = dataclasses.replace(spec, batch=bins, q_len=rows, kv_len=rows, max_segments=rows,
                                  max_seqlen_q=None, max_seqlen_kv=rows)
     return BinPlan(rows, bins, binned)
+
+
+def waits_for_hint(spec: AttentionSpec, ir: ScoreModIR | None) -> bool:
+    """Whether the call runs unbinned only for want of a `max_seqlen_kv` hint: it could be binned, but
+    has too few documents a row for quarter-row bins."""
+    return BINS.enabled() and bin_reason(spec, ir) is None and _too_few_documents_unhinted(spec)
+
+
+def _too_few_documents_unhinted(spec: AttentionSpec) -> bool:
+    """No hint, and at most UNHINTED_ROW_SHARE documents a row: such a row fills quarter-row bins only
+    when its documents are cut evenly."""
+    return spec.max_seqlen_kv is None and spec.max_segments <= UNHINTED_ROW_SHARE
