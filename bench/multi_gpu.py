@@ -66,8 +66,8 @@ def inputs(batch, heads, placement):
     return [jax.device_put(jnp.asarray(x, jnp.bfloat16), placement) for x in host]
 
 
-def time_ms(fn, args, repeats, rounds):
-    return jax_timing.time_ms(fn, *args, repeats=repeats, rounds=rounds)
+def time_ms(fn, args, repeats, rounds, min_round_ms=0.0):
+    return jax_timing.time_ms(fn, *args, repeats=repeats, rounds=rounds, min_round_ms=min_round_ms)
 
 
 def measure(impl, batch, heads, placement, repeats, rounds, partition=True):
@@ -229,7 +229,14 @@ def xla_memory(compiled):
             "xla_temp_bytes": stats.temp_size_in_bytes, "xla_peak_bytes": getattr(stats, "peak_memory_in_bytes", None)}
 
 
-def measure_cp(length, heads, head_dim, attn_kwargs, strategy, load_balanced, impl, repeats, rounds, docs=None):
+# The long-context rows' rounds (not --quick) run at least this long: a round of 5 steps of 1.5 ms (window (1024, 0),
+# T32768, 2 GPUs) counted a gap before its first kernels (0.28 ms in a trace) at up to 4% of each step;
+# a training loop pays it once.
+LONG_ROUND_MS = 100.0
+
+
+def measure_cp(length, heads, head_dim, attn_kwargs, strategy, load_balanced, impl, repeats, rounds, docs=None,
+               min_round_ms=0.0):
     """(ms per step, collective-permutes, all-gathers, all-to-alls, the plan's reason, the peak device
     memory since the process started, after one step and after the timed ones) of one context-parallel
     row. The timed steps run back to back, so a step's results are still held while the next one
@@ -245,7 +252,7 @@ def measure_cp(length, heads, head_dim, attn_kwargs, strategy, load_balanced, im
         stages["one step"] = device_peaks(devices)
         del outputs  # what stays allocated past a step besides the inputs: the runtime's own
         stages["live after it"] = device_peaks(devices, "bytes_in_use")
-        ms = time_ms(compiled, args, repeats, rounds)
+        ms = time_ms(compiled, args, repeats, rounds, min_round_ms)
     result = {"ms": ms, "permutes": len(PERMUTE.findall(text)), "all_gathers": len(GATHER.findall(text)),
               "all_to_alls": len(ALL_TO_ALL.findall(text)), "peak_bytes": peak_bytes(devices),
               "peak_step_bytes": largest(stages["one step"]), "peak_stages": stage_text(stages), **xla_memory(compiled)}
@@ -362,8 +369,8 @@ def measure_long(index, strategy, load_balanced, quick, cpu):
         if not cpu and "blocks run on the XLA backend" in plan and length > RING_ON_XLA_MAX_LEN:
             return {"skipped": plan}
         del args  # measure_cp makes its own: these would stay allocated beside them, in its peaks
-    repeats, rounds = (2, 2) if quick or cpu else (5, 3)
-    return measure_cp(length, heads, head_dim, kwargs, strategy, load_balanced, impl, repeats, rounds, docs)
+    repeats, rounds, round_ms = (2, 2, 0.0) if quick or cpu else (5, 3, LONG_ROUND_MS)
+    return measure_cp(length, heads, head_dim, kwargs, strategy, load_balanced, impl, repeats, rounds, docs, round_ms)
 
 
 CHILD = "import sys; sys.path.insert(0, sys.argv[1]); import multi_gpu; multi_gpu.child_row(sys.argv[-1])"
