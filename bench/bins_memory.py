@@ -1,6 +1,6 @@
 """Memory of packed documents with a score_mod under `jax.grad`, binned and not. Needs a GPU.
 
-    python bench/bins_memory.py [--out DIR] [--case INDEX] [--cpu]
+    python bench/bins_memory.py [--out DIR] [--case INDEX] [--cpu] [--layers L]
 
 A binned call (`graphs.binning`) runs its bins' graphs inside a `lax.cond` whose other branch is the
 unbinned call (the dense twin over whole rows), for rows whose documents do not fit the bins. Under
@@ -15,6 +15,11 @@ jit argument, each variant in a fresh process:
 For each: XLA's account of the compiled step (arguments, outputs, temporaries: `memory_analysis`),
 the device's peak after one step (inputs included) and the step's time. `--cpu` runs the XLA backend
 on the CPU on the first row's first 1024 tokens (the script's own check; no bins there).
+
+`--layers L` measures a model instead: L layers, each projecting the (B, T, N·H) activations to q, k
+and v, attending and projecting back with a residual add, differentiated in the activations and the
+weights. There q, k and v are made inside the step, as in training: the single call's arguments stay
+allocated beside the bins' copies of them, a model's need not.
 """
 from __future__ import annotations
 
@@ -57,8 +62,11 @@ def child(request: str) -> None:
         attend = lambda q, k, v, seg: sdpagraph.attention(q, k, v, segment_ids=seg, **kwargs)  # noqa: E731
     else:
         attend = lambda q, k, v, seg: sdpagraph.attention(q, k, v, **kwargs)  # noqa: E731
-    step = packed.jitted(attend, backward=True)
-    args = (q, k, v, seg)
+    layers = request.get("layers", 0)
+    if layers:
+        step, args = model_step(attend, layers, q, seg)
+    else:
+        step, args = packed.jitted(attend, backward=True), (q, k, v, seg)
     compiled = step.lower(*args).compile()
     stats = compiled.memory_analysis()
     device = jax.devices()[0]
@@ -73,6 +81,27 @@ def child(request: str) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def model_step(attend, layers: int, q, seg):
+    """(the jitted gradient of a `layers`-layer model in its activations and weights, its arguments):
+    the activations of q's shape flattened to (B, T, N·H), weights drawn at 1/sqrt(N·H)."""
+    import jax.numpy as jnp
+
+    batch, length, heads, dim = q.shape
+    width = heads * dim
+    keys = jax.random.split(jax.random.key(0), 2 * layers + 1)
+    draw = lambda key, shape: (jax.random.normal(key, shape) / width ** 0.5).astype(q.dtype)  # noqa: E731
+    weights = [(draw(keys[2 * i], (width, 3 * width)), draw(keys[2 * i + 1], (width, width))) for i in range(layers)]
+    x = jax.random.normal(keys[-1], (batch, length, width)).astype(q.dtype)
+
+    def loss(x, weights, seg):
+        for w_in, w_out in weights:
+            q, k, v = jnp.split((x @ w_in).reshape(batch, length, 3 * heads, dim), 3, axis=2)
+            x = x + attend(q, k, v, seg).reshape(batch, length, width) @ w_out
+        return jnp.sum(x.astype(jnp.float32))
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1))), (x, weights, seg)
+
+
 def gib(value) -> str:
     return "" if value is None else f"{value / 2**30:.3f}"
 
@@ -82,6 +111,7 @@ def main() -> int:
     parser.add_argument("--out", default=".")
     parser.add_argument("--case", type=int, default=3, help="the index of bench/packed.py's CASES")
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--layers", type=int, default=0, help="measure a model of this many layers (module docstring)")
     args = parser.parse_args()
     from child import run_child
     import packed
@@ -89,12 +119,14 @@ def main() -> int:
     bench = os.path.dirname(os.path.abspath(__file__))
     env = {"JAX_PLATFORMS": "cpu"} if args.cpu else {}
     name = packed.CASES[args.case][0]
-    lines = [f"{name}, N{packed.N} H{packed.H} bf16, jitted grad of sum(attention) in q, k, v, ids a jit argument; "
+    what = (f"a {args.layers}-layer model (projections, attention, residual adds), jitted grad of its sum in the "
+            f"activations and weights" if args.layers else "jitted grad of sum(attention) in q, k, v")
+    lines = [f"{name}, N{packed.N} H{packed.H} bf16, {what}, ids a jit argument; "
              f"{jax.devices()[0].device_kind if not args.cpu else 'CPU'}, jax {jax.__version__}", "",
              "| variant | ms | XLA args GiB | XLA outputs GiB | XLA temp GiB | in use before the step GiB | "
              "peak after one step GiB |", "|---|---:|---:|---:|---:|---:|---:|"]
     for label, (_, _, bins) in VARIANTS.items():
-        request = json.dumps({"label": label, "case": args.case, "cpu": args.cpu})
+        request = json.dumps({"label": label, "case": args.case, "cpu": args.cpu, "layers": args.layers})
         try:
             row = run_child(CHILD, [bench, request], env={**env, "SDPAGRAPH_BINS": bins}, timeout=600, label=label)
         except RuntimeError as error:
@@ -106,7 +138,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bins_memory.md"), "w") as handle:
+    with open(os.path.join(args.out, f"bins_memory{'-layers' if args.layers else ''}.md"), "w") as handle:
         handle.write(text + "\n")
     return 0
 
