@@ -213,6 +213,9 @@ def test_documents_halo_refuses_what_it_cannot_run(cudnn_ring):
                                              context_parallel_axis="cp", context_parallel_strategy="auto",
                                              **{"segment_ids": ids, **kw})
             assert "halo over" not in answer.reason, (kw, answer)
+            # the answer says which argument would let the halo run them: only where one would
+            advised = "with max_seqlen_kv=<the longest document> (at most 17) the halo would run" in answer.reason
+            assert advised == (kw.get("max_seqlen_kv") in (None, 18) and kw is not balanced), (kw, answer)
 
 
 def support_of(seed, **fixed):

@@ -194,9 +194,29 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
                           f"call cannot ({why}): use context_parallel_strategy='all_to_all', or load_balanced=True")
     where = f"context parallel ({strategy} over {axis!r}, cp={cp})"
     reason = f"{where}: blocks run on cuDNN" if reason is None else f"{where}: blocks run on the XLA backend: {reason}"
+    whole = _global(spec, cp, manual)
+    if strategy != "halo" and _halo_with_hint(call, whole, cp, load_balanced):
+        reason += _HALO_HINT.format(longest=whole.q_len // cp + 1)
     if backend == registry.primary().name:  # the ring's cuDNN blocks may take a dense call as one document
         local = ring_spec
     return Plan(axis, cp, strategy, manual, others, local, backend, reason)
+
+
+# What a plan's reason adds for packed documents the halo would take if their longest were given.
+_HALO_HINT = ("; with max_seqlen_kv=<the longest document> (at most {longest}) the halo would run these documents, "
+              "moving only the keys of documents that cross into a device's block; "
+              "load_balance(..., whole_documents=True) before the step evens their work")
+
+
+def _halo_with_hint(call: PreparedCall, whole: AttentionSpec, cp: int, load_balanced: Any) -> bool:
+    """Whether packed documents in natural order that the halo does not take for want of a
+    `max_seqlen_kv` hint would run there with one (`whole`: the global spec)."""
+    if not whole.segments or load_balanced or not halo_packed_graphs(call):
+        return False
+    if whole.max_seqlen_kv is not None and whole.max_seqlen_kv <= whole.q_len // cp + 1:
+        return False  # given, and short enough: the halo was possible, the strategy chose otherwise
+    hinted = dataclasses.replace(whole, max_seqlen_kv=whole.q_len // cp + 1)
+    return halo_layout.unsupported(hinted, cp, load_balanced, True) is None
 
 
 def support(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh: Any,
