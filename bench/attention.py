@@ -40,7 +40,8 @@ PACKED_DOCS = 4
 PACKED_CASE = (f"B4 T4096 N16 H128 softcap30+causal, {PACKED_DOCS} packed docs", 4, 4096, 16, 16, 128, True)
 # The same documents with their length given (max_seqlen_kv): the call runs on bins (`graphs.binning`),
 # which it cannot plan for so few documents a row without the hint.
-HINTED_CASE = (PACKED_CASE[0] + f", max_seqlen_kv={4096 // PACKED_DOCS}",) + PACKED_CASE[1:]
+PACKED_HINT = PACKED_CASE[2] // PACKED_DOCS
+HINTED_CASE = (PACKED_CASE[0] + f", max_seqlen_kv={PACKED_HINT}",) + PACKED_CASE[1:]
 
 
 def flops(B, T, N, H, causal, backward, docs=1):
@@ -201,7 +202,7 @@ def run(quick):
     for name, B, T, N, K, H, causal in cases + [SOFTCAP_CASE, PACKED_CASE, HINTED_CASE]:
         score_mod = mods.softcap(30.0) if "softcap" in name else None
         ids = packed_ids(B, T, PACKED_DOCS) if "packed" in name else None
-        hint = T // PACKED_DOCS if "max_seqlen_kv" in name else None
+        hint = PACKED_HINT if name == HINTED_CASE[0] else None
         q, k, v = inputs(B, T, N, K, H)
         for backward in (False, True):
             row = {"case": name, "pass": "fwd+bwd" if backward else "fwd"}

@@ -63,8 +63,10 @@ def child(request: str) -> None:
     else:
         attend = lambda q, k, v, seg: sdpagraph.attention(q, k, v, **kwargs)  # noqa: E731
     layers = request.get("layers", 0)
-    if layers:
-        step, args = model_step(attend, layers, q, seg)
+    if layers:  # the model makes its own q, k and v: these would stay allocated beside them
+        shape, dtype = q.shape, q.dtype
+        del q, k, v
+        step, args = model_step(attend, layers, shape, dtype, seg)
     else:
         step, args = packed.jitted(attend, backward=True), (q, k, v, seg)
     compiled = step.lower(*args).compile()
@@ -81,17 +83,17 @@ def child(request: str) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def model_step(attend, layers: int, q, seg):
+def model_step(attend, layers: int, shape, dtype, seg):
     """(the jitted gradient of a `layers`-layer model in its activations and weights, its arguments):
-    the activations of q's shape flattened to (B, T, N·H), weights drawn at 1/sqrt(N·H)."""
+    activations (B, T, N·H) for q's `shape` (B, T, N, H) and `dtype`, weights drawn at 1/sqrt(N·H)."""
     import jax.numpy as jnp
 
-    batch, length, heads, dim = q.shape
+    batch, length, heads, dim = shape
     width = heads * dim
     keys = jax.random.split(jax.random.key(0), 2 * layers + 1)
-    draw = lambda key, shape: (jax.random.normal(key, shape) / width ** 0.5).astype(q.dtype)  # noqa: E731
+    draw = lambda key, size: (jax.random.normal(key, size) / width ** 0.5).astype(dtype)  # noqa: E731
     weights = [(draw(keys[2 * i], (width, 3 * width)), draw(keys[2 * i + 1], (width, width))) for i in range(layers)]
-    x = jax.random.normal(keys[-1], (batch, length, width)).astype(q.dtype)
+    x = jax.random.normal(keys[-1], (batch, length, width)).astype(dtype)
 
     def loss(x, weights, seg):
         for w_in, w_out in weights:

@@ -229,9 +229,9 @@ def xla_memory(compiled):
             "xla_temp_bytes": stats.temp_size_in_bytes, "xla_peak_bytes": getattr(stats, "peak_memory_in_bytes", None)}
 
 
-# The long-context rows' rounds (not --quick) run at least this long: a round of 5 steps of 1.5 ms (window (1024, 0),
-# T32768, 2 GPUs) counted a gap before its first kernels (0.28 ms in a trace) at up to 4% of each step;
-# a training loop pays it once.
+# The long-context rows' rounds (not --quick) run about this long, 5 steps at least: a round of 5 steps
+# of 1.5 ms (window (1024, 0), T32768, 2 GPUs) counted a gap before its first kernels (0.28 ms in a
+# trace) at up to 4% of each step; a training loop pays it once.
 LONG_ROUND_MS = 100.0
 
 

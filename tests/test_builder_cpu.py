@@ -506,10 +506,15 @@ def test_support_builds_the_runtime_graphs_and_remembers_answers(fake_gpu, tmp_p
     assert cache.stats()["builds"] == 2
     assert check_graphs(spec, None, False, cache).reason == "cuDNN builds the inference graph"
     packed = make_spec(is_causal=True, segments="self", max_segments=4)
-    reason = check_graphs(packed, softcap_ir(), False, cache).reason
-    assert "dense layout" in reason and "pass max_seqlen_kv=<the longest document> to move" in reason
-    hinted = dataclasses.replace(packed, max_seqlen_kv=1024)  # on bins: says so instead
-    assert "pass max_seqlen_kv" not in check_graphs(hinted, softcap_ir(), False, cache).reason
+    assert "dense layout" in check_graphs(packed, softcap_ir(), False, cache).reason
+    # Too few documents a row for quarter-row bins: the answer names the hint where one could plan bins
+    four = make_spec(batch=4, q_len=4096, kv_len=4096, is_causal=True, segments="self", max_segments=4)
+    reason = check_graphs(four, softcap_ir(), False, cache).reason
+    assert "max_segments_per_seq=4 and no max_seqlen_kv" in reason and "pass max_seqlen_kv" in reason, reason
+    for no_advice in (dataclasses.replace(four, max_seqlen_kv=1024),  # on bins: says so instead
+                      dataclasses.replace(four, max_segments=2),  # bins of T/2 would not pay
+                      packed):  # nor would bins of a whole row
+        assert "pass max_seqlen_kv" not in check_graphs(no_advice, softcap_ir(), False, cache).reason, no_advice
     assert check_graphs(packed, None, False, cache).reason == "cuDNN builds the inference graph"
 
 

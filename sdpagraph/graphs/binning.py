@@ -92,9 +92,13 @@ def bin_plan(spec: AttentionSpec, ir: ScoreModIR | None) -> BinPlan | None:
 
 
 def waits_for_hint(spec: AttentionSpec, ir: ScoreModIR | None) -> bool:
-    """Whether the call runs unbinned only for want of a `max_seqlen_kv` hint: it could be binned, but
-    has too few documents a row for quarter-row bins."""
-    return BINS.enabled() and bin_reason(spec, ir) is None and _too_few_documents_unhinted(spec)
+    """Whether the call runs unbinned only for want of a `max_seqlen_kv` hint: it allows too few
+    documents a row (`max_segments_per_seq`) for quarter-row bins, and the shortest hint a full row of
+    them could have (T / max_segments_per_seq) would plan bins."""
+    if not _too_few_documents_unhinted(spec):
+        return False
+    shortest = -(-spec.q_len // max(spec.max_segments, 1))
+    return bin_plan(dataclasses.replace(spec, max_seqlen_kv=shortest), ir) is not None
 
 
 def _too_few_documents_unhinted(spec: AttentionSpec) -> bool:

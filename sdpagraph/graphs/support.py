@@ -85,7 +85,7 @@ def answer_from_builds(spec: AttentionSpec, ir: ScoreModIR | None, training: boo
         if spec.max_seqlen_kv is None:
             how += _BINS_HINT
     elif waits_for_hint(spec, ir):
-        how += _BINS_WAIT_FOR_HINT
+        how += _BINS_WAIT_FOR_HINT.format(most=spec.max_segments)
     return graph_answer(True, f"cuDNN builds the {what}{how}"), True
 
 
@@ -98,9 +98,9 @@ _DENSE_SEGMENTS = (" (packed segments on the dense layout, masked by segment bou
 _BINS = ("; on one device (one GPU, or inside a shard_map), the documents move into {bins} bins of {rows} "
          "tokens, longest first, and only the tiles within a bin are computed (documents that need more bins, "
          "or are longer than a bin, run on the whole rows)")
-_BINS_WAIT_FOR_HINT = ("; with so few documents a row and no max_seqlen_kv no bins are planned: pass "
-                       "max_seqlen_kv=<the longest document> to move the documents into bins of that length, "
-                       "where only the tiles within a bin are computed")
+_BINS_WAIT_FOR_HINT = ("; with max_segments_per_seq={most} and no max_seqlen_kv no bins are planned: pass "
+                       "max_seqlen_kv=<the longest document> to move the documents into bins of that length "
+                       "(where only the tiles within a bin are computed) when it is short enough to pay")
 _BINS_HINT = ("; the bins are sized for documents up to a quarter of a row: pass max_seqlen_kv=<the longest "
               "document> to size them for yours")
 

@@ -160,7 +160,8 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
     ring_reason = ring_plan.cudnn_reason(spec, call.score_mod, call.inputs.python_mods)
     ring_on_xla = ring_reason is not None and implementation != registry.reference().name
     packed_graphs = not folds_segments(spec, call.score_mod)
-    strategy = choose_strategy(_global(spec, cp, manual), cp, strategy, ring_on_xla, load_balanced, packed_graphs,
+    whole = _global(spec, cp, manual)
+    strategy = choose_strategy(whole, cp, strategy, ring_on_xla, load_balanced, packed_graphs,
                                halo_packed_graphs(call))
     # The batch splits over the other mesh axes when they divide it. Inside a shard_map the prepared
     # spec already holds the local batch and sequence blocks: the global lengths are cp times those.
@@ -194,18 +195,18 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
                           f"call cannot ({why}): use context_parallel_strategy='all_to_all', or load_balanced=True")
     where = f"context parallel ({strategy} over {axis!r}, cp={cp})"
     reason = f"{where}: blocks run on cuDNN" if reason is None else f"{where}: blocks run on the XLA backend: {reason}"
-    whole = _global(spec, cp, manual)
     if strategy != "halo" and _halo_with_hint(call, whole, cp, load_balanced):
-        reason += _HALO_HINT.format(longest=whole.q_len // cp + 1)
+        reason += _HALO_HINT.format(bound=whole.q_len // cp + 1)
     if backend == registry.primary().name:  # the ring's cuDNN blocks may take a dense call as one document
         local = ring_spec
     return Plan(axis, cp, strategy, manual, others, local, backend, reason)
 
 
 # What a plan's reason adds for packed documents the halo would take if their longest were given.
-_HALO_HINT = ("; with max_seqlen_kv=<the longest document> (at most {longest}) the halo would run these documents, "
-              "moving only the keys of documents that cross into a device's block; "
-              "load_balance(..., whole_documents=True) before the step evens their work")
+_HALO_HINT = ("; with max_seqlen_kv=<the longest document> (at most {bound}) the halo would run these documents, "
+              "moving only the max_seqlen_kv - 1 keys before each device's block instead of whole blocks; "
+              "load_balance(..., whole_documents=True) before the step evens their work (then call with "
+              "load_balanced=False)")
 
 
 def _halo_with_hint(call: PreparedCall, whole: AttentionSpec, cp: int, load_balanced: Any) -> bool:
