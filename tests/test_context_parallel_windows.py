@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import sdpagraph
 from sdpagraph import mods
 from sdpagraph.parallel.strategy import choose_strategy
-from sdpagraph.spec import AttentionSpec
+from sdpagraph.spec import UNBOUNDED, AttentionSpec
 from tests.devices import has_cpu_devices, make_mesh, on_axis_types, rerun_with_cpu_devices
 from tests.test_context_parallel import assert_same, value_and_grads
 from sdpagraph.backends.cudnn import execute as cudnn_execute
@@ -148,6 +148,11 @@ def test_halo_on_the_cudnn_path(name, cp, load_balanced, axis_type, cudnn_on_cpu
             want.add((block, hl + block + hr, "bottom_right"))
     built = {(s.q_len, s.kv_len, s.causal_alignment) for s, _, _ in cudnn_on_cpu[0]}
     assert built == want, built
+    if split:  # the block's own keys: the call's causal window; its halo: the band (0, unbounded), no causal mask
+        bands = {(s.is_causal, s.window) for s, _, _ in cudnn_on_cpu[0] if s.causal_alignment == "top_left"}
+        halo_band = (False, (0, UNBOUNDED))
+        assert bands <= {(True, tuple(kwargs["local_window_size"])), halo_band}, bands
+        assert (halo_band in bands) == any(hl == left <= block for hl, _ in halo_cases(kwargs, blocks)), bands
     if split and all(hl in (0, left) for hl, _ in halo_cases(kwargs, blocks)) and left <= block:
         # every device runs the same calls: no lax.switch, whose branch index XLA reads on the host
         assert not re.search(r"\bconditional\(", hlo), "a split halo block runs without a conditional"
