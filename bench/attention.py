@@ -57,9 +57,11 @@ def inputs(B, T, N, K, H, seed=0):
 
 
 def jax_fns(attn, backward):
+    """`attn(q, k, v, *rest)` jitted, or its gradient in q, k and v; `rest` (segment ids) are jit
+    arguments too, as in a training step."""
     if not backward:
         return jax.jit(attn)
-    loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32))  # noqa: E731
+    loss = lambda q, k, v, *rest: jnp.sum(attn(q, k, v, *rest).astype(jnp.float32))  # noqa: E731
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
@@ -68,15 +70,18 @@ def packed_ids(B, T, docs):
     return np.repeat(np.arange(1, docs + 1, dtype=np.int32), T // docs)[None].repeat(B, axis=0)
 
 
-def implementations(causal, score_mod=None, training=True, segment_ids=None, max_seqlen_kv=None):
-    """training=False for forward-only timing: the inference graph, as jax's cuDNN path uses."""
-    packed = {} if segment_ids is None else dict(segment_ids=jnp.asarray(segment_ids), max_seqlen_kv=max_seqlen_kv,
-                                                 max_segments_per_seq=int(segment_ids.max()))
+def implementations(causal, score_mod=None, training=True, max_segments=None, max_seqlen_kv=None):
+    """Each implementation as fn(q, k, v), or with `max_segments` (packed documents, at most that many a
+    row) as fn(q, k, v, segment_ids). training=False for forward-only timing: the inference graph, as
+    jax's cuDNN path uses."""
+    def packed(ids):
+        return {} if max_segments is None else dict(segment_ids=ids[0], max_segments_per_seq=max_segments,
+                                                    max_seqlen_kv=max_seqlen_kv)
     impls = {
-        "sdpagraph": lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=causal, implementation="cudnn",
-                                                         score_mod=score_mod, training=training, **packed),
-        "xla": lambda q, k, v: sdpagraph.attention(q, k, v, is_causal=causal, implementation="xla",
-                                                   score_mod=score_mod, **packed),
+        "sdpagraph": lambda q, k, v, *ids: sdpagraph.attention(q, k, v, is_causal=causal, implementation="cudnn",
+                                                               score_mod=score_mod, training=training, **packed(ids)),
+        "xla": lambda q, k, v, *ids: sdpagraph.attention(q, k, v, is_causal=causal, implementation="xla",
+                                                         score_mod=score_mod, **packed(ids)),
     }
     if score_mod is None:
         impls["jax-cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
@@ -204,12 +209,14 @@ def run(quick):
         ids = packed_ids(B, T, PACKED_DOCS) if "packed" in name else None
         hint = PACKED_HINT if name == HINTED_CASE[0] else None
         q, k, v = inputs(B, T, N, K, H)
+        args = (q, k, v) if ids is None else (q, k, v, jnp.asarray(ids))  # the ids a jit argument
         for backward in (False, True):
             row = {"case": name, "pass": "fwd+bwd" if backward else "fwd"}
-            impls = implementations(causal, score_mod, training=backward, segment_ids=ids, max_seqlen_kv=hint)
+            impls = implementations(causal, score_mod, training=backward,
+                                    max_segments=None if ids is None else int(ids.max()), max_seqlen_kv=hint)
             for impl, attn in impls.items():
                 try:
-                    row[impl] = time_ms(jax_fns(attn, backward), q, k, v)
+                    row[impl] = time_ms(jax_fns(attn, backward), *args)
                 except Exception as error:  # record and keep measuring the rest
                     row[impl] = None
                     row[impl + "_error"] = f"{type(error).__name__}: {str(error)[:200]}"
