@@ -15,17 +15,14 @@ def time_ms(fn, *args, repeats=30, rounds=5, min_round_ms=0.0):
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
     if min_round_ms:
-        start = time.perf_counter()
-        for _ in range(repeats):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        per_call_ms = (time.perf_counter() - start) * 1e3 / repeats
-        repeats = max(repeats, math.ceil(min_round_ms / max(per_call_ms, 1e-3)))
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / repeats * 1e3)
-    return statistics.median(samples)
+        repeats = max(repeats, math.ceil(min_round_ms / max(_round_ms(fn, args, repeats), 1e-3)))
+    return statistics.median([_round_ms(fn, args, repeats) for _ in range(rounds)])
+
+
+def _round_ms(fn, args, repeats):
+    """The mean time of `repeats` back-to-back calls, synchronized once at the end."""
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / repeats * 1e3
