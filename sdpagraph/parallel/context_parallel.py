@@ -195,8 +195,9 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
                           f"call cannot ({why}): use context_parallel_strategy='all_to_all', or load_balanced=True")
     where = f"context parallel ({strategy} over {axis!r}, cp={cp})"
     reason = f"{where}: blocks run on cuDNN" if reason is None else f"{where}: blocks run on the XLA backend: {reason}"
-    if strategy != "halo" and _halo_with_hint(call, whole, cp, load_balanced):
-        reason += _HALO_HINT.format(bound=whole.q_len // cp + 1)
+    bound = whole.q_len // cp + 1  # the longest document the halo takes: one reaching back a block
+    if not load_balanced and _halo_with_hint(call, whole, cp, bound):
+        reason += _HALO_HINT.format(bound=bound)
     if backend == registry.primary().name:  # the ring's cuDNN blocks may take a dense call as one document
         local = ring_spec
     return Plan(axis, cp, strategy, manual, others, local, backend, reason)
@@ -209,15 +210,15 @@ _HALO_HINT = ("; with max_seqlen_kv=<the longest document> (at most {bound}) the
               "load_balanced=False)")
 
 
-def _halo_with_hint(call: PreparedCall, whole: AttentionSpec, cp: int, load_balanced: Any) -> bool:
-    """Whether packed documents in natural order that the halo does not take for want of a
-    `max_seqlen_kv` hint would run there with one (`whole`: the global spec)."""
-    if not whole.segments or load_balanced or not halo_packed_graphs(call):
+def _halo_with_hint(call: PreparedCall, whole: AttentionSpec, cp: int, bound: int) -> bool:
+    """Whether packed documents in natural order that the halo refuses would run there with
+    `max_seqlen_kv=bound` (`whole`: the global spec)."""
+    if not whole.segments:
         return False
-    if whole.max_seqlen_kv is not None and whole.max_seqlen_kv <= whole.q_len // cp + 1:
-        return False  # given, and short enough: the halo was possible, the strategy chose otherwise
-    hinted = dataclasses.replace(whole, max_seqlen_kv=whole.q_len // cp + 1)
-    return halo_layout.unsupported(hinted, cp, load_balanced, True) is None
+    packed_graphs = halo_packed_graphs(call)
+    hinted = dataclasses.replace(whole, max_seqlen_kv=bound)
+    return (halo_layout.unsupported(whole, cp, False, packed_graphs) is not None
+            and halo_layout.unsupported(hinted, cp, False, packed_graphs) is None)
 
 
 def support(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh: Any,
