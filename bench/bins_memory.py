@@ -31,6 +31,7 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
+import jax.numpy as jnp
 
 VARIANTS = {  # label: (with the case's ids, with its hint, SDPAGRAPH_BINS)
     "bins, hint": (True, True, "1"),
@@ -86,8 +87,6 @@ def child(request: str) -> None:
 def model_step(attend, layers: int, shape, dtype, seg):
     """(the jitted gradient of a `layers`-layer model in its activations and weights, its arguments):
     activations (B, T, N·H) for q's `shape` (B, T, N, H) and `dtype`, weights drawn at 1/sqrt(N·H)."""
-    import jax.numpy as jnp
-
     batch, length, heads, dim = shape
     width = heads * dim
     keys = jax.random.split(jax.random.key(0), 2 * layers + 1)
