@@ -89,6 +89,20 @@ def _per_row(present: Any, x: Any) -> Any:
     return jnp.reshape(present, (-1,) + (1,) * (x.ndim - 1))
 
 
+def run_halo_call(call: Any, *arrays: Any) -> Any:
+    """One of the halo part's cuDNN calls, `call(*arrays)`, in XLA's order on the device's stream
+    (bench/probe_halo_stream.py measures it on a second stream instead)."""
+    return call(*arrays)
+
+
+def halo_first(halo_grads: Any, local_inputs: Any) -> tuple[Any, Any]:
+    """Makes the local part's backward inputs wait for the halo part's gradients, so these can travel
+    back (`send_back`) while the local part computes: XLA put the local part first on 2 H100s without
+    it. A trace with it still showed their transfer back after the local part; forcing the transfer
+    before the local part too was 1.8-3.3% slower there with documents (bench/probe_halo_in_place.py)."""
+    return jax.lax.optimization_barrier((halo_grads, local_inputs))
+
+
 def forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, ids=None) -> tuple[Any, Any]:
     """(output, logsumexp) of the block: both calls, merged (module docstring); `ids`: a
     `DocumentIds` with packed documents."""
@@ -96,7 +110,8 @@ def forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, ids=N
     local, halo = plan.statics()
     out, lse = primary.block_forward(local, q, *local_kv, _operands(local, arrays, ids and ids.local), True)
     hq, hk, hv = _halo_inputs(plan, q, halo_kv)
-    h_out, h_lse = primary.block_forward(halo, hq, hk, hv, _operands(halo, arrays, ids and ids.halo), True)
+    h_out, h_lse = run_halo_call(lambda *a: primary.block_forward(halo, *a, True),
+                                 hq, hk, hv, _operands(halo, arrays, ids and ids.halo))
     if present is not None:
         h_lse = jnp.where(_per_row(present, h_lse), h_lse, -jnp.inf)
     head, head_lse = merge((out[:, :plan.rows], lse[..., :plan.rows]), (h_out, h_lse))  # only these rows change
@@ -115,14 +130,9 @@ def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out,
     h_out, h_lse, h_do = out[:, :plan.rows], lse[..., :plan.rows], d_o[:, :plan.rows]
     if present is not None:  # zero dO: zero gradients from the halo part
         h_do = jnp.where(_per_row(present, h_do), h_do, jnp.zeros_like(h_do))
-    h_dq, h_dk, h_dv = primary.block_backward(halo, hq, hk, hv, _operands(halo, arrays, ids and ids.halo),
-                                              h_out, h_lse, h_do, True)
-    # The barrier makes the local part's inputs wait for the halo part's gradients (XLA put the local
-    # part first on 2 H100s without it); a trace with it still showed their transfer back after the
-    # local part. Forcing the transfer before the local part too was 1.8-3.3% slower there with
-    # documents (bench/probe_halo_in_place.py).
-    (h_dk, h_dv), (q, local_kv, out, lse, d_o) = jax.lax.optimization_barrier(((h_dk, h_dv),
-                                                                              (q, local_kv, out, lse, d_o)))
+    h_dq, h_dk, h_dv = run_halo_call(lambda *a: primary.block_backward(halo, *a, True),
+                                     hq, hk, hv, _operands(halo, arrays, ids and ids.halo), h_out, h_lse, h_do)
+    (h_dk, h_dv), (q, local_kv, out, lse, d_o) = halo_first((h_dk, h_dv), (q, local_kv, out, lse, d_o))
     dq, dk, dv = primary.block_backward(local, q, *local_kv, _operands(local, arrays, ids and ids.local), out, lse,
                                         d_o, True)
     dq = replace_rows(dq, dq[:, :plan.rows].astype(jnp.float32) + h_dq.astype(jnp.float32), 0)
