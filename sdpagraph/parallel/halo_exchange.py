@@ -140,8 +140,9 @@ def receive(routes: Sequence[Route | None], axis: Any, kv: tuple[Any, Any]) -> l
 def send_back(routes: Sequence[Route | None], axis: Any, grads: Sequence[tuple[Any, Any] | None],
               kv_grads: tuple[Any, Any]) -> tuple[Any, Any]:
     """`kv_grads` (this device's dk, dv) with the gradients of the pieces `receive` gave (`grads[i]`
-    for route i, on the devices that read them) added where those pieces came from: the transpose
-    of `receive`, in place, in the same transfers."""
+    for route i, on the devices that read them: the pair (dk, dv), or both stacked (2, B, length,
+    ...) as one transfer takes them) added where those pieces came from: the transpose of
+    `receive`, in place, in the same transfers."""
     me, shape = jax.lax.axis_index(axis), _shape_of(routes)
 
     def kept(index, source):  # route `index`'s gradient where this device read source `source`, else 0
@@ -149,7 +150,7 @@ def send_back(routes: Sequence[Route | None], axis: Any, grads: Sequence[tuple[A
         if len(r.sources) == 1:
             return g
         chosen = jnp.asarray(r.choice, jnp.int32)[me] == source
-        return tuple(jnp.where(chosen, x, jnp.zeros_like(x)) for x in g)
+        return jax.tree.map(lambda x: jnp.where(chosen, x, jnp.zeros_like(x)), g)
 
     for index, r in enumerate(routes):
         for source, (slots, pairs) in enumerate(() if r is None else r.sources):
@@ -160,7 +161,7 @@ def send_back(routes: Sequence[Route | None], axis: Any, grads: Sequence[tuple[A
         # device sends back the sum of their gradients where they chose it (one, where it received;
         # those of routes it does not read are zero in the halo's use, but summed all the same).
         takes = sorted({take for take in t.takes if take is not None})
-        back = functools.reduce(lambda a, b: tuple(x + y for x, y in zip(a, b)), (kept(*take) for take in takes))
+        back = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), (kept(*take) for take in takes))
         # devices that sent nothing in this transfer receive zeros and add them
         moved = permute_pair(back, axis, [(receiver, sender) for sender, receiver in t.pairs])
         kv_grads = tuple(add_rows(x, g, _start(shape, t.slots, me)) for x, g in zip(kv_grads, moved))

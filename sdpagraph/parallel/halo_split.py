@@ -39,6 +39,7 @@ from sdpagraph.backends.softmax_merge import merge
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.parallel import halo_exchange
 from sdpagraph.parallel.halo_exchange import Route, replace_rows
+from sdpagraph.parallel.transfer import stackable
 from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.spec import AttentionSpec
 
@@ -121,23 +122,33 @@ def forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, ids=N
 
 def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out, lse, d_o,
              ids=None) -> tuple[Any, ...]:
-    """(dq, (dk, dv) of the block's own keys, (dk, dv) of the halo, d_sinks) given the FINAL output
-    and logsumexp and the output's cotangent."""
+    """(dq, (dk, dv) of the block's own keys, dk and dv of the halo (`_halo_backward`: stacked or
+    the pair), d_sinks) given the FINAL output and logsumexp and the output's cotangent."""
     primary = registry.primary()
     local, halo = plan.statics()
     # The halo part first: its dk/dv can travel back (`send_back`) while the local part computes.
     hq, hk, hv = _halo_inputs(plan, q, halo_kv)
     h_out, h_lse, h_do = out[:, :plan.rows], lse[..., :plan.rows], d_o[:, :plan.rows]
-    if present is not None:  # zero dO: zero gradients from the halo part
-        h_do = jnp.where(_per_row(present, h_do), h_do, jnp.zeros_like(h_do))
-    h_dq, h_dk, h_dv = run_halo_call(lambda *a: primary.block_backward(halo, *a, True),
-                                     hq, hk, hv, _operands(halo, arrays, ids and ids.halo), h_out, h_lse, h_do)
-    (h_dk, h_dv), (q, local_kv, out, lse, d_o) = halo_first((h_dk, h_dv), (q, local_kv, out, lse, d_o))
+    if present is not None:  # an infinite logsumexp: P = exp(s - lse) = 0, no gradient from the halo part
+        h_lse = jnp.where(_per_row(present, h_lse), h_lse, jnp.inf)
+    h_dq, h_dkv = run_halo_call(functools.partial(_halo_backward, primary, halo),
+                                hq, hk, hv, _operands(halo, arrays, ids and ids.halo), h_out, h_lse, h_do)
+    h_dkv, (q, local_kv, out, lse, d_o) = halo_first(h_dkv, (q, local_kv, out, lse, d_o))
     dq, dk, dv = primary.block_backward(local, q, *local_kv, _operands(local, arrays, ids and ids.local), out, lse,
                                         d_o, True)
     dq = replace_rows(dq, dq[:, :plan.rows].astype(jnp.float32) + h_dq.astype(jnp.float32), 0)
     d_sinks = None if sinks is None else sinks_mod.gradient(d_o, out, lse, sinks)
-    return dq, (dk, dv), (h_dk, h_dv), d_sinks
+    return dq, (dk, dv), h_dkv, d_sinks
+
+
+def _halo_backward(primary: Any, static: Any, q, k, v, operands, out, lse, d_o) -> tuple[Any, Any]:
+    """(dq, the halo's dk and dv) of the halo part: dk and dv stacked (2, B, hl, K, H) as the graph
+    writes them where they stack, so their transfer back needs no stacking pass (`transfer.paired`);
+    else the pair (dk, dv)."""
+    if not stackable(k, v):
+        dq, dk, dv = primary.block_backward(static, q, k, v, operands, out, lse, d_o, True)
+        return dq, (dk, dv)
+    return primary.block_backward_stacked(static, q, k, v, operands, out, lse, d_o)
 
 
 def _no_gradient(tree: Any) -> Any:
@@ -162,7 +173,7 @@ def _split_bwd(plan: SplitPlan, residuals, cotangents):
     q, local_kv, halo_kv, arrays, sinks, present, out, lse = residuals
     dq, d_local, d_halo, d_sinks = backward(plan, q, local_kv, halo_kv, arrays, sinks, present, out, lse,
                                             cotangents[0])
-    return dq, d_local, d_halo, _no_gradient(arrays), d_sinks, None
+    return dq, d_local, (d_halo[0], d_halo[1]), _no_gradient(arrays), d_sinks, None
 
 
 split_attention.defvjp(_split_fwd, _split_bwd)
@@ -231,13 +242,14 @@ def _exchanged_fwd(plan: SplitPlan, exchange: Exchange, q, k, v, arrays, sinks, 
 def _exchanged_bwd(plan: SplitPlan, exchange: Exchange, residuals, cotangents):
     q, k, v, halo_kv, present, arrays, sinks, ids, out, lse = residuals
     slots = len(exchange.routes)
-    dq, (dk, dv), (h_dk, h_dv), d_sinks = backward(
+    dq, (dk, dv), h_dkv, d_sinks = backward(
         plan, _rows(q, slots), (_rows(k, slots), _rows(v, slots)), halo_kv, arrays, sinks, present, out, lse,
         _rows(cotangents[0], slots), ids)
     dq, dk, dv = (x.reshape(y.shape) for x, y in ((dq, q), (dk, k), (dv, v)))
-    per_slot = lambda x: x.reshape((q.shape[0], slots) + x.shape[1:])  # noqa: E731
-    h_dk, h_dv = per_slot(h_dk), per_slot(h_dv)
-    grads = [None if r is None else (h_dk[:, slot], h_dv[:, slot]) for slot, r in enumerate(exchange.routes)]
+    # (..., B·slots, hl, K, H) -> (..., B, slots, hl, K, H), the stacked form's leading 2 kept
+    h_dkv = jax.tree.map(lambda x: x.reshape(x.shape[:-4] + (q.shape[0], slots) + x.shape[-3:]), h_dkv)
+    grads = [None if r is None else jax.tree.map(lambda x: x[..., slot, :, :, :], h_dkv)
+             for slot, r in enumerate(exchange.routes)]
     dk, dv = halo_exchange.send_back(exchange.routes, exchange.axis, grads, (dk, dv))
     return dq, dk, dv, _no_gradient(arrays), d_sinks, _no_gradient(ids)
 

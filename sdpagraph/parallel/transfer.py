@@ -29,7 +29,7 @@ def paired(a: Any, b: Any) -> Any:
     return jnp.concatenate([a.reshape(-1), b.reshape(-1)]).reshape((2, *a.shape))
 
 
-def permute_pair(pair: tuple[Any, Any], axis: Any, pairs: list[tuple[int, int]]) -> tuple[Any, Any]:
-    """`jax.lax.ppermute` of two arrays as one transfer (`paired`)."""
-    moved = jax.lax.ppermute(paired(*pair), axis, pairs)
+def permute_pair(pair: Any, axis: Any, pairs: list[tuple[int, int]]) -> tuple[Any, Any]:
+    """`jax.lax.ppermute` of two arrays as one transfer: a pair (`paired`), or both already stacked."""
+    moved = jax.lax.ppermute(paired(*pair) if isinstance(pair, tuple) else pair, axis, pairs)
     return moved[0], moved[1]
