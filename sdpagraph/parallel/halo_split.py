@@ -90,16 +90,12 @@ def _per_row(present: Any, x: Any) -> Any:
     return jnp.reshape(present, (-1,) + (1,) * (x.ndim - 1))
 
 
-def run_halo_call(call: Any, *arrays: Any) -> Any:
-    """One of the halo part's cuDNN calls, `call(*arrays)`, in XLA's order on the device's stream
-    (bench/probe_halo_stream.py measures it on a second stream instead)."""
-    return call(*arrays)
-
-
 def halo_first(halo_grads: Any, local_inputs: Any) -> tuple[Any, Any]:
     """Makes the local part's backward inputs wait for the halo part's gradients, so these can travel
-    back (`send_back`) while the local part computes: XLA put the local part first on 2 H100s without
-    it. A trace with it still showed their transfer back after the local part; forcing the transfer
+    back (`send_back`) while the local part computes. Without it XLA put the local part first on 2
+    H100s and a documents step took 5% longer; the halo part's calls on a second stream (XLA's stream
+    annotation) took 3-5% longer than with it (docs/results/h100-2026-11-27-thirteenth-session.md).
+    A trace with it still showed their transfer back after the local part; forcing the transfer
     before the local part too was 1.8-3.3% slower there with documents (bench/probe_halo_in_place.py)."""
     return jax.lax.optimization_barrier((halo_grads, local_inputs))
 
@@ -111,8 +107,7 @@ def forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, ids=N
     local, halo = plan.statics()
     out, lse = primary.block_forward(local, q, *local_kv, _operands(local, arrays, ids and ids.local), True)
     hq, hk, hv = _halo_inputs(plan, q, halo_kv)
-    h_out, h_lse = run_halo_call(lambda *a: primary.block_forward(halo, *a, True),
-                                 hq, hk, hv, _operands(halo, arrays, ids and ids.halo))
+    h_out, h_lse = primary.block_forward(halo, hq, hk, hv, _operands(halo, arrays, ids and ids.halo), True)
     if present is not None:
         h_lse = jnp.where(_per_row(present, h_lse), h_lse, -jnp.inf)
     head, head_lse = merge((out[:, :plan.rows], lse[..., :plan.rows]), (h_out, h_lse))  # only these rows change
@@ -131,8 +126,8 @@ def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out,
     h_out, h_lse, h_do = out[:, :plan.rows], lse[..., :plan.rows], d_o[:, :plan.rows]
     if present is not None:  # an infinite logsumexp: P = exp(s - lse) = 0, no gradient from the halo part
         h_lse = jnp.where(_per_row(present, h_lse), h_lse, jnp.inf)
-    h_dq, h_dkv = run_halo_call(functools.partial(_halo_backward, primary, halo),
-                                hq, hk, hv, _operands(halo, arrays, ids and ids.halo), h_out, h_lse, h_do)
+    h_dq, h_dkv = _halo_backward(primary, halo, hq, hk, hv, _operands(halo, arrays, ids and ids.halo), h_out, h_lse,
+                                 h_do)
     h_dkv, (q, local_kv, out, lse, d_o) = halo_first(h_dkv, (q, local_kv, out, lse, d_o))
     dq, dk, dv = primary.block_backward(local, q, *local_kv, _operands(local, arrays, ids and ids.local), out, lse,
                                         d_o, True)
