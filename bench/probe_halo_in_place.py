@@ -11,7 +11,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-import multi_gpu  # bench/ is on sys.path when a script here runs
+import cp_rows  # bench/ is on sys.path when a script here runs
 from jax_timing import time_ms
 from sdpagraph.parallel import halo_exchange
 
@@ -43,19 +43,19 @@ VARIANTS = {  # name: add_rows
 def main() -> None:
     cpu = "--cpu" in sys.argv  # a smoke run of the script on 2 CPU devices (XLA blocks: nothing to compare)
     rows = [int(t) for t in sys.argv[1:] if t != "--cpu"] or [3, 2, 5, 4]
-    heads, head_dim, impl = (4, 16, "xla") if cpu else (multi_gpu.N, multi_gpu.H, None)
+    heads, head_dim, impl = (4, 16, "xla") if cpu else (cp_rows.N, cp_rows.H, None)
     print("| call | T | variant | ms | speedup over 1 GPU | compiled |\n|---|---|---|---:|---:|---|")
     for row in rows:
-        label, scaled, kwargs, docs = multi_gpu.long_call(row, cpu)
-        args, _ = multi_gpu.cp_inputs(scaled, heads, head_dim, docs, None, False)
-        one = time_ms(multi_gpu.cp_step(kwargs, None, False, impl), *args, repeats=5, rounds=3)
+        label, scaled, kwargs, docs = cp_rows.long_call(row, cpu)
+        args, _ = cp_rows.cp_inputs(scaled, heads, head_dim, docs, None, False)
+        one = time_ms(cp_rows.cp_step(kwargs, None, False, impl), *args, repeats=5, rounds=3)
         print(f"| {label} | {scaled} | 1 GPU | {one:.3f} | | |", flush=True)
-        args, mesh = multi_gpu.cp_inputs(scaled, heads, head_dim, docs, "halo", False)
+        args, mesh = cp_rows.cp_inputs(scaled, heads, head_dim, docs, "halo", False)
         for name, variant in VARIANTS.items():
             halo_exchange.add_rows = variant
             with jax.set_mesh(mesh):
                 try:
-                    step = multi_gpu.cp_step(kwargs, "halo", False, impl).lower(*args).compile()
+                    step = cp_rows.cp_step(kwargs, "halo", False, impl).lower(*args).compile()
                 except Exception as err:  # noqa: BLE001 (a variant XLA cannot compile is a finding)
                     print(f"| {label} | {scaled} | {name} | | | no: {str(err).splitlines()[0][:160]} |", flush=True)
                     continue

@@ -5,7 +5,7 @@ host events: synchronizations, conditionals, launches).
 
     python3 bench/profile_cp.py OUT_DIR ROW STRATEGY[:balanced] [ROW STRATEGY ...]
 
-ROW indexes `multi_gpu.LONG_CALLS`; STRATEGY is ring, all_to_all, halo, auto or one (one GPU);
+ROW indexes `cp_rows.LONG_CALLS`; STRATEGY is ring, all_to_all, halo, auto or one (one GPU);
 `:balanced` load-balances. Each pair is traced into OUT_DIR/<row>-<strategy>/ and summarized
 there (summary.txt) and on stdout.
 """
@@ -17,7 +17,7 @@ import sys
 
 import jax
 
-import multi_gpu  # bench/ is on sys.path when a script here runs
+import cp_rows  # bench/ is on sys.path when a script here runs
 from jax_timing import time_ms
 from trace_summary import traced
 
@@ -28,12 +28,12 @@ def profile(out: pathlib.Path, index: int, strategy_arg: str) -> None:
     name, _, balanced = strategy_arg.partition(":")
     strategy, balanced = None if name == "one" else name, balanced == "balanced"
     cpu = jax.default_backend() == "cpu"  # a trial run of this script: the rows scaled down, on XLA
-    label, length, kwargs, docs = multi_gpu.long_call(index, cpu=cpu)
-    heads, head_dim = (4, 16) if cpu else (multi_gpu.N, multi_gpu.H)
-    args, mesh = multi_gpu.cp_inputs(length, heads, head_dim, docs, strategy, balanced)
+    label, length, kwargs, docs = cp_rows.long_call(index, cpu=cpu)
+    heads, head_dim = (4, 16) if cpu else (cp_rows.N, cp_rows.H)
+    args, mesh = cp_rows.cp_inputs(length, heads, head_dim, docs, strategy, balanced)
     where = out / f"{index}-{strategy_arg.replace(':', '-')}"
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        step = multi_gpu.cp_step(kwargs, strategy, balanced, "xla" if cpu else None).lower(*args).compile()
+        step = cp_rows.cp_step(kwargs, strategy, balanced, "xla" if cpu else None).lower(*args).compile()
         ms = time_ms(step, *args, repeats=5, rounds=3)
         header = f"# {label} T{length}, {strategy_arg}: {ms:.3f} ms a step"
         print(header, flush=True)
