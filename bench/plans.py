@@ -3,7 +3,8 @@ Needs a GPU and torch (for buffers and CUDA events).
 
     python bench/plans.py [--out DIR] [--shape B,T,N,H]
 
-Answers three questions for softcap(30)+causal at bf16 B4 T4096 N16 H128: does the heuristic's
+Answers three questions for softcap(30)+causal at bf16 B4 T4096 N16 H128 (and times the plans of a
+context-parallel window's two calls at the shapes given): does the heuristic's
 first plan (what `graphs.builder` keeps) win, and which formulation of the mod (mask in the
 bprop or not, divide or multiply by the cap, -inf or a finite mask value) runs fastest? Does any plan
 of a causal graph with dropout come near the plain causal graph? The
@@ -123,6 +124,10 @@ def cases():
         "softcap, no mask": dict(score_mod=mods.softcap(CAP)),
         "softcap + causal [runtime form]": dict(is_causal=True, score_mod=mods.softcap(CAP)),
         "compose(softcap, causal) (-1e30)": dict(score_mod=mods.compose(mods.softcap(CAP), mods.causal())),
+        # A context-parallel window's halo part (`parallel.halo_split`; --shape 1,1024,16,128 for a window of
+        # 1024) and its local part (--shape 1,16384,16,128 at T32768 over 2 devices)
+        "halo band (0, unbounded), no causal mask": dict(local_window_size=(0, -1)),
+        "causal window (1024, 0)": dict(is_causal=True, local_window_size=(1024, 0)),
     }
     table["causal row>=col"] = causal_ge(False)
     table["causal row>=col, untyped gen_index"] = dict(causal_ge(False), emitter=UntypedIndexEmitter)
