@@ -52,14 +52,15 @@ def case(name):
     }[name]
 
 
-def run(name, cp, axis_type, impl, strategy="halo", seed=0, load_balanced=False, kwargs=None):
+def run(name, cp, axis_type, impl, strategy="halo", seed=0, load_balanced=False, kwargs=None, head_dim_v=H):
     """(the context-parallel step's value and gradients in natural order, the one-device XLA
-    reference's, the HLO) of `case(name)`, or of `(kwargs, K)` when given."""
+    reference's, the HLO) of `case(name)`, or of `(kwargs, K)` when given; values of `head_dim_v`."""
     kwargs, K = kwargs or case(name)
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, T, N, H)).astype(np.float32)
-    k, v = (rng.standard_normal((B, T, K, H)).astype(np.float32) for _ in range(2))
-    cot = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    k = rng.standard_normal((B, T, K, H)).astype(np.float32)
+    v = rng.standard_normal((B, T, K, head_dim_v)).astype(np.float32)
+    cot = rng.standard_normal((B, T, N, head_dim_v)).astype(np.float32)
     ref = value_and_grads(lambda q, k, v: sdpagraph.attention(q, k, v, implementation="xla", **kwargs))(q, k, v, cot)
     order = (lambda x: sdpagraph.load_balance(x, cp)) if load_balanced else (lambda x: x)  # noqa: E731
     back = (lambda x: sdpagraph.unload_balance(x, cp)) if load_balanced else (lambda x: x)  # noqa: E731
@@ -160,6 +161,20 @@ def test_halo_on_the_cudnn_path(name, cp, load_balanced, axis_type, cudnn_on_cpu
         # place where they came from: nothing pads or concatenates a whole block of the device's tokens
         whole = re.compile(r"= f32\[%d,%d,\d+,%d\]\{[^}]*\} (pad|concatenate)\(" % (B, T // cp, H))
         assert not [line for line in hlo.splitlines() if whole.search(line)], "a pass over the whole block"
+
+
+@needs_devices
+@pytest.mark.parametrize("cp, load_balanced", [(2, False), (4, True)])
+def test_a_halo_whose_values_have_a_head_dim_of_their_own(cp, load_balanced, cudnn_on_cpu, monkeypatch):
+    """dk and dv of different shapes do not stack: the halo part's backward gives them as a pair and
+    sends them back as such (`halo_split._halo_backward`), where equal shapes go back stacked."""
+    monkeypatch.setattr(cudnn_execute, "call_executor", stats_backward_executor)
+    ours, ref, hlo = run("narrow", cp, "auto", "cudnn", seed=seed_of("head_dim_v", cp, load_balanced),
+                         load_balanced=load_balanced, head_dim_v=H // 2)
+    assert_same_step(ours, ref, tol=3e-5)
+    assert_no_gather(hlo)
+    built = {(s.head_dim, s.head_dim_v) for s, _, _ in cudnn_on_cpu[0]}
+    assert built == {(H, H // 2)}, built
 
 
 @needs_devices
