@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import sys
 
+import cp_rows  # first (bench/ is on sys.path when a script here runs): with --cpu it sets up CPU devices
 import jax
 import jax.numpy as jnp
-
-import cp_rows  # bench/ is on sys.path when a script here runs
 from jax_timing import time_ms
 from sdpagraph.parallel import halo_exchange
 

@@ -21,6 +21,7 @@ from sdpagraph.spec import UNBOUNDED, AttentionSpec
 from tests.devices import has_cpu_devices, make_mesh, on_axis_types, rerun_with_cpu_devices
 from tests.test_context_parallel import assert_same, value_and_grads
 from sdpagraph.backends.cudnn import execute as cudnn_execute
+from sdpagraph.graphs.operands import KV_GRADS
 from tests.cudnn_standin import stats_backward_executor
 from tests.test_sharding import cudnn_on_cpu, random_ids  # noqa: F401 (a fixture)
 
@@ -164,17 +165,27 @@ def test_halo_on_the_cudnn_path(name, cp, load_balanced, axis_type, cudnn_on_cpu
 
 
 @needs_devices
-@pytest.mark.parametrize("cp, load_balanced", [(2, False), (4, True)])
-def test_a_halo_whose_values_have_a_head_dim_of_their_own(cp, load_balanced, cudnn_on_cpu, monkeypatch):
-    """dk and dv of different shapes do not stack: the halo part's backward gives them as a pair and
-    sends them back as such (`halo_split._halo_backward`), where equal shapes go back stacked."""
-    monkeypatch.setattr(cudnn_execute, "call_executor", stats_backward_executor)
-    ours, ref, hlo = run("narrow", cp, "auto", "cudnn", seed=seed_of("head_dim_v", cp, load_balanced),
-                         load_balanced=load_balanced, head_dim_v=H // 2)
+@pytest.mark.parametrize("cp, load_balanced, head_dim_v", [(2, False, H // 2), (4, True, H // 2), (2, False, H)])
+def test_the_halo_gradients_go_back_stacked_where_dk_and_dv_stack(cp, load_balanced, head_dim_v, cudnn_on_cpu,
+                                                                   monkeypatch):
+    """The halo part's backward writes dk and dv as one stacked result where they have one shape, which
+    goes back as it is; values with a head dim of their own give them as a pair, sent back as such
+    (`halo_split._halo_backward`)."""
+    asked = []
+
+    def recording(static, graph, operands, results):
+        asked.append(set(results))
+        return stats_backward_executor(static, graph, operands, results)
+
+    monkeypatch.setattr(cudnn_execute, "call_executor", recording)
+    ours, ref, hlo = run("narrow", cp, "auto", "cudnn", seed=seed_of("head_dim_v", cp, load_balanced, head_dim_v),
+                         load_balanced=load_balanced, head_dim_v=head_dim_v)
     assert_same_step(ours, ref, tol=3e-5)
     assert_no_gather(hlo)
     built = {(s.head_dim, s.head_dim_v) for s, _, _ in cudnn_on_cpu[0]}
-    assert built == {(H, H // 2)}, built
+    assert built == {(H, head_dim_v)}, built
+    stacked = [roles for roles in asked if KV_GRADS in roles]
+    assert len(stacked) == (1 if head_dim_v == H else 0), asked  # the halo part's backward alone
 
 
 @needs_devices
@@ -190,8 +201,9 @@ def test_a_load_balanced_halo_sends_its_blocks_halos_together(cp, transfers, cud
     assert permutes == 2 * transfers, permutes
 
 
-def _adjoint_gap(cp, slots, wanted_per_route, block, offset, length, seed):
-    """max |send_back - autodiff's transpose of receive| for random gradients of every piece."""
+def _adjoint_gap(cp, slots, wanted_per_route, block, offset, length, seed, stacked=False):
+    """max |send_back - autodiff's transpose of receive| for random gradients of every piece, given
+    to `send_back` as pairs or `stacked` (one (2, ...) array each)."""
     from jax.sharding import Mesh
     from sdpagraph.parallel import halo_exchange as hx
 
@@ -205,7 +217,8 @@ def _adjoint_gap(cp, slots, wanted_per_route, block, offset, length, seed):
         return jax.vjp(lambda k, v: hx.receive(routes, "x", (k, v)), k, v)[1](local(gs))
 
     def ours(k, v, *gs):
-        return hx.send_back(routes, "x", local(gs), (jnp.zeros_like(k), jnp.zeros_like(v)))
+        given = [None if r is None else g[:, :, 0] for r, g in zip(routes, gs)] if stacked else local(gs)
+        return hx.send_back(routes, "x", given, (jnp.zeros_like(k), jnp.zeros_like(v)))
 
     mesh = Mesh(np.array(jax.devices()[:cp]), ("x",))
     run = lambda f: jax.jit(jax.shard_map(  # noqa: E731
@@ -224,6 +237,7 @@ def test_send_back_is_the_transpose_of_receive(cp):
     holder = {b: (d, s) for d, held in enumerate(blocks) for s, b in enumerate(held)}
     balanced = [[holder[held[s] - 1] if held[s] else None for held in blocks] for s in range(2)]
     assert _adjoint_gap(cp, 2, balanced, 8, 5, 3, seed=cp) < 1e-5
+    assert _adjoint_gap(cp, 2, balanced, 8, 5, 3, seed=cp, stacked=True) < 1e-5
     rng = np.random.default_rng(cp)
     for trial in range(6):
         slots = int(rng.integers(1, 4))
@@ -231,7 +245,7 @@ def test_send_back_is_the_transpose_of_receive(cp):
                    for _ in range(cp)] for _ in range(int(rng.integers(1, 4)))]
         wanted = [w if any(x is not None for x in w) else None for w in wanted]
         if any(w is not None for w in wanted):
-            assert _adjoint_gap(cp, slots, wanted, 6, 2, 3, seed=trial) < 1e-5, (trial, wanted)
+            assert _adjoint_gap(cp, slots, wanted, 6, 2, 3, seed=trial, stacked=trial % 2 == 1) < 1e-5, (trial, wanted)
 
 
 def test_transfers_merge_routes_whose_devices_send_and_receive_once():

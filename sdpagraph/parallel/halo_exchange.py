@@ -137,7 +137,7 @@ def receive(routes: Sequence[Route | None], axis: Any, kv: tuple[Any, Any]) -> l
     return pieces
 
 
-def send_back(routes: Sequence[Route | None], axis: Any, grads: Sequence[tuple[Any, Any] | None],
+def send_back(routes: Sequence[Route | None], axis: Any, grads: Sequence[Any],
               kv_grads: tuple[Any, Any]) -> tuple[Any, Any]:
     """`kv_grads` (this device's dk, dv) with the gradients of the pieces `receive` gave (`grads[i]`
     for route i, on the devices that read them: the pair (dk, dv), or both stacked (2, B, length,

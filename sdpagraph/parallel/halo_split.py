@@ -16,9 +16,10 @@ after the merge.
 
 `present` (traced bools, one per batch row or one for all; None: True) says whether a row's block
 has the halo at all: where it has none (the sequence's first block), the halo part still runs, on
-whatever keys arrived, and adds nothing (its logsumexp -inf forward, its dO zero backward). So every
-device runs the same two calls, where a `lax.switch` between "halo" and "no halo" made XLA copy the
-branch index to the host and wait for the device before each branch, on every step.
+whatever keys arrived, and adds nothing (its logsumexp -inf forward; +inf backward, so that
+P = exp(s - lse) = 0). So every device runs the same two calls, where a `lax.switch` between "halo"
+and "no halo" made XLA copy the branch index to the host and wait for the device before each
+branch, on every step.
 
 Only the block's first `rows` rows see the halo: the merge and dq's sum update those rows of the
 local call's results in place (`halo_exchange.replace_rows`). `exchanged_attention` runs all of a
@@ -94,7 +95,7 @@ def halo_first(halo_grads: Any, local_inputs: Any) -> tuple[Any, Any]:
     """Makes the local part's backward inputs wait for the halo part's gradients, so these can travel
     back (`send_back`) while the local part computes. Without it XLA put the local part first on 2
     H100s and a documents step took 5% longer; the halo part's calls on a second stream (XLA's stream
-    annotation) took 3-5% longer than with it (docs/results/h100-2026-11-27-thirteenth-session.md).
+    annotation) took 3-5% longer than on one (docs/results/h100-2026-11-27-thirteenth-session.md).
     A trace with it still showed their transfer back after the local part; forcing the transfer
     before the local part too was 1.8-3.3% slower there with documents (bench/probe_halo_in_place.py)."""
     return jax.lax.optimization_barrier((halo_grads, local_inputs))

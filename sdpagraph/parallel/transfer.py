@@ -30,6 +30,7 @@ def paired(a: Any, b: Any) -> Any:
 
 
 def permute_pair(pair: Any, axis: Any, pairs: list[tuple[int, int]]) -> tuple[Any, Any]:
-    """`jax.lax.ppermute` of two arrays as one transfer: a pair (`paired`), or both already stacked."""
-    moved = jax.lax.ppermute(paired(*pair) if isinstance(pair, tuple) else pair, axis, pairs)
+    """`jax.lax.ppermute` of two arrays as one transfer: a pair (`paired`), or both already stacked
+    (one array)."""
+    moved = jax.lax.ppermute(pair if hasattr(pair, "shape") else paired(*pair), axis, pairs)
     return moved[0], moved[1]
