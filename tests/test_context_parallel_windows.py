@@ -170,7 +170,7 @@ def test_the_halo_gradients_go_back_stacked_where_dk_and_dv_stack(cp, load_balan
                                                                    monkeypatch):
     """The halo part's backward writes dk and dv as one stacked result where they have one shape, which
     goes back as it is; values with a head dim of their own give them as a pair, sent back as such
-    (`halo_split._halo_backward`)."""
+    (`transfer.grads_to_send`)."""
     asked = []
 
     def recording(static, graph, operands, results):

@@ -160,9 +160,8 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
     ring_reason = ring_plan.cudnn_reason(spec, call.score_mod, call.inputs.python_mods)
     ring_on_xla = ring_reason is not None and implementation != registry.reference().name
     packed_graphs = not folds_segments(spec, call.score_mod)
-    whole = _global(spec, cp, manual)
-    strategy = choose_strategy(whole, cp, strategy, ring_on_xla, load_balanced, packed_graphs,
-                               halo_packed_graphs(call))
+    whole, halo_graphs = _global(spec, cp, manual), halo_packed_graphs(call)
+    strategy = choose_strategy(whole, cp, strategy, ring_on_xla, load_balanced, packed_graphs, halo_graphs)
     # The batch splits over the other mesh axes when they divide it. Inside a shard_map the prepared
     # spec already holds the local batch and sequence blocks: the global lengths are cp times those.
     others = () if manual else tuple(a for a in shape if a != axis)
@@ -196,7 +195,7 @@ def plan(call: PreparedCall, axis: Any, load_balanced: Any, strategy: Any, mesh:
     where = f"context parallel ({strategy} over {axis!r}, cp={cp})"
     reason = f"{where}: blocks run on cuDNN" if reason is None else f"{where}: blocks run on the XLA backend: {reason}"
     bound = whole.q_len // cp + 1  # the longest document the halo takes: one reaching back a block
-    if not load_balanced and _halo_with_hint(call, whole, cp, bound):
+    if not load_balanced and _halo_with_hint(whole, cp, bound, halo_graphs):
         reason += _HALO_HINT.format(bound=bound)
     if backend == registry.primary().name:  # the ring's cuDNN blocks may take a dense call as one document
         local = ring_spec
@@ -210,12 +209,11 @@ _HALO_HINT = ("; with max_seqlen_kv=<the longest document> (at most {bound}) the
               "load_balanced=False)")
 
 
-def _halo_with_hint(call: PreparedCall, whole: AttentionSpec, cp: int, bound: int) -> bool:
+def _halo_with_hint(whole: AttentionSpec, cp: int, bound: int, packed_graphs: bool) -> bool:
     """Whether packed documents in natural order that the halo refuses would run there with
-    `max_seqlen_kv=bound` (`whole`: the global spec)."""
+    `max_seqlen_kv=bound` (`whole`: the global spec; `packed_graphs`: `halo_packed_graphs`)."""
     if not whole.segments:
         return False
-    packed_graphs = halo_packed_graphs(call)
     hinted = dataclasses.replace(whole, max_seqlen_kv=bound)
     return (halo_layout.unsupported(whole, cp, False, packed_graphs) is not None
             and halo_layout.unsupported(hinted, cp, False, packed_graphs) is None)

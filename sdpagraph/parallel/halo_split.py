@@ -40,7 +40,7 @@ from sdpagraph.backends.softmax_merge import merge
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.parallel import halo_exchange
 from sdpagraph.parallel.halo_exchange import Route, replace_rows
-from sdpagraph.parallel.transfer import stackable
+from sdpagraph.parallel.transfer import grads_to_send
 from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.spec import AttentionSpec
 
@@ -118,8 +118,8 @@ def forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, ids=N
 
 def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out, lse, d_o,
              ids=None) -> tuple[Any, ...]:
-    """(dq, (dk, dv) of the block's own keys, dk and dv of the halo (`_halo_backward`: stacked or
-    the pair), d_sinks) given the FINAL output and logsumexp and the output's cotangent."""
+    """(dq, (dk, dv) of the block's own keys, dk and dv of the halo (`transfer.grads_to_send`:
+    stacked or the pair), d_sinks) given the FINAL output and logsumexp and the output's cotangent."""
     primary = registry.primary()
     local, halo = plan.statics()
     # The halo part first: its dk/dv can travel back (`send_back`) while the local part computes.
@@ -127,24 +127,14 @@ def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out,
     h_out, h_lse, h_do = out[:, :plan.rows], lse[..., :plan.rows], d_o[:, :plan.rows]
     if present is not None:  # an infinite logsumexp: P = exp(s - lse) = 0, no gradient from the halo part
         h_lse = jnp.where(_per_row(present, h_lse), h_lse, jnp.inf)
-    h_dq, h_dkv = _halo_backward(primary, halo, hq, hk, hv, _operands(halo, arrays, ids and ids.halo), h_out, h_lse,
-                                 h_do)
+    h_dq, h_dkv = grads_to_send(primary, halo, hq, hk, hv, _operands(halo, arrays, ids and ids.halo), h_out, h_lse,
+                                h_do, zero_unwritten=True)
     h_dkv, (q, local_kv, out, lse, d_o) = halo_first(h_dkv, (q, local_kv, out, lse, d_o))
     dq, dk, dv = primary.block_backward(local, q, *local_kv, _operands(local, arrays, ids and ids.local), out, lse,
                                         d_o, True)
     dq = replace_rows(dq, dq[:, :plan.rows].astype(jnp.float32) + h_dq.astype(jnp.float32), 0)
     d_sinks = None if sinks is None else sinks_mod.gradient(d_o, out, lse, sinks)
     return dq, (dk, dv), h_dkv, d_sinks
-
-
-def _halo_backward(primary: Any, static: Any, q, k, v, operands, out, lse, d_o) -> tuple[Any, Any]:
-    """(dq, the halo's dk and dv) of the halo part: dk and dv stacked (2, B, hl, K, H) as the graph
-    writes them where they stack, so their transfer back needs no stacking pass (`transfer.paired`);
-    else the pair (dk, dv)."""
-    if not stackable(k, v):
-        dq, dk, dv = primary.block_backward(static, q, k, v, operands, out, lse, d_o, True)
-        return dq, (dk, dv)
-    return primary.block_backward_stacked(static, q, k, v, operands, out, lse, d_o)
 
 
 def _no_gradient(tree: Any) -> Any:

@@ -48,7 +48,7 @@ from sdpagraph.backends.masking import TokenLayout
 from sdpagraph.backends.softmax_merge import merge
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.parallel import ring_documents
-from sdpagraph.parallel.transfer import paired, stackable
+from sdpagraph.parallel.transfer import grads_to_send, paired
 from sdpagraph.parallel.ring_plan import MASKED, SKIP, RingPlan, cudnn_static, pair_status, with_offsets
 
 # ----------------------------------------------------------------------------- one pair of chunks
@@ -297,15 +297,11 @@ def _step_backward(plan: RingPlan, arrays, q, kv, q_tok, kv_tok, o, lse, d_o, st
                    high: Any) -> tuple[Any, Any]:
     """(dq, (dk, dv) as one transfer takes them: `transfer.paired`) of the local queries against the
     key block visiting at `step`: one call over the whole blocks (`RingPlan.whole_steps`, in the io
-    dtype; its graph writes dk and dv stacked where they stack, so sending them on needs no stacking
-    pass) or the sum over pairs of chunks (fp32)."""
+    dtype; its graph writes dk and dv stacked where they stack: `transfer.grads_to_send`) or the sum
+    over pairs of chunks (fp32)."""
     if plan.whole_steps:
         static, aux = _step_call(plan, arrays, q_tok, kv_tok, step, me, high)
-        backend, o_io = registry.primary(), o.astype(q.dtype)
-        if not stackable(kv[0], kv[1]):
-            dq, dk, dv = backend.block_backward(static, q, kv[0], kv[1], aux, o_io, lse, d_o)
-            return dq, (dk, dv)
-        return backend.block_backward_stacked(static, q, kv[0], kv[1], aux, o_io, lse, d_o)
+        return grads_to_send(registry.primary(), static, q, kv[0], kv[1], aux, o.astype(q.dtype), lse, d_o)
     c = plan.chunks
     q_starts, kv_starts = plan.offsets(me, plan.q_chunk), plan.offsets((me - step) % plan.size, plan.kv_chunk)
     d_rows = jnp.swapaxes(jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1), 1, 2)  # (B, N, T)

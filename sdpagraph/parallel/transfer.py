@@ -29,6 +29,17 @@ def paired(a: Any, b: Any) -> Any:
     return jnp.concatenate([a.reshape(-1), b.reshape(-1)]).reshape((2, *a.shape))
 
 
+def grads_to_send(backend: Any, static: Any, q, k, v, operands, o, lse, d_o,
+                  zero_unwritten: bool = False) -> tuple[Any, Any]:
+    """(dq, dk and dv as one transfer takes them) of a block's backward on `backend`: the graph writes
+    dk and dv stacked (2, B, S, K, H) where they stack (`block_backward_stacked`), so sending them on
+    needs no stacking pass; else the pair (dk, dv), `paired` at the transfer."""
+    if not stackable(k, v):
+        dq, dk, dv = backend.block_backward(static, q, k, v, operands, o, lse, d_o, zero_unwritten)
+        return dq, (dk, dv)
+    return backend.block_backward_stacked(static, q, k, v, operands, o, lse, d_o)
+
+
 def permute_pair(pair: Any, axis: Any, pairs: list[tuple[int, int]]) -> tuple[Any, Any]:
     """`jax.lax.ppermute` of two arrays as one transfer: a pair (`paired`), or both already stacked
     (one array)."""
