@@ -220,14 +220,17 @@ def test_a_score_mod_turns_native_flags_into_a_typed_mod():
     assert dict((source, dtype) for _, source, dtype in lowering.pass_by_value)[("scalar", "cap")] == "float32"
     assert graph.tensors["scalar:cap"].attrs["is_pass_by_value"] is True
 
+    # softcap's division by the cap is cuDNN's attention scale (scoremod.scale_folding), computed from the cap at run time
+    assert options["attn_scale"] is graph.tensors["attn_scale"] and graph.tensors["attn_scale"].attrs["is_pass_by_value"]
     callback_graph = FakeGraph()
     out = options["score_mod"](callback_graph, FakeTensor("score"))
     ops = [op for op, _ in callback_graph.nodes]
-    assert ops[:3] == ["div", "tanh", "mul"] and ops[-1] == "binary_select"
+    assert ops[:2] == ["tanh", "mul"] and ops[-1] == "binary_select"
     assert not [op for op in ops if op.startswith("logical_")]  # masks chain selects (see scoremod.masks)
     # The window's int literals are INT32 pass-by-value tensors (cuDNN's tile skipping reads them as ints).
     assert {source: dtype for _, source, dtype in lowering.pass_by_value} == {
-        ("scalar", "cap"): "float32", ("const", 33): "int32", ("const", 4): "int32", ("const", float("-inf")): "float32"}
+        ("scalar", "cap"): "float32", ("const", 33): "int32", ("const", 4): "int32", ("const", float("-inf")): "float32",
+        ("attn_scale", (spec.scale, "cap", "div")): "float32"}
     assert graph.tensors["const:0"].attrs["data_type"] in (cudnn.data_type.INT32, cudnn.data_type.FLOAT)
     assert out.attrs["op"] == "binary_select" and out.attrs["inputs"]["mask"].attrs["data_type"] == cudnn.data_type.BOOLEAN
     for _, kwargs in callback_graph.nodes:  # every intermediate is typed (cuDNN declines untyped backward graphs)
@@ -240,9 +243,9 @@ def test_bprop_reuses_score_tensors_and_recomputes_position_masks():
     _, _, op, options = lower_fake(spec, softcap_ir(), "backward")
     assert op == "sdpa_backward"
     callback_graph = FakeGraph()
-    options["score_mod"](callback_graph, FakeTensor("score"))
+    score = FakeTensor("score")
+    options["score_mod"](callback_graph, score)
     forward_ops = len(callback_graph.nodes)
-    pre_tanh = next(t for t in callback_graph.results if t.attrs["op"] == "div")
     forward_compare = next(t for t in callback_graph.results if t.attrs["op"] == "cmp_ge")
     dscore = FakeTensor("dS")
     grad = options["score_mod_bprop"](callback_graph, dscore)
@@ -254,8 +257,8 @@ def test_bprop_reuses_score_tensors_and_recomputes_position_masks():
     select = next(kwargs for (op, kwargs), _ in bprop_nodes if op == "binary_select")
     assert select["mask"] is not forward_compare and select["mask"].attrs["op"] == "cmp_ge"
     tanh_backward = next(kw for (op, kw), _ in bprop_nodes if op == "tanh_backward")
-    assert tanh_backward["input"] is pre_tanh  # score-dependent forward tensors are reused
-    assert grad.attrs["op"] in ("mul", "div")
+    assert tanh_backward["input"] is score  # the pre-tanh value (the score: its division by the cap is the attention scale)
+    assert grad.attrs["op"] in ("mul", "div", "tanh_backward")
 
 
 def test_chunks_go_through_a_mod_even_without_a_score_mod():
@@ -347,7 +350,8 @@ def test_real_pygraph_accepts_the_description(direction, case):
     assert {lowering.uids[role] for role in lowering.result_roles} <= outputs
     if case == "jnp_mod":  # the softcap's literals are bound scalars, not baked constants
         sources = [source for _, source, _ in lowering.pass_by_value]
-        assert ("scalar", "captured_literal0") in sources and ("const", 30.0) not in sources
+        assert ("attn_scale", (spec.scale, "captured_literal0", "div")) in sources  # s / 30: the attention scale
+        assert ("scalar", "captured_literal1") in sources and ("const", 30.0) not in sources
 
 
 # ----------------------------------------------------------------------------- mod semantics on the CPU

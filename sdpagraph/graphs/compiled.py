@@ -11,8 +11,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
-# Bump when the meta layout below changes, so old cache entries are rejected clearly.
-META_VERSION = 1
+from sdpagraph.scoremod.scale_folding import folded_scale
+
+# Bump when the meta layout below changes, so old cache entries are rejected clearly. Version 2
+# added the "attn_scale" pass-by-value source; a version 1 entry never has it and still runs.
+META_VERSION = 2
+READABLE_META_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -25,9 +29,11 @@ class CompiledGraph:
     result_roles:   device outputs in FFI order
     uids:           role -> cuDNN tensor UID, for operands, results and pass-by-value tensors
     pass_by_value:  (uid, source, dtype) of each [1,1,1,1] host-bound tensor: source is
-                    ("scalar", name), bound from score_mod_tensors at run time, or
-                    ("const", value), a literal of the mod; dtype ("float32") is how the
-                    executor must encode the value
+                    ("scalar", name), bound from score_mod_tensors at run time,
+                    ("const", value), a literal of the mod, or ("attn_scale", (scale, name,
+                    op)), the attention scale `scale` divided ("div") or multiplied ("mul") by
+                    the scalar `name` at run time (`scoremod.scale_folding`); dtype
+                    ("float32") is how the executor must encode the value
     direction:      "forward", "inference" or "backward"
     versions:       {"cudnn", "frontend", "gpu"} the plan was built for
     build_time_s:   seconds the build took
@@ -59,15 +65,16 @@ class CompiledGraph:
 
     @classmethod
     def from_meta(cls, blob: bytes, meta: Mapping[str, Any]) -> "CompiledGraph":
-        if meta.get("meta_version") != META_VERSION:
-            raise ValueError(f"graph meta version {meta.get('meta_version')!r}, this sdpagraph reads {META_VERSION}")
+        if meta.get("meta_version") not in READABLE_META_VERSIONS:
+            raise ValueError(f"graph meta version {meta.get('meta_version')!r}, this sdpagraph reads "
+                             f"{READABLE_META_VERSIONS}")
         return cls(
             blob=bytes(blob),
             workspace_size=int(meta["workspace_size"]),
             operand_roles=tuple(meta["operand_roles"]),
             result_roles=tuple(meta["result_roles"]),
             uids={str(role): int(uid) for role, uid in meta["uids"].items()},
-            pass_by_value=tuple((int(uid), (str(kind), value), str(dtype))
+            pass_by_value=tuple((int(uid), (str(kind), tuple(value) if isinstance(value, list) else value), str(dtype))
                                 for uid, kind, value, dtype in meta["pass_by_value"]),
             direction=str(meta["direction"]),
             versions={str(k): str(v) for k, v in meta["versions"].items()},
@@ -78,9 +85,14 @@ class CompiledGraph:
         """uid -> typed host value of every pass-by-value tensor; scalars come from `scalars` by name."""
         values = {}
         for uid, (kind, source), dtype in self.pass_by_value:
-            if kind == "scalar" and source not in scalars:
-                raise KeyError(f"score_mod scalar {source!r} has no value; got {sorted(scalars)}")
-            values[uid] = np.dtype(dtype).type(scalars[source] if kind == "scalar" else source)
+            name = source if kind == "scalar" else source[1] if kind == "attn_scale" else None
+            if name is not None and name not in scalars:
+                raise KeyError(f"score_mod scalar {name!r} has no value; got {sorted(scalars)}")
+            if kind == "attn_scale":
+                value = folded_scale(source[0], scalars[name], source[2])
+            else:
+                value = scalars[source] if kind == "scalar" else source
+            values[uid] = np.dtype(dtype).type(value)
         return values
 
 

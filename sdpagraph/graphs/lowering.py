@@ -11,6 +11,10 @@ aligned diagonal). With a mod (a user score_mod, or a chunk size, which has no f
 cuDNN switches those flags off, so causal, window and chunk masks are lowered into the
 mod (`scoremod.masks`) and emitted after the user's IR (`graphs.mod_lowering`).
 
+A user mod that starts by scaling the score by a scalar or literal (softcap's `score / cap`)
+starts from the score instead, its factor moved into cuDNN's attention scale
+(`scoremod.scale_folding`): a float for a literal, a pass-by-value tensor for a scalar.
+
 A boolean mask has no flag: it reaches the graph as (part of) the additive bias operand
 (`operands.bias_operand_shape`; the JAX side fills in a large negative value where the
 mask says no). cuDNN adds the bias after the score_mod, so a mod cannot undo the mask.
@@ -35,14 +39,17 @@ from typing import Any
 from sdpagraph.errors import Unsupported
 from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.scoremod.masks import mask_ir, needs_mod, segment_arrays, segment_ir
+from sdpagraph.scoremod.scale_folding import fold_leading_scale
 from sdpagraph.graphs.mod_lowering import (
     ModEmitter,
     ModStage,
+    attention_scale,
     cudnn_type_map,
     pass_by_value_plan,
 )
 from sdpagraph.graphs.operands import (
     ARRAY_PREFIX,
+    ATTN_SCALE,
     DROPOUT,
     FP8_AMAX,
     FP8_BACKWARD_AMAX,
@@ -95,8 +102,12 @@ def lower(graph: Any, spec: AttentionSpec, ir: ScoreModIR | None, direction: str
     _check_lowerable(spec, ir, direction)
     operands, results = graph_io(spec, ir, direction)
     descs = describe(spec, ir, direction)
-    stages = mod_stages(spec, ir)
+    fold = fold_leading_scale(ir) if ir is not None else None
+    stages = mod_stages(spec, fold.ir if fold is not None else ir)
     plan = pass_by_value_plan(stages, direction)
+    scale, scale_tensor = attention_scale(spec.scale, fold)
+    if scale_tensor is not None:
+        plan.append(scale_tensor)
     uids = uid_map(operands + results + tuple(entry.role for entry in plan))
     types = _storage_types(spec, cudnn)
 
@@ -111,7 +122,7 @@ def lower(graph: Any, spec: AttentionSpec, ir: ScoreModIR | None, direction: str
                                            data_type=types[entry.dtype], is_pass_by_value=True,
                                            uid=uids[entry.role])
     emitter = ModEmitter(stages, plan, tensors, cudnn_type_map(cudnn)) if stages else None
-    options = _sdpa_options(spec, tensors, emitter, direction, cudnn)
+    options = _sdpa_options(spec, tensors, emitter, direction, cudnn, tensors.get(ATTN_SCALE, scale))
 
     if spec.is_fp8 and direction == "backward":
         scales = {role: tensors[role] for role in FP8_BACKWARD_SCALES}
@@ -160,8 +171,8 @@ def mod_stages(spec: AttentionSpec, ir: ScoreModIR | None) -> list[ModStage]:
 
 
 def _sdpa_options(spec: AttentionSpec, tensors: dict[str, Any], emitter: ModEmitter | None, direction: str,
-                  cudnn: Any) -> dict[str, Any]:
-    options: dict[str, Any] = {"attn_scale": spec.scale}
+                  cudnn: Any, attn_scale: Any) -> dict[str, Any]:
+    options: dict[str, Any] = {"attn_scale": attn_scale}
     if "bias" in tensors:
         options["bias"] = tensors["bias"]
     if SINK_TOKEN in tensors:

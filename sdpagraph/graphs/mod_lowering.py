@@ -29,7 +29,8 @@ from typing import Any, Mapping
 
 from sdpagraph.errors import Unsupported
 from sdpagraph.scoremod.ir import BOOL, FLOAT, INT, OP_PARAMS, ScoreModIR
-from sdpagraph.graphs.operands import CONST_PREFIX, SCALAR_PREFIX
+from sdpagraph.scoremod.scale_folding import LeadingScale, folded_scale
+from sdpagraph.graphs.operands import ATTN_SCALE, CONST_PREFIX, SCALAR_PREFIX
 
 BOUND_LEAVES = ("score", "dscore")
 
@@ -86,6 +87,18 @@ def pass_by_value_plan(stages: list[ModStage], direction: str) -> list[PassByVal
                 roles.add(entry.role)
                 plan.append(entry)
     return plan
+
+
+def attention_scale(scale: float, fold: LeadingScale | None) -> tuple[float, PassByValue | None]:
+    """cuDNN's attn_scale for a mod whose leading scaling was folded into it (`fold`): a float for a
+    literal factor; for a scalar, a pass-by-value tensor the executor computes from the scalar's
+    value at run time (so the graph serves every value). Without a fold, the spec's scale."""
+    if fold is None:
+        return scale, None
+    kind, value = fold.factor
+    if kind == "const":
+        return folded_scale(scale, value, fold.op), None
+    return scale, PassByValue(ATTN_SCALE, ("attn_scale", (scale, value, fold.op)))
 
 
 def _literal(node) -> tuple[tuple[str, Any], str]:

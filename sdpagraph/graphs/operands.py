@@ -37,6 +37,7 @@ from sdpagraph.spec import DIRECTIONS, AttentionSpec
 ARRAY_PREFIX = "array:"
 SCALAR_PREFIX = "scalar:"
 CONST_PREFIX = "const:"
+ATTN_SCALE = "attn_scale"  # cuDNN's attention scale as a pass-by-value tensor (a folded mod's, `scoremod.scale_folding`)
 # dK and dV as one (2, *dk.shape) result of a backward call, both written by the graph into it
 # (`backends.cudnn.execute.Static.kv_grads_stacked`); not a graph role: the executor binds the two
 # tensors at its two halves.

@@ -187,6 +187,10 @@ class RecordingGraph:
     def leaf(self, op: str, attrs: tuple = (), dtype: str = FLOAT, name: str | None = None) -> ModTensor:
         return ModTensor(self, self._emit(Node(op, (), attrs, dtype), leaf_name=name))
 
+    def append(self, op: str, args: tuple[int, ...], attrs: tuple, dtype: str, leaf_name: str | None = None) -> int:
+        """Append a node of a given type (a leaf named `leaf_name`): replaying an IR's nodes."""
+        return self._emit(Node(op, args, attrs, dtype), leaf_name=leaf_name)
+
     def emit(self, op: str, args: tuple[int, ...], attrs: tuple = ()) -> int:
         """Append an op over existing node indices (used by the differentiator)."""
         types = tuple(self._nodes[a].dtype for a in args)

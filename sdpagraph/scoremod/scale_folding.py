@@ -1,0 +1,117 @@
+"""A score_mod whose first step scales the score, rewritten so that cuDNN's attention scale does it.
+
+cuDNN multiplies Q·Kᵀ by its attention scale and hands the result to the score_mod. A mod that
+starts by dividing (or multiplying) that score by a scalar or a literal — softcap's
+`cap * tanh(score / cap)` does — spends a pointwise op per score on it, and its derived bprop
+another; on an H100 that division is most of softcap's cost over plain causal attention. The same
+value comes out when the attention scale is divided by the factor and the mod starts from the
+score itself:
+
+    fold_leading_scale(ir) -> LeadingScale(ir without that step, the factor, "div" or "mul") | None
+
+The factor stays a run-time value: a scalar's attention scale is computed from the scalar when
+the graph runs (`graphs.compiled`), so one graph still serves every softcap value. The gradient
+is unchanged too: cuDNN's backward multiplies the bprop's result by the attention scale it ran
+with, and the bprop is derived again for the shorter mod.
+
+A mod keeps its form (None) when the score has another use, the factor is a device array (a
+traced value) or the mod has a user-given bprop, which names the score as the user wrote it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sdpagraph.scoremod.ir import FLOAT, INT, ScoreModError, ScoreModIR
+from sdpagraph.scoremod.ir_grad import derive_bprop
+from sdpagraph.scoremod.recording import RecordingGraph
+
+
+@dataclass(frozen=True)
+class LeadingScale:
+    """`ir` is the mod after its leading `score <op> factor`.
+
+    factor: ("scalar", name), bound at run time, or ("const", value)
+    op:     "div" (the score was divided by the factor) or "mul"
+    """
+
+    ir: ScoreModIR
+    factor: tuple[str, Any]
+    op: str
+
+
+def folded_scale(attn_scale: float, factor: Any, op: str) -> float:
+    """The attention scale that makes a folded mod equal the original: `attn_scale / factor` ("div")
+    or `attn_scale * factor` ("mul"), in IEEE arithmetic (a zero factor divides to inf, as the mod's
+    own division would have)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale, value = np.float64(attn_scale), np.float64(factor)
+        return float(scale / value if op == "div" else scale * value)
+
+
+def fold_leading_scale(ir: ScoreModIR) -> LeadingScale | None:
+    """`ir` with its leading scaling moved into the attention scale, or None (see the module doc)."""
+    if ir.user_bprop:
+        return None
+    forward = ir.forward_nodes()
+    scores = [i for i in forward if ir.nodes[i].op == "score"]
+    if len(scores) != 1 or ir.output == scores[0]:
+        return None
+    score = scores[0]
+    users = [i for i in forward if score in ir.nodes[i].args]
+    if len(users) != 1 or users[0] == ir.output:
+        return None
+    step = _scaling(ir, users[0], score)
+    if step is None:
+        return None
+    factor, op = step
+    try:
+        folded = _without(ir, forward, users[0], score)
+    except ScoreModError:  # the shorter mod has no derivable bprop: keep the original
+        return None
+    return LeadingScale(folded, factor, op)
+
+
+def _scaling(ir: ScoreModIR, index: int, score: int) -> tuple[tuple[str, Any], str] | None:
+    """(factor, op) when node `index` is `score / factor`, `score * factor` or `factor * score`."""
+    node = ir.nodes[index]
+    if node.op == "div" and node.args[0] == score and node.args[1] != score:
+        other = node.args[1]
+    elif node.op == "mul" and score in node.args and node.args != (score, score):
+        other = node.args[1] if node.args[0] == score else node.args[0]
+    else:
+        return None
+    leaf = ir.nodes[other]
+    if node.dtype != FLOAT:
+        return None
+    if leaf.op == "scalar" and leaf.dtype == FLOAT:
+        return ("scalar", ir.scalar_names[leaf.attr("slot")]), node.op
+    if leaf.op == "const" and leaf.dtype in (FLOAT, INT) and math.isfinite(leaf.attr("value")) and leaf.attr("value"):
+        return ("const", float(leaf.attr("value"))), node.op
+    return None
+
+
+def _without(ir: ScoreModIR, forward: set[int], step: int, score: int) -> ScoreModIR:
+    """The forward of `ir` with node `step` replaced by the score, and its bprop derived again."""
+    graph = RecordingGraph()
+    remap: dict[int, int] = {}
+    for index in sorted(forward):
+        node = ir.nodes[index]
+        if index == step:
+            remap[index] = remap[score]
+            continue
+        name = None
+        if node.op == "scalar":
+            name = ir.scalar_names[node.attr("slot")]
+        elif node.op == "array":
+            name = ir.array_names[node.attr("slot")]
+        remap[index] = graph.append(node.op, tuple(remap[a] for a in node.args), node.attrs, node.dtype, name)
+    output = remap[ir.output]
+    if ir.grad_output is None:
+        return graph.to_ir(output, None)
+    folded = graph.to_ir(output, derive_bprop(graph, output, remap[score]))
+    return ScoreModIR(folded.nodes, folded.output, folded.grad_output, folded.scalar_names, folded.array_names,
+                      grad_derived=True)
