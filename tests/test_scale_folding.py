@@ -33,6 +33,9 @@ FOLDING = {
                                                           temp=0.37),
     "literal divisor": lambda: graph_mod(lambda g, s, t: g.tanh(input=s / 8.0) + s / 8.0),
     "literal multiplier, int": lambda: graph_mod(lambda g, s, t: g.exp(input=s * 2) - 1.0),
+    "softcap, then a distance bias from positions of the score": lambda: graph_mod(
+        lambda g, s, t: g.tanh(input=s / t["cap"]) * t["cap"]
+        + (g.gen_index(input=s, axis=3) - g.gen_index(input=s, axis=2)) * 0.25, cap=17.0),
 }
 
 

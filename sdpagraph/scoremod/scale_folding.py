@@ -1,11 +1,10 @@
 """A score_mod whose first step scales the score, rewritten so that cuDNN's attention scale does it.
 
 cuDNN multiplies Q·Kᵀ by its attention scale and hands the result to the score_mod. A mod that
-starts by dividing (or multiplying) that score by a scalar or a literal — softcap's
-`cap * tanh(score / cap)` does — spends a pointwise op per score on it, and its derived bprop
-another; on an H100 that division is most of softcap's cost over plain causal attention. The same
-value comes out when the attention scale is divided by the factor and the mod starts from the
-score itself:
+starts by dividing (or multiplying) that score by a scalar or a literal, as softcap's
+`cap * tanh(score / cap)` does, spends a pointwise op per score on it, and its derived bprop
+another (softcap+causal ran 2-4% slower for it on an H100). The same value comes out when the
+attention scale is divided by the factor and the mod starts from the score itself:
 
     fold_leading_scale(ir) -> LeadingScale(ir without that step, the factor, "div" or "mul") | None
 
@@ -14,8 +13,9 @@ the graph runs (`graphs.compiled`), so one graph still serves every softcap valu
 is unchanged too: cuDNN's backward multiplies the bprop's result by the attention scale it ran
 with, and the bprop is derived again for the shorter mod.
 
-A mod keeps its form (None) when the score has another use, the factor is a device array (a
-traced value) or the mod has a user-given bprop, which names the score as the user wrote it.
+A mod keeps its form (None) when the score has another use (positions, `gen_index`, read only its
+shape and may stay), the factor is a device array (a traced value) or the mod has a user-given
+bprop, which names the score as the user wrote it.
 """
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def fold_leading_scale(ir: ScoreModIR) -> LeadingScale | None:
     if len(scores) != 1 or ir.output == scores[0]:
         return None
     score = scores[0]
-    users = [i for i in forward if score in ir.nodes[i].args]
+    # gen_index reads only the score's shape, which the fold keeps
+    users = [i for i in forward if score in ir.nodes[i].args and ir.nodes[i].op != "gen_index"]
     if len(users) != 1 or users[0] == ir.output:
         return None
     step = _scaling(ir, users[0], score)
