@@ -6,7 +6,8 @@
 The builder only compiles: keys and get-or-build live in the cache layer (`graph_store`),
 which composes a graph's key from `graph_identity` and the `BuildEnvironment`. The IR text
 is "lowering<N>:" + `ir.forward_digest` for forward and inference graphs (they never run the
-bprop) and `ir.digest` for backward ("none" without a mod), N being LOWERING_VERSION. A
+bprop) and `ir.digest` for backward ("none" without a mod), N being LOWERING_VERSION, then
+SCALE_FOLDED where the mod's leading scaling is folded into the attention scale. A
 graph is built with heuristics [A, FALLBACK] and only a cuDNN backend plan is kept (a
 Python-engine plan cannot run from C++).
 
@@ -63,6 +64,7 @@ from typing import Any
 from sdpagraph.errors import SdpagraphError
 from sdpagraph.graphs.compiled import CompiledGraph
 from sdpagraph.scoremod.ir import ScoreModIR
+from sdpagraph.scoremod.scale_folding import folds_leading_scale
 from sdpagraph.graphs.lowering import lower, new_graph
 from sdpagraph.graphs.operands import graph_spec
 from sdpagraph.spec import AttentionSpec
@@ -74,6 +76,9 @@ NO_MOD = "none"
 # by an older sdpagraph miss instead of serving the old graph. 2: masks in cuDNN's operand
 # order, re-emitted in the bprop, int literals as INT32 (2026-11-22).
 LOWERING_VERSION = 2
+# Marks the IR text of a graph whose mod's leading scaling is cuDNN's attention scale
+# (`scoremod.scale_folding`): caches built before that fold miss for those graphs only.
+SCALE_FOLDED = "+scale-folded"
 CUDNN_SONAME = "libcudnn.so.9"  # the executor binds the same library (ffi/csrc/cudnn_library.cc)
 FRONTEND_DISTRIBUTION = "nvidia-cudnn-frontend"
 
@@ -148,6 +153,8 @@ def graph_identity(spec: AttentionSpec, ir: ScoreModIR | None, direction: str) -
         ir_hash = NO_MOD
     else:
         ir_hash = ir.digest if direction == "backward" else ir.forward_digest
+        if folds_leading_scale(ir, direction):
+            ir_hash += SCALE_FOLDED
     spec = graph_spec(spec, ir)
     if direction != "backward":  # the deterministic algorithm is the backward's: one forward graph serves both
         spec = dataclasses.replace(spec, deterministic=False)

@@ -13,10 +13,8 @@ import numpy as np
 
 from sdpagraph.scoremod.scale_folding import folded_scale
 
-# Bump when the meta layout below changes, so old cache entries are rejected clearly. Version 2
-# added the "attn_scale" pass-by-value source; a version 1 entry never has it and still runs.
-META_VERSION = 2
-READABLE_META_VERSIONS = (1, 2)
+# Bump when the meta layout below changes, so old cache entries are rejected clearly.
+META_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -65,9 +63,8 @@ class CompiledGraph:
 
     @classmethod
     def from_meta(cls, blob: bytes, meta: Mapping[str, Any]) -> "CompiledGraph":
-        if meta.get("meta_version") not in READABLE_META_VERSIONS:
-            raise ValueError(f"graph meta version {meta.get('meta_version')!r}, this sdpagraph reads "
-                             f"{READABLE_META_VERSIONS}")
+        if meta.get("meta_version") != META_VERSION:
+            raise ValueError(f"graph meta version {meta.get('meta_version')!r}, this sdpagraph reads {META_VERSION}")
         return cls(
             blob=bytes(blob),
             workspace_size=int(meta["workspace_size"]),

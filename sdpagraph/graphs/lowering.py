@@ -102,7 +102,7 @@ def lower(graph: Any, spec: AttentionSpec, ir: ScoreModIR | None, direction: str
     _check_lowerable(spec, ir, direction)
     operands, results = graph_io(spec, ir, direction)
     descs = describe(spec, ir, direction)
-    fold = fold_leading_scale(ir) if ir is not None else None
+    fold = fold_leading_scale(ir, direction) if ir is not None else None
     stages = mod_stages(spec, fold.ir if fold is not None else ir)
     plan = pass_by_value_plan(stages, direction)
     scale, scale_tensor = attention_scale(spec.scale, fold)

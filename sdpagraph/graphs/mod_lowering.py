@@ -45,7 +45,9 @@ class ModStage:
 
 @dataclass(frozen=True)
 class PassByValue:
-    """A [1,1,1,1] host-bound tensor: ("scalar", name) bound at run time, or ("const", value) baked.
+    """A [1,1,1,1] host-bound tensor: ("scalar", name) bound at run time, ("const", value) baked, or
+    ("attn_scale", (scale, name, op)), cuDNN's attention scale computed from the scalar `name` at run
+    time (`attention_scale`).
 
     `dtype` is its storage: "float32", or "int32" for int literals.
     """

@@ -6,7 +6,8 @@ starts by dividing (or multiplying) that score by a scalar or a literal, as soft
 another (softcap+causal ran 2-4% slower for it on an H100). The same value comes out when the
 attention scale is divided by the factor and the mod starts from the score itself:
 
-    fold_leading_scale(ir) -> LeadingScale(ir without that step, the factor, "div" or "mul") | None
+    fold_leading_scale(ir, direction) -> LeadingScale(ir without that step, the factor, "div" or "mul") | None
+    folds_leading_scale(ir, direction) -> bool                    (the graph key's mark, `graphs.builder`)
 
 The factor stays a run-time value: a scalar's attention scale is computed from the scalar when
 the graph runs (`graphs.compiled`), so one graph still serves every softcap value. The gradient
@@ -14,8 +15,8 @@ is unchanged too: cuDNN's backward multiplies the bprop's result by the attentio
 with, and the bprop is derived again for the shorter mod.
 
 A mod keeps its form (None) when the score has another use (positions, `gen_index`, read only its
-shape and may stay), the factor is a device array (a traced value) or the mod has a user-given
-bprop, which names the score as the user wrote it.
+shape and may stay) or the factor is a device array (a traced value); a backward graph keeps it
+too where the user gave the bprop, which names the score as the user wrote it.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from sdpagraph.scoremod.ir import FLOAT, INT, ScoreModError, ScoreModIR
+from sdpagraph.scoremod.ir import FLOAT, INT, ScoreModIR
 from sdpagraph.scoremod.ir_grad import derive_bprop
 from sdpagraph.scoremod.recording import RecordingGraph
 
@@ -52,9 +53,26 @@ def folded_scale(attn_scale: float, factor: Any, op: str) -> float:
         return float(scale / value if op == "div" else scale * value)
 
 
-def fold_leading_scale(ir: ScoreModIR) -> LeadingScale | None:
-    """`ir` with its leading scaling moved into the attention scale, or None (see the module doc)."""
-    if ir.user_bprop:
+def fold_leading_scale(ir: ScoreModIR, direction: str) -> LeadingScale | None:
+    """`ir` with its leading scaling moved into the attention scale, for a graph of `direction`
+    ("forward", "inference" or "backward"), or None (see the module doc). Forward and inference
+    graphs get the forward part alone (they never run the bprop); a backward graph gets the bprop
+    derived again, and none where the user gave it."""
+    found = _leading_step(ir, direction)
+    if found is None:
+        return None
+    step, score, factor, op = found
+    return LeadingScale(_without(ir, step, score, bprop=direction == "backward"), factor, op)
+
+
+def folds_leading_scale(ir: ScoreModIR | None, direction: str) -> bool:
+    """Whether `fold_leading_scale` rewrites `ir` for a `direction` graph (cheap: no rewriting)."""
+    return ir is not None and _leading_step(ir, direction) is not None
+
+
+def _leading_step(ir: ScoreModIR, direction: str) -> tuple[int, int, tuple[str, Any], str] | None:
+    """(step node, score node, factor, op) of the mod's leading scaling, or None."""
+    if direction == "backward" and ir.user_bprop:
         return None
     forward = ir.forward_nodes()
     scores = [i for i in forward if ir.nodes[i].op == "score"]
@@ -65,15 +83,8 @@ def fold_leading_scale(ir: ScoreModIR) -> LeadingScale | None:
     users = [i for i in forward if score in ir.nodes[i].args and ir.nodes[i].op != "gen_index"]
     if len(users) != 1 or users[0] == ir.output:
         return None
-    step = _scaling(ir, users[0], score)
-    if step is None:
-        return None
-    factor, op = step
-    try:
-        folded = _without(ir, forward, users[0], score)
-    except ScoreModError:  # the shorter mod has no derivable bprop: keep the original
-        return None
-    return LeadingScale(folded, factor, op)
+    scaling = _scaling(ir, users[0], score)
+    return None if scaling is None else (users[0], score, *scaling)
 
 
 def _scaling(ir: ScoreModIR, index: int, score: int) -> tuple[tuple[str, Any], str] | None:
@@ -95,11 +106,13 @@ def _scaling(ir: ScoreModIR, index: int, score: int) -> tuple[tuple[str, Any], s
     return None
 
 
-def _without(ir: ScoreModIR, forward: set[int], step: int, score: int) -> ScoreModIR:
-    """The forward of `ir` with node `step` replaced by the score, and its bprop derived again."""
+def _without(ir: ScoreModIR, step: int, score: int, bprop: bool) -> ScoreModIR:
+    """The forward of `ir` with node `step` replaced by the score; with `bprop` (and a bprop in
+    `ir`), its bprop derived again. The original's bprop was derived over these same ops, so this
+    one derives too."""
     graph = RecordingGraph()
     remap: dict[int, int] = {}
-    for index in sorted(forward):
+    for index in sorted(ir.forward_nodes()):
         node = ir.nodes[index]
         if index == step:
             remap[index] = remap[score]
@@ -111,7 +124,7 @@ def _without(ir: ScoreModIR, forward: set[int], step: int, score: int) -> ScoreM
             name = ir.array_names[node.attr("slot")]
         remap[index] = graph.append(node.op, tuple(remap[a] for a in node.args), node.attrs, node.dtype, name)
     output = remap[ir.output]
-    if ir.grad_output is None:
+    if not bprop or ir.grad_output is None:
         return graph.to_ir(output, None)
     folded = graph.to_ir(output, derive_bprop(graph, output, remap[score]))
     return ScoreModIR(folded.nodes, folded.output, folded.grad_output, folded.scalar_names, folded.array_names,
