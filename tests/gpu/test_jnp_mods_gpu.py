@@ -38,6 +38,17 @@ def loss_and_grads(impl, q, k, v, do, kwargs):
     return out, grads
 
 
+def assert_cudnn_matches_xla(q, k, v, do, kwargs, label, report):
+    """The call runs on cuDNN (check_support says so), and its output and gradients match the XLA backend's."""
+    support = sdpagraph.check_support(q, k, v, **kwargs)
+    assert support.supported and support.backend == "cudnn", support.reason
+    out, grads = loss_and_grads("cudnn", q, k, v, do, kwargs)
+    out_ref, grads_ref = loss_and_grads("xla", q, k, v, do, kwargs)
+    errors = [rel_err(out, out_ref)] + [rel_err(a, b) for a, b in zip(grads, grads_ref)]
+    report(f"{label}: rel err out {errors[0]:.1e} dq {errors[1]:.1e} dk {errors[2]:.1e} dv {errors[3]:.1e}")
+    assert all(np.isfinite(errors)) and max(errors) < 2e-2, errors
+
+
 def random_qkvdo(rng, B, T, N, K, H, dtype=jnp.bfloat16):
     return tuple(jnp.asarray(rng.standard_normal(shape), dtype)
                  for shape in ((B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)))
@@ -50,14 +61,7 @@ def test_jnp_mod_runs_on_cudnn_and_matches_xla(name, heads, report):
     B, T, H = 2, 384, 128
     N, K = heads
     q, k, v, do = random_qkvdo(rng, B, T, N, K, H)
-    kwargs = jnp_case(name, rng, N)
-    support = sdpagraph.check_support(q, k, v, **kwargs)
-    assert support.supported and support.backend == "cudnn", support.reason
-    out, grads = loss_and_grads("cudnn", q, k, v, do, kwargs)
-    out_ref, grads_ref = loss_and_grads("xla", q, k, v, do, kwargs)
-    errors = [rel_err(out, out_ref)] + [rel_err(a, b) for a, b in zip(grads, grads_ref)]
-    report(f"jnp {name:<16} {heads}: rel err out {errors[0]:.1e} dq {errors[1]:.1e} dk {errors[2]:.1e} dv {errors[3]:.1e}")
-    assert all(np.isfinite(errors)) and max(errors) < 2e-2, errors
+    assert_cudnn_matches_xla(q, k, v, do, jnp_case(name, rng, N), f"jnp {name:<16} {heads}", report)
 
 
 def test_causal_mask_mod_builds_the_native_causal_graph(private_cache):

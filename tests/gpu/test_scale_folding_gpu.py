@@ -8,11 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import sdpagraph
 from sdpagraph import mods
 
-from tests.gpu.test_jnp_mods_gpu import loss_and_grads, random_qkvdo
-from tests.reference import rel_err
+from tests.gpu.test_jnp_mods_gpu import assert_cudnn_matches_xla, random_qkvdo
 
 pytestmark = pytest.mark.usefixtures("private_cache")
 
@@ -35,11 +33,4 @@ def test_a_folded_mod_matches_xla(name, report):
     rng = np.random.default_rng()
     q, k, v, do = random_qkvdo(rng, 2, 384, 8, 2, 128)
     q = q * 4  # scores past the tanh's linear part
-    kwargs = CASES[name]
-    support = sdpagraph.check_support(q, k, v, **kwargs)
-    assert support.supported and support.backend == "cudnn", support.reason
-    out, grads = loss_and_grads("cudnn", q, k, v, do, kwargs)
-    out_ref, grads_ref = loss_and_grads("xla", q, k, v, do, kwargs)
-    errors = [rel_err(out, out_ref)] + [rel_err(a, b) for a, b in zip(grads, grads_ref)]
-    report(f"folded {name:<22}: rel err out {errors[0]:.1e} dq {errors[1]:.1e} dk {errors[2]:.1e} dv {errors[3]:.1e}")
-    assert all(np.isfinite(errors)) and max(errors) < 2e-2, errors
+    assert_cudnn_matches_xla(q, k, v, do, CASES[name], f"folded {name:<22}", report)
