@@ -82,13 +82,13 @@ class CompiledGraph:
         """uid -> typed host value of every pass-by-value tensor; scalars come from `scalars` by name."""
         values = {}
         for uid, (kind, source), dtype in self.pass_by_value:
-            name = source if kind == "scalar" else source[1] if kind == "attn_scale" else None
-            if name is not None and name not in scalars:
+            if kind == "const":
+                values[uid] = np.dtype(dtype).type(source)
+                continue
+            name = source if kind == "scalar" else source[1]  # "attn_scale": (scale, name, op)
+            if name not in scalars:
                 raise KeyError(f"score_mod scalar {name!r} has no value; got {sorted(scalars)}")
-            if kind == "attn_scale":
-                value = folded_scale(source[0], scalars[name], source[2])
-            else:
-                value = scalars[source] if kind == "scalar" else source
+            value = scalars[name] if kind == "scalar" else folded_scale(source[0], scalars[name], source[2])
             values[uid] = np.dtype(dtype).type(value)
         return values
 

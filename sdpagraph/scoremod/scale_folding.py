@@ -90,6 +90,8 @@ def _leading_step(ir: ScoreModIR, direction: str) -> tuple[int, int, tuple[str, 
 def _scaling(ir: ScoreModIR, index: int, score: int) -> tuple[tuple[str, Any], str] | None:
     """(factor, op) when node `index` is `score / factor`, `score * factor` or `factor * score`."""
     node = ir.nodes[index]
+    if node.dtype != FLOAT:
+        return None
     if node.op == "div" and node.args[0] == score and node.args[1] != score:
         other = node.args[1]
     elif node.op == "mul" and score in node.args and node.args != (score, score):
@@ -97,8 +99,6 @@ def _scaling(ir: ScoreModIR, index: int, score: int) -> tuple[tuple[str, Any], s
     else:
         return None
     leaf = ir.nodes[other]
-    if node.dtype != FLOAT:
-        return None
     if leaf.op == "scalar" and leaf.dtype == FLOAT:
         return ("scalar", ir.scalar_names[leaf.attr("slot")]), node.op
     if leaf.op == "const" and leaf.dtype in (FLOAT, INT) and math.isfinite(leaf.attr("value")) and leaf.attr("value"):
