@@ -136,8 +136,9 @@ def measure_jax(attn, t, timer, cpu, iterations, mark=lambda timing: None):
                                                  gap=not cpu)
         mark(None)
     if bwd_args is None:  # the backward as the difference of fwd+bwd and fwd (loop only)
-        loss = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) * do), argnums=(0, 1, 2)))
-        both = time_ms(loss, q, kk, v, repeats=repeats_for(3.5 * out["fwd_loop_ms"]), rounds=3)
+        loss = jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(attn(q, k, v).astype(jnp.float32) * do),
+                                argnums=(0, 1, 2)))  # dO an argument too, as a training step's
+        both = time_ms(loss, q, kk, v, do, repeats=repeats_for(3.5 * out["fwd_loop_ms"]), rounds=3)
         out["bwd_loop_ms"] = both - out["fwd_loop_ms"]
         out["bwd_note"] = "fwd+bwd minus fwd"
     return out
