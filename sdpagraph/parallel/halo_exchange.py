@@ -15,7 +15,8 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from sdpagraph.parallel.transfer import permute_pair
+from sdpagraph.parallel.row_updates import add_rows
+from sdpagraph.parallel.transfer import permute_pair, permute_stacked
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def send_back(routes: Sequence[Route | None], axis: Any, grads: Sequence[Any],
     for index, r in enumerate(routes):
         for source, (slots, pairs) in enumerate(() if r is None else r.sources):
             if not pairs:  # a slice of the device's own other block
-                kv_grads = tuple(add_rows(x, g, _start(r, slots, me)) for x, g in zip(kv_grads, kept(index, source)))
+                kv_grads = add_rows(kv_grads, kept(index, source), _start(r, slots, me))
     for t in transfers(routes):
         # The piece a transfer brings a device is every one of its routes' candidate (`receive`): the
         # device sends back the sum of their gradients where they chose it (one, where it received;
@@ -163,27 +164,6 @@ def send_back(routes: Sequence[Route | None], axis: Any, grads: Sequence[Any],
         takes = sorted({take for take in t.takes if take is not None})
         back = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), (kept(*take) for take in takes))
         # devices that sent nothing in this transfer receive zeros and add them
-        moved = permute_pair(back, axis, [(receiver, sender) for sender, receiver in t.pairs])
-        kv_grads = tuple(add_rows(x, g, _start(shape, t.slots, me)) for x, g in zip(kv_grads, moved))
+        moved = permute_stacked(back, axis, [(receiver, sender) for sender, receiver in t.pairs])
+        kv_grads = add_rows(kv_grads, moved, _start(shape, t.slots, me))
     return kv_grads
-
-
-def replace_rows(x: Any, rows: Any, start: Any, axis: int = 1) -> Any:
-    """`x` with its `rows.shape[axis]` tokens from `start` along `axis` replaced by `rows`, in place.
-    The optimization barrier keeps XLA 0.11 on GPUs from fusing the update with the call that
-    produced `rows` or `x` (with the update straight after a merge it reported a cycle in a
-    dynamic-slice fusion on 2 H100s; fused with a graph call it failed to compile, "DynamicSliceFusion:
-    DUS target must be a fusion parameter"); a concatenation instead copies the whole block."""
-    x, rows = jax.lax.optimization_barrier((x, rows.astype(x.dtype)))
-    return jax.lax.dynamic_update_slice_in_dim(x, rows, start, axis=axis)
-
-
-def add_rows(x: Any, rows: Any, start: Any) -> Any:
-    """`x` with `rows` added to its tokens from `start` (axis 1), in place: the sum of the rows is
-    computed apart, then written (`replace_rows`). XLA's GPU emitter writes a dynamic-update-slice in
-    place only where nothing else in its fusion reads the block, so the read of those rows and the
-    write must not fuse: as one scatter-add (or slice, add and update) it copied the whole block, 0.2
-    ms for a T65536 block on an H100."""
-    x, rows = jax.lax.optimization_barrier((x, rows))
-    summed = jax.lax.dynamic_slice_in_dim(x, start, rows.shape[1], axis=1) + rows.astype(x.dtype)
-    return replace_rows(x, summed, start)

@@ -22,7 +22,7 @@ and "no halo" made XLA copy the branch index to the host and wait for the device
 branch, on every step.
 
 Only the block's first `rows` rows see the halo: the merge and dq's sum update those rows of the
-local call's results in place (`halo_exchange.replace_rows`). `exchanged_attention` runs all of a
+local call's results in place (`row_updates`). `exchanged_attention` runs all of a
 device's blocks as the batch rows of one split call and receives their halos inside its custom_vjp,
 so their dk/dv go back and are added in place where they came from (`halo_exchange`).
 """
@@ -36,10 +36,10 @@ import jax
 import jax.numpy as jnp
 
 from sdpagraph.backends import registry, sinks as sinks_mod
-from sdpagraph.backends.softmax_merge import merge
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.parallel import halo_exchange
-from sdpagraph.parallel.halo_exchange import Route, replace_rows
+from sdpagraph.parallel.halo_exchange import Route
+from sdpagraph.parallel.row_updates import add_rows, merge_rows
 from sdpagraph.parallel.transfer import grads_to_send
 from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.spec import AttentionSpec
@@ -109,10 +109,8 @@ def forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, ids=N
     out, lse = primary.block_forward(local, q, *local_kv, _operands(local, arrays, ids and ids.local), True)
     hq, hk, hv = _halo_inputs(plan, q, halo_kv)
     h_out, h_lse = primary.block_forward(halo, hq, hk, hv, _operands(halo, arrays, ids and ids.halo), True)
-    if present is not None:
-        h_lse = jnp.where(_per_row(present, h_lse), h_lse, -jnp.inf)
-    head, head_lse = merge((out[:, :plan.rows], lse[..., :plan.rows]), (h_out, h_lse))  # only these rows change
-    out, lse = replace_rows(out, head, 0).astype(q.dtype), replace_rows(lse, head_lse, 0, axis=2)
+    out, lse = merge_rows(out, lse, (h_out, h_lse), present)  # only the first rows change
+    out = out.astype(q.dtype)
     return (out, lse) if sinks is None else sinks_mod.apply(out, lse, sinks)
 
 
@@ -132,7 +130,7 @@ def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out,
     h_dkv, (q, local_kv, out, lse, d_o) = halo_first(h_dkv, (q, local_kv, out, lse, d_o))
     dq, dk, dv = primary.block_backward(local, q, *local_kv, _operands(local, arrays, ids and ids.local), out, lse,
                                         d_o, True)
-    dq = replace_rows(dq, dq[:, :plan.rows].astype(jnp.float32) + h_dq.astype(jnp.float32), 0)
+    (dq,) = add_rows((dq,), (h_dq,), 0)
     d_sinks = None if sinks is None else sinks_mod.gradient(d_o, out, lse, sinks)
     return dq, (dk, dv), h_dkv, d_sinks
 

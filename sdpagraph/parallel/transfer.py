@@ -40,8 +40,13 @@ def grads_to_send(backend: Any, static: Any, q, k, v, operands, o, lse, d_o,
     return backend.block_backward_stacked(static, q, k, v, operands, o, lse, d_o)
 
 
-def permute_pair(pair: Any, axis: Any, pairs: list[tuple[int, int]]) -> tuple[Any, Any]:
+def permute_stacked(pair: Any, axis: Any, pairs: list[tuple[int, int]]) -> Any:
     """`jax.lax.ppermute` of two arrays as one transfer: a pair (`paired`), or both already stacked
-    (one array)."""
-    moved = jax.lax.ppermute(pair if hasattr(pair, "shape") else paired(*pair), axis, pairs)
+    (one array); what arrives as it travelled (`x[0]`, `x[1]` give the two)."""
+    return jax.lax.ppermute(pair if hasattr(pair, "shape") else paired(*pair), axis, pairs)
+
+
+def permute_pair(pair: Any, axis: Any, pairs: list[tuple[int, int]]) -> tuple[Any, Any]:
+    """`permute_stacked`, the two arrays apart."""
+    moved = permute_stacked(pair, axis, pairs)
     return moved[0], moved[1]

@@ -1,0 +1,197 @@
+"""In-place updates of a few rows of a block: the halo part's result merged into the local part's
+output and logsumexp, and gradients added into the rows of dq, dk and dv they belong to.
+
+    merge_rows(out, lse, part, present) -> (out, lse)
+    add_rows(xs, rows, start) -> xs
+    replace_rows(x, rows, start, axis=1) -> x
+
+`merge_rows` and `add_rows` run as one Pallas (Triton) kernel each on a GPU, the arrays they update
+aliased to the kernel's outputs, so only their rows are read and written and every array of the
+update is done in the same launch. Elsewhere, and where the kernel's block shapes do not fit
+(`kernel_rows`), they run XLA's formulation: XLA's GPU emitter writes a dynamic-update-slice in
+place only where nothing else in its fusion reads the updated operand, so each array's update there
+is two fusions (the rows' new values computed apart, then written), and the merge's logsumexp
+condition a third. On 2 H100s these small fusions took about 0.05 ms of a window (1024, 0) step
+(docs/results/h100x2-2026-11-27-windows-again.md). `SDPAGRAPH_PALLAS_TRITON=0` keeps XLA's
+formulation everywhere.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sdpagraph.backends import pallas_triton
+from sdpagraph.backends.softmax_merge import merge
+from sdpagraph.meshes import struct_like
+
+MAX_KERNEL_ROWS = 64  # rows of one head a kernel program updates (a block of rows x head dim)
+MIN_KERNEL_ROWS = 8  # fewer rows a program (an odd row count or start): XLA's formulation
+NUM_WARPS = 4
+
+
+# ----------------------------------------------------------------------------- XLA's formulation
+
+def replace_rows(x: Any, rows: Any, start: Any, axis: int = 1) -> Any:
+    """`x` with its `rows.shape[axis]` tokens from `start` along `axis` replaced by `rows`, in place.
+    The optimization barrier keeps XLA 0.11 on GPUs from fusing the update with the call that
+    produced `rows` or `x` (with the update straight after a merge it reported a cycle in a
+    dynamic-slice fusion on 2 H100s; fused with a graph call it failed to compile, "DynamicSliceFusion:
+    DUS target must be a fusion parameter"); a concatenation instead copies the whole block."""
+    x, rows = jax.lax.optimization_barrier((x, rows.astype(x.dtype)))
+    return jax.lax.dynamic_update_slice_in_dim(x, rows, start, axis=axis)
+
+
+def _add_rows_xla(x: Any, rows: Any, start: Any) -> Any:
+    """`x` with `rows` added to its tokens from `start` (axis 1): the sum of the rows computed apart,
+    then written (`replace_rows`); as one fusion (a scatter-add, or a slice, an add and an update)
+    XLA copied the whole block, 0.2 ms for a T65536 block on an H100."""
+    x, rows = jax.lax.optimization_barrier((x, rows))
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    summed = jax.lax.dynamic_slice_in_dim(x, start, rows.shape[1], axis=1).astype(acc) + rows.astype(acc)
+    return replace_rows(x, summed, start)
+
+
+def _present_rows(present: Any, batch: int) -> Any:
+    """`present` (None, one bool, or one per batch row) as (batch,) bools."""
+    if present is None:
+        return jnp.ones((batch,), bool)
+    return jnp.broadcast_to(jnp.reshape(present, (-1,)), (batch,))
+
+
+def _merge_rows_xla(out: Any, lse: Any, part: tuple[Any, Any], present: Any) -> tuple[Any, Any]:
+    part_out, part_lse = part
+    rows = part_out.shape[1]
+    part_lse = jnp.where(_present_rows(present, out.shape[0])[:, None, None], part_lse, -jnp.inf)
+    head, head_lse = merge((out[:, :rows], lse[..., :rows]), (part_out, part_lse))
+    return replace_rows(out, head, 0), replace_rows(lse, head_lse, 0, axis=2)
+
+
+# ----------------------------------------------------------------------------- when the kernel runs
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _block_rows(rows: int, start: int) -> int:
+    """The most rows (a power of two up to MAX_KERNEL_ROWS) dividing both `rows` and `start`, or 0
+    below MIN_KERNEL_ROWS."""
+    block = MAX_KERNEL_ROWS
+    while block >= MIN_KERNEL_ROWS and (rows % block or start % block):
+        block //= 2
+    return block if block >= MIN_KERNEL_ROWS else 0
+
+
+def kernel_rows(rows: int, start: Any, arrays: Sequence[Any], interpret: bool = False) -> int:
+    """Rows per kernel program for an update of `rows` rows from `start` of `arrays` (the values
+    updated and read, (B, T, heads, H)), or 0 where XLA's formulation runs: a traced `start` (a
+    block's rows must start at a multiple of its size), fewer than MIN_KERNEL_ROWS rows dividing
+    both, a head dim that is not a power of two (Triton's block shapes), 8-byte values, and, unless
+    `interpret` (Pallas' interpreter, for tests), no GPU or no Pallas Triton in this jax."""
+    if not isinstance(start, (int, np.integer)):
+        return 0
+    if not all(_power_of_two(x.shape[-1]) and jnp.dtype(x.dtype).itemsize <= 4 for x in arrays):
+        return 0
+    block = _block_rows(rows, int(start))
+    if interpret or not block:
+        return block
+    return block if jax.default_backend() == "gpu" and pallas_triton.status().available else 0
+
+
+def _compiler_params(interpret: bool) -> Any:
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as plt
+
+    return plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+
+
+# ----------------------------------------------------------------------------- the merge
+
+def merge_rows(out: Any, lse: Any, part: tuple[Any, Any], present: Any = None,
+               interpret: bool = False) -> tuple[Any, Any]:
+    """(out, lse) with their first R rows merged with `part` = (output (B, R, N, Hv), logsumexp
+    (B, N, R)) of the same queries over other keys (`softmax_merge.merge`), in place; out (B, L, N,
+    Hv) keeps its dtype, lse (B, N, L) is fp32. `present` (None, one bool or one per batch row):
+    where False, that row's part adds nothing. `interpret`: the kernel in Pallas' interpreter (tests
+    on a CPU)."""
+    rows = part[0].shape[1]
+    block = kernel_rows(rows, 0, (out, part[0]), interpret)
+    if not block:
+        return _merge_rows_xla(out, lse, part, present)
+    from jax.experimental import pallas as pl
+
+    batch, _, heads, head_dim = out.shape
+    flags = _present_rows(present, batch).astype(jnp.int32)
+    values = pl.BlockSpec((1, block, 1, head_dim), lambda b, r, n: (b, r, n, 0))
+    sums = pl.BlockSpec((1, 1, block), lambda b, r, n: (b, n, r))
+    operands = (flags, out, lse.astype(jnp.float32), *part)
+    return pl.pallas_call(
+        _merge_kernel, grid=(batch, rows // block, heads),
+        in_specs=[pl.BlockSpec((1,), lambda b, r, n: (b,)), values, sums, values, sums],
+        out_specs=[values, sums],
+        out_shape=[struct_like(out.shape, out.dtype, operands), struct_like(lse.shape, jnp.float32, operands)],
+        input_output_aliases={1: 0, 2: 1}, compiler_params=_compiler_params(interpret),
+        interpret=interpret)(*operands)
+
+
+def _merge_kernel(flag_ref, out_ref, lse_ref, part_ref, part_lse_ref, new_out_ref, new_lse_ref) -> None:
+    """Blocks: flag (1,); out, part (1, R, 1, H); lse, part_lse (1, 1, R): `softmax_merge.merge`'s
+    arithmetic, rows with nothing to attend on both sides left 0 / -inf."""
+    a = lse_ref[0, 0]
+    c = jnp.where(flag_ref[0] != 0, part_lse_ref[0, 0].astype(jnp.float32), -jnp.inf)
+    peak = jnp.maximum(a, c)
+    safe = jnp.where(peak == -jnp.inf, 0.0, peak)
+    weight_a = jnp.where(a == -jnp.inf, 0.0, jnp.exp(a - safe))
+    weight_c = jnp.where(c == -jnp.inf, 0.0, jnp.exp(c - safe))
+    total = weight_a + weight_c
+    inverse = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    merged = (out_ref[0, :, 0, :].astype(jnp.float32) * (weight_a * inverse)[:, None]
+              + part_ref[0, :, 0, :].astype(jnp.float32) * (weight_c * inverse)[:, None])
+    new_out_ref[0, :, 0, :] = merged.astype(new_out_ref.dtype)
+    new_lse_ref[0, 0] = jnp.where(total > 0, safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+
+
+# ----------------------------------------------------------------------------- the sums
+
+def add_rows(xs: tuple[Any, ...], rows: Any, start: Any, interpret: bool = False) -> tuple[Any, ...]:
+    """`xs` (arrays (B, L, K, H) of one batch and head count) with `rows` added to their R tokens from
+    `start`, in place: `rows` one (B, R, K, H) array per x, or all of them stacked (len(xs), B, R, K,
+    H) as a transfer brings them. `interpret`: the kernel in Pallas' interpreter (tests on a CPU)."""
+    stacked = hasattr(rows, "shape")
+    count = len(xs)
+    length = rows.shape[2] if stacked else rows[0].shape[1]
+    block = kernel_rows(length, start, (*xs, *([rows] if stacked else rows)), interpret)
+    if not block:
+        return tuple(_add_rows_xla(x, rows[i], start) for i, x in enumerate(xs))
+    from jax.experimental import pallas as pl
+
+    batch, _, heads, _ = xs[0].shape
+    offset = int(start) // block
+    targets = [pl.BlockSpec((1, block, 1, x.shape[-1]), lambda b, r, n: (b, offset + r, n, 0)) for x in xs]
+    if stacked:
+        sources = [pl.BlockSpec((count, 1, block, 1, rows.shape[-1]), lambda b, r, n: (0, b, r, n, 0))]
+        operands = (*xs, rows)
+    else:
+        sources = [pl.BlockSpec((1, block, 1, g.shape[-1]), lambda b, r, n: (b, r, n, 0)) for g in rows]
+        operands = (*xs, *rows)
+    kernel = functools.partial(_add_kernel, count=count, stacked=stacked)
+    return tuple(pl.pallas_call(
+        kernel, grid=(batch, length // block, heads), in_specs=targets + sources, out_specs=targets,
+        out_shape=[struct_like(x.shape, x.dtype, operands) for x in xs],
+        input_output_aliases={i: i for i in range(count)}, compiler_params=_compiler_params(interpret),
+        interpret=interpret)(*operands))
+
+
+def _add_kernel(*refs, count: int, stacked: bool) -> None:
+    """Blocks: each x and output (1, R, 1, H); rows (count, 1, R, 1, H) stacked, else one (1, R, 1, H)
+    per x. The sum in fp32, written in the x's dtype."""
+    targets, outputs = refs[:count], refs[-count:]
+    for i in range(count):
+        added = refs[count][i, 0, :, 0, :] if stacked else refs[count + i][0, :, 0, :]
+        acc = jnp.promote_types(targets[i].dtype, jnp.float32)
+        total = targets[i][0, :, 0, :].astype(acc) + added.astype(acc)
+        outputs[i][0, :, 0, :] = total.astype(outputs[i].dtype)

@@ -1,0 +1,114 @@
+"""`parallel.row_updates`: the halo's in-place row updates, their Pallas kernels (run in Pallas'
+interpreter here) and XLA's formulation, against a float64 NumPy reference."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from sdpagraph.parallel import row_updates
+
+B, L, N = 2, 96, 3
+
+
+def _merged(out, lse, part_out, part_lse, present):
+    """float64 reference of the merge of the first R rows."""
+    out, lse = np.asarray(out, np.float64).copy(), np.asarray(lse, np.float64).copy()
+    part_out, part_lse = np.asarray(part_out, np.float64), np.asarray(part_lse, np.float64)
+    rows = part_out.shape[1]
+    part_lse = np.where(np.asarray(present)[:, None, None], part_lse, -np.inf)
+    a, c = lse[..., :rows], part_lse
+    with np.errstate(invalid="ignore", divide="ignore"):
+        total = np.logaddexp(a, c)
+        wa = np.where(np.isneginf(a), 0.0, np.exp(a - np.where(np.isneginf(total), 0.0, total)))
+        wc = np.where(np.isneginf(c), 0.0, np.exp(c - np.where(np.isneginf(total), 0.0, total)))
+    t = lambda w: np.swapaxes(w, 1, 2)[..., None]  # noqa: E731  (B, N, R) -> (B, R, N, 1)
+    out[:, :rows] = out[:, :rows] * t(wa) + part_out * t(wc)
+    lse[..., :rows] = total
+    return out, lse
+
+
+def _inputs(rng, rows, head_dim, dtype):
+    out = jnp.asarray(rng.standard_normal((B, L, N, head_dim)), dtype)
+    lse = rng.standard_normal((B, N, L)).astype(np.float32) * 3
+    part_out = jnp.asarray(rng.standard_normal((B, rows, N, head_dim)), dtype)
+    part_lse = rng.standard_normal((B, N, rows)).astype(np.float32) * 3
+    lse[0, 1, 2] = part_lse[0, 1, 2] = -np.inf  # a row with nothing to attend on either side
+    lse[1, 0, 5] = -np.inf  # only the part attends
+    part_lse[1, 2, 7] = -np.inf  # only the block attends
+    return out, jnp.asarray(lse), part_out, jnp.asarray(part_lse)
+
+
+@pytest.mark.parametrize("interpret", [True, False], ids=["kernel", "xla"])
+@pytest.mark.parametrize("present", [None, (True, False)], ids=["all", "second-absent"])
+@pytest.mark.parametrize("rows,dtype", [(16, jnp.bfloat16), (40, jnp.float32)])
+def test_merge_rows(interpret, present, rows, dtype):
+    rng = np.random.default_rng(rows)
+    out, lse, part_out, part_lse = _inputs(rng, rows, 16, dtype)
+    flags = None if present is None else jnp.asarray(present)
+    got_out, got_lse = jax.jit(lambda *a: row_updates.merge_rows(*a[:2], a[2:4], flags, interpret=interpret))(
+        out, lse, part_out, part_lse)
+    want_out, want_lse = _merged(np.asarray(out.astype(jnp.float32)), lse, np.asarray(part_out.astype(jnp.float32)),
+                                 part_lse, (True, True) if present is None else present)
+    assert got_out.dtype == out.dtype and got_lse.dtype == jnp.float32
+    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(got_out.astype(jnp.float32)), want_out, atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.asarray(got_lse), want_lse, atol=1e-5, rtol=1e-5)
+    # rows past the part's are the block's own, untouched
+    np.testing.assert_array_equal(np.asarray(got_out[:, rows:]), np.asarray(out[:, rows:]))
+    np.testing.assert_array_equal(np.asarray(got_lse[..., rows:]), np.asarray(lse[..., rows:]))
+    if present is not None:  # the absent row's part adds nothing (where its block attends at all)
+        attends = np.isfinite(np.swapaxes(np.asarray(lse[1]), 0, 1))[..., None]  # (L, N, 1)
+        np.testing.assert_array_equal(np.where(attends, np.asarray(got_out[1].astype(jnp.float32)), 0),
+                                      np.where(attends, np.asarray(out[1].astype(jnp.float32)), 0))
+
+
+@pytest.mark.parametrize("interpret", [True, False], ids=["kernel", "xla"])
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "pair"])
+@pytest.mark.parametrize("start", [0, 32, 56])
+def test_add_rows(interpret, stacked, start):
+    rng = np.random.default_rng(start)
+    rows = 40 if start != 32 else 64
+    xs = tuple(jnp.asarray(rng.standard_normal((B, L, N, 16)), jnp.bfloat16) for _ in range(2))
+    grads = tuple(jnp.asarray(rng.standard_normal((B, rows, N, 16)), jnp.float32) for _ in range(2))
+    given = jnp.stack(grads) if stacked else grads
+    got = jax.jit(lambda xs, g: row_updates.add_rows(xs, g, start, interpret=interpret))(xs, given)
+    for x, g, y in zip(xs, grads, got):
+        want = np.asarray(x.astype(jnp.float32)).astype(np.float64)
+        want[:, start:start + rows] += np.asarray(g, np.float64)
+        # the sum in fp32, rounded once to bf16
+        assert y.dtype == x.dtype
+        np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), want, rtol=8e-3, atol=8e-3)
+        np.testing.assert_array_equal(np.asarray(y[:, :start]), np.asarray(x[:, :start]))
+        np.testing.assert_array_equal(np.asarray(y[:, start + rows:]), np.asarray(x[:, start + rows:]))
+
+
+def test_add_rows_traced_start_runs_xla():
+    """A start known only at run time (a device's slot) takes XLA's formulation, with the same result."""
+    rng = np.random.default_rng(1)
+    xs = (jnp.asarray(rng.standard_normal((B, L, N, 16)), jnp.float32),)
+    grads = (jnp.asarray(rng.standard_normal((B, 8, N, 16)), jnp.float32),)
+    got = jax.jit(lambda xs, g, s: row_updates.add_rows(xs, g, s, interpret=True))(xs, grads, jnp.int32(24))
+    want = np.asarray(xs[0]).copy()
+    want[:, 24:32] += np.asarray(grads[0])
+    np.testing.assert_allclose(np.asarray(got[0]), want, rtol=1e-6)
+
+
+def test_kernel_rows_choice():
+    """Rows per program: the largest power of two up to MAX_KERNEL_ROWS dividing the rows and the
+    start; none (XLA's formulation) for odd counts, traced starts, non-power-of-two head dims, 8-byte
+    values, or, without the interpreter, on a CPU."""
+    x = jax.ShapeDtypeStruct((1, 4096, 16, 128), jnp.bfloat16)
+    assert row_updates.kernel_rows(1024, 15360, (x,), interpret=True) == row_updates.MAX_KERNEL_ROWS
+    assert row_updates.kernel_rows(24, 0, (x,), interpret=True) == 8
+    assert row_updates.kernel_rows(8191, 0, (x,), interpret=True) == 0
+    assert row_updates.kernel_rows(1024, 4, (x,), interpret=True) == 0
+    assert row_updates.kernel_rows(1024, jnp.int32(0) + 0, (x,), interpret=True) == 0  # traced start
+    assert row_updates.kernel_rows(1024, 0, (jax.ShapeDtypeStruct((1, 4096, 16, 96), jnp.bfloat16),),
+                                   interpret=True) == 0
+    assert row_updates.kernel_rows(1024, 0, (jax.ShapeDtypeStruct((1, 4096, 16, 128), jnp.float64),),
+                                   interpret=True) == 0
+    if jax.default_backend() == "cpu":
+        assert row_updates.kernel_rows(1024, 0, (x,)) == 0
