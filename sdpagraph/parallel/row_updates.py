@@ -165,7 +165,7 @@ def add_rows(xs: tuple[Any, ...], rows: Any, start: Any, interpret: bool = False
     count = len(xs)
     length = rows.shape[2] if stacked else rows[0].shape[1]
     block = kernel_rows(length, start, (*xs, *([rows] if stacked else rows)), interpret)
-    if not block:
+    if not block or (stacked and not _power_of_two(count)):  # the stacked block's leading dim too
         return tuple(_add_rows_xla(x, rows[i], start) for i, x in enumerate(xs))
     from jax.experimental import pallas as pl
 
