@@ -10,6 +10,7 @@ machine weighs on both alike; each form's figure is the median of its rounds.
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import sys
 
@@ -37,6 +38,26 @@ def compiled(step, args, mesh, setting):
             os.environ[PALLAS_TRITON.name] = saved
 
 
+OP = re.compile(r"^\s*(?:ROOT )?%?([\w.-]+) = .*? ([\w-]+)\(")
+TARGET = re.compile(r'custom_call_target="([^"]+)"')
+KINDS = ("custom-call", "collective-permute", "collective-permute-start", "collective-permute-done", "fusion", "copy",
+         "copy-start", "copy-done")
+
+
+def schedule(text: str) -> list[str]:
+    """The compiled step's entry computation in its scheduled order: its kernels' names (fusions and
+    copies), custom calls (with their targets) and the collectives' starts and ends."""
+    entry = text[text.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    order = []
+    for line in entry.splitlines()[1:]:
+        found = OP.match(line)
+        if found and found.group(2) in KINDS:
+            target = TARGET.search(line)
+            order.append(f"{found.group(2)} {found.group(1)}" + (f" [{target.group(1)}]" if target else ""))
+    return order
+
+
 def main() -> None:
     cpu = "--cpu" in sys.argv  # a smoke run of the script on 2 CPU devices (XLA blocks: nothing to compare)
     rows = [int(t) for t in sys.argv[1:] if t != "--cpu"] or [4, 5, 2, 3]
@@ -52,6 +73,10 @@ def main() -> None:
         args, mesh = cp_rows.cp_inputs(scaled, heads, head_dim, docs, "halo", False)
         steps = {name: compiled(cp_rows.cp_step(kwargs, "halo", False, impl), args, mesh, setting)
                  for name, setting in FORMS.items()}
+        if os.environ.get("OUT"):  # where the transfers sit among the kernels, per form
+            for index, (name, step) in enumerate(steps.items()):
+                with open(os.path.join(os.environ["OUT"], f"halo_schedule_{row}_{index}.txt"), "w") as f:
+                    f.write(f"# {label} T{scaled}, {name}\n" + "\n".join(schedule(step.as_text())) + "\n")
         times = {name: [] for name in FORMS}
         for _ in range(TURNS):
             for name, step in steps.items():
