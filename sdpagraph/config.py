@@ -158,8 +158,8 @@ SMALL_SEQ_KERNEL = Switch(
     "`0`: the small-sequence backend never runs its Pallas kernel (its XLA formulation runs)")
 PALLAS_TRITON = Switch(
     "SDPAGRAPH_PALLAS_TRITON", "1",
-    "`0`: the Pallas kernels (small-sequence attention, the bin packer) never use Pallas' Triton "
-    "backend, as when jax no longer has it: their XLA formulations run")
+    "`0`: the Pallas kernels (small-sequence attention, the bin packer, the halo's row updates) never use "
+    "Pallas' Triton backend, as when jax no longer has it: their XLA formulations run")
 NATIVE_SINKS = Switch(
     "SDPAGRAPH_NATIVE_SINKS", "1",
     "`0`: attention sinks on cuDNN are composed from the logsumexp in the forward too, never cuDNN's own "

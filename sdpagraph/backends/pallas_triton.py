@@ -8,7 +8,7 @@ no longer imports (or its `CompilerParams` changed), or lowering a kernel with T
 parameters raises (the backend gone from the lowering, or the deprecation turned into an error).
 The probe lowers a one-line copy kernel for CUDA, which needs no GPU (so a CPU answers as a GPU
 would), once per process, on first use: the kernels that use Triton (`backends.small_seq.kernel`,
-`backends.cudnn.bins.packer`) ask only where they would run, and run their XLA formulation when
+`backends.cudnn.bins.packer`, `parallel.row_updates`) ask only where they would run, and run their XLA formulation when
 the answer is no. jax's deprecation warning is left to the user's filters.
 """
 from __future__ import annotations
