@@ -41,17 +41,18 @@ def _inputs(rng, rows, head_dim, dtype):
     return out, jnp.asarray(lse), part_out, jnp.asarray(part_lse)
 
 
-@pytest.mark.parametrize("interpret", [True, False], ids=["kernel", "xla"])
-@pytest.mark.parametrize("present", [None, (True, False)], ids=["all", "second-absent"])
+@pytest.mark.parametrize("interpret", [True, False], ids=["kernel-interpreted", "default"])
+@pytest.mark.parametrize("present", [None, (True, False), False], ids=["all", "second-absent", "none"])
 @pytest.mark.parametrize("rows,dtype", [(16, jnp.bfloat16), (40, jnp.float32)])
 def test_merge_rows(interpret, present, rows, dtype):
     rng = np.random.default_rng(rows)
     out, lse, part_out, part_lse = _inputs(rng, rows, 16, dtype)
     flags = None if present is None else jnp.asarray(present)
+    assert not interpret or row_updates.kernel_rows(rows, 0, (out, part_out), interpret=True) > 0
     got_out, got_lse = jax.jit(lambda *a: row_updates.merge_rows(*a[:2], a[2:4], flags, interpret=interpret))(
         out, lse, part_out, part_lse)
     want_out, want_lse = _merged(np.asarray(out.astype(jnp.float32)), lse, np.asarray(part_out.astype(jnp.float32)),
-                                 part_lse, (True, True) if present is None else present)
+                                 part_lse, np.broadcast_to(True if present is None else present, (B,)))
     assert got_out.dtype == out.dtype and got_lse.dtype == jnp.float32
     tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(np.asarray(got_out.astype(jnp.float32)), want_out, atol=tol, rtol=tol)
@@ -59,13 +60,14 @@ def test_merge_rows(interpret, present, rows, dtype):
     # rows past the part's are the block's own, untouched
     np.testing.assert_array_equal(np.asarray(got_out[:, rows:]), np.asarray(out[:, rows:]))
     np.testing.assert_array_equal(np.asarray(got_lse[..., rows:]), np.asarray(lse[..., rows:]))
-    if present is not None:  # the absent row's part adds nothing (where its block attends at all)
-        attends = np.isfinite(np.swapaxes(np.asarray(lse[1]), 0, 1))[..., None]  # (L, N, 1)
-        np.testing.assert_array_equal(np.where(attends, np.asarray(got_out[1].astype(jnp.float32)), 0),
-                                      np.where(attends, np.asarray(out[1].astype(jnp.float32)), 0))
+    for row in np.flatnonzero(~np.broadcast_to(True if present is None else present, (B,))):
+        # an absent row's part adds nothing (where its block attends at all)
+        attends = np.isfinite(np.swapaxes(np.asarray(lse[row]), 0, 1))[..., None]  # (L, N, 1)
+        np.testing.assert_array_equal(np.where(attends, np.asarray(got_out[row].astype(jnp.float32)), 0),
+                                      np.where(attends, np.asarray(out[row].astype(jnp.float32)), 0))
 
 
-@pytest.mark.parametrize("interpret", [True, False], ids=["kernel", "xla"])
+@pytest.mark.parametrize("interpret", [True, False], ids=["kernel-interpreted", "default"])
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "pair"])
 @pytest.mark.parametrize("start", [0, 32, 56])
 def test_add_rows(interpret, stacked, start):
@@ -74,13 +76,15 @@ def test_add_rows(interpret, stacked, start):
     xs = tuple(jnp.asarray(rng.standard_normal((B, L, N, 16)), jnp.bfloat16) for _ in range(2))
     grads = tuple(jnp.asarray(rng.standard_normal((B, rows, N, 16)), jnp.float32) for _ in range(2))
     given = jnp.stack(grads) if stacked else grads
+    assert not interpret or row_updates.kernel_rows(rows, start, xs + grads, interpret=True) > 0
     got = jax.jit(lambda xs, g: row_updates.add_rows(xs, g, start, interpret=interpret))(xs, given)
     for x, g, y in zip(xs, grads, got):
-        want = np.asarray(x.astype(jnp.float32)).astype(np.float64)
-        want[:, start:start + rows] += np.asarray(g, np.float64)
-        # the sum in fp32, rounded once to bf16
+        # the sum in fp32, rounded once to bf16 (a bf16 sum of the rounded rows differs)
+        want = np.asarray(x.astype(jnp.float32)).copy()
+        want[:, start:start + rows] += np.asarray(g)
+        want = np.asarray(jnp.asarray(want).astype(jnp.bfloat16).astype(jnp.float32))
         assert y.dtype == x.dtype
-        np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), want, rtol=8e-3, atol=8e-3)
+        np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), want)
         np.testing.assert_array_equal(np.asarray(y[:, :start]), np.asarray(x[:, :start]))
         np.testing.assert_array_equal(np.asarray(y[:, start + rows:]), np.asarray(x[:, start + rows:]))
 
@@ -94,6 +98,23 @@ def test_add_rows_traced_start_runs_xla():
     want = np.asarray(xs[0]).copy()
     want[:, 24:32] += np.asarray(grads[0])
     np.testing.assert_allclose(np.asarray(got[0]), want, rtol=1e-6)
+
+
+def test_add_rows_arrays_of_other_shapes_run_xla():
+    """Arrays of different head counts in one call take XLA's formulation (the kernel's grid is one
+    array's); a start the rows do not fit from is refused."""
+    rng = np.random.default_rng(2)
+    xs = (jnp.asarray(rng.standard_normal((B, L, 2, 16)), jnp.float32),
+          jnp.asarray(rng.standard_normal((B, L, 4, 16)), jnp.float32))
+    grads = (jnp.asarray(rng.standard_normal((B, 16, 2, 16)), jnp.float32),
+             jnp.asarray(rng.standard_normal((B, 16, 4, 16)), jnp.float32))
+    got = row_updates.add_rows(xs, grads, 32, interpret=True)
+    for x, g, y in zip(xs, grads, got):
+        want = np.asarray(x).copy()
+        want[:, 32:48] += np.asarray(g)
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-6)
+    with pytest.raises(ValueError, match="do not fit"):
+        row_updates.add_rows(xs, grads, L - 8, interpret=True)
 
 
 def test_kernel_rows_choice():

@@ -39,7 +39,7 @@ from sdpagraph.backends import registry, sinks as sinks_mod
 from sdpagraph.call import RuntimeInputs
 from sdpagraph.parallel import halo_exchange
 from sdpagraph.parallel.halo_exchange import Route
-from sdpagraph.parallel.row_updates import add_rows, merge_rows
+from sdpagraph.parallel.row_updates import add_rows, merge_rows, present_rows
 from sdpagraph.parallel.transfer import grads_to_send
 from sdpagraph.scoremod.ir import ScoreModIR
 from sdpagraph.spec import AttentionSpec
@@ -86,11 +86,6 @@ def _halo_inputs(plan: SplitPlan, q: Any, kv: tuple[Any, Any]) -> tuple[Any, Any
     return (q[:, :plan.rows], *kv)
 
 
-def _per_row(present: Any, x: Any) -> Any:
-    """`present` (one bool, or one per batch row) shaped to broadcast against `x` (batch first)."""
-    return jnp.reshape(present, (-1,) + (1,) * (x.ndim - 1))
-
-
 def halo_first(halo_grads: Any, local_inputs: Any) -> tuple[Any, Any]:
     """Makes the local part's backward inputs wait for the halo part's gradients, so these can travel
     back (`send_back`) while the local part computes. Without it XLA put the local part first on 2
@@ -124,7 +119,7 @@ def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out,
     hq, hk, hv = _halo_inputs(plan, q, halo_kv)
     h_out, h_lse, h_do = out[:, :plan.rows], lse[..., :plan.rows], d_o[:, :plan.rows]
     if present is not None:  # an infinite logsumexp: P = exp(s - lse) = 0, no gradient from the halo part
-        h_lse = jnp.where(_per_row(present, h_lse), h_lse, jnp.inf)
+        h_lse = jnp.where(present_rows(present, h_lse.shape[0])[:, None, None], h_lse, jnp.inf)
     h_dq, h_dkv = grads_to_send(primary, halo, hq, hk, hv, _operands(halo, arrays, ids and ids.halo), h_out, h_lse,
                                 h_do, zero_unwritten=True)
     h_dkv, (q, local_kv, out, lse, d_o) = halo_first(h_dkv, (q, local_kv, out, lse, d_o))

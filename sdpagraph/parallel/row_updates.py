@@ -3,12 +3,14 @@ output and logsumexp, and gradients added into the rows of dq, dk and dv they be
 
     merge_rows(out, lse, part, present) -> (out, lse)
     add_rows(xs, rows, start) -> xs
-    replace_rows(x, rows, start, axis=1) -> x
+    present_rows(present, batch) -> (batch,) bools
 
 `merge_rows` and `add_rows` run as one Pallas (Triton) kernel each on a GPU, the arrays they update
 aliased to the kernel's outputs, so only their rows are read and written and every array of the
-update is done in the same launch. Elsewhere, and where the kernel's block shapes do not fit
-(`kernel_rows`), they run XLA's formulation: XLA's GPU emitter writes a dynamic-update-slice in
+update is done in the same launch. Sums are taken in fp32 (fp64 for float64) and rounded once to the
+array's dtype. Elsewhere, and where the kernel's block shapes do not fit (`kernel_rows`: among
+others a start known only at run time, as a load-balanced halo's transfers have), they run XLA's
+formulation: XLA's GPU emitter writes a dynamic-update-slice in
 place only where nothing else in its fusion reads the updated operand, so each array's update there
 is two fusions (the rows' new values computed apart, then written), and the merge's logsumexp
 condition a third. On 2 H100s these small fusions took about 0.05 ms of a window (1024, 0) step
@@ -35,7 +37,12 @@ NUM_WARPS = 4
 
 # ----------------------------------------------------------------------------- XLA's formulation
 
-def replace_rows(x: Any, rows: Any, start: Any, axis: int = 1) -> Any:
+def _accumulation(dtype: Any) -> Any:
+    """The dtype a sum of `dtype` values is taken in: fp64 for float64, else fp32."""
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def _replace_rows(x: Any, rows: Any, start: Any, axis: int = 1) -> Any:
     """`x` with its `rows.shape[axis]` tokens from `start` along `axis` replaced by `rows`, in place.
     The optimization barrier keeps XLA 0.11 on GPUs from fusing the update with the call that
     produced `rows` or `x` (with the update straight after a merge it reported a cycle in a
@@ -47,15 +54,15 @@ def replace_rows(x: Any, rows: Any, start: Any, axis: int = 1) -> Any:
 
 def _add_rows_xla(x: Any, rows: Any, start: Any) -> Any:
     """`x` with `rows` added to its tokens from `start` (axis 1): the sum of the rows computed apart,
-    then written (`replace_rows`); as one fusion (a scatter-add, or a slice, an add and an update)
+    then written (`_replace_rows`); as one fusion (a scatter-add, or a slice, an add and an update)
     XLA copied the whole block, 0.2 ms for a T65536 block on an H100."""
     x, rows = jax.lax.optimization_barrier((x, rows))
-    acc = jnp.promote_types(x.dtype, jnp.float32)
+    acc = _accumulation(x.dtype)
     summed = jax.lax.dynamic_slice_in_dim(x, start, rows.shape[1], axis=1).astype(acc) + rows.astype(acc)
-    return replace_rows(x, summed, start)
+    return _replace_rows(x, summed, start)
 
 
-def _present_rows(present: Any, batch: int) -> Any:
+def present_rows(present: Any, batch: int) -> Any:
     """`present` (None, one bool, or one per batch row) as (batch,) bools."""
     if present is None:
         return jnp.ones((batch,), bool)
@@ -65,9 +72,10 @@ def _present_rows(present: Any, batch: int) -> Any:
 def _merge_rows_xla(out: Any, lse: Any, part: tuple[Any, Any], present: Any) -> tuple[Any, Any]:
     part_out, part_lse = part
     rows = part_out.shape[1]
-    part_lse = jnp.where(_present_rows(present, out.shape[0])[:, None, None], part_lse, -jnp.inf)
+    part_lse = jnp.where(present_rows(present, out.shape[0])[:, None, None], part_lse, -jnp.inf)
+    lse = lse.astype(jnp.float32)
     head, head_lse = merge((out[:, :rows], lse[..., :rows]), (part_out, part_lse))
-    return replace_rows(out, head, 0), replace_rows(lse, head_lse, 0, axis=2)
+    return _replace_rows(out, head, 0), _replace_rows(lse, head_lse, 0, axis=2)
 
 
 # ----------------------------------------------------------------------------- when the kernel runs
@@ -87,7 +95,8 @@ def _block_rows(rows: int, start: int) -> int:
 
 def kernel_rows(rows: int, start: Any, arrays: Sequence[Any], interpret: bool = False) -> int:
     """Rows per kernel program for an update of `rows` rows from `start` of `arrays` (the values
-    updated and read, (B, T, heads, H)), or 0 where XLA's formulation runs: a traced `start` (a
+    updated and read, (B, T, heads, H); `add_rows` also wants one batch, head count and row count
+    for all of them), or 0 where XLA's formulation runs: a traced `start` (a
     block's rows must start at a multiple of its size), fewer than MIN_KERNEL_ROWS rows dividing
     both, a head dim that is not a power of two (Triton's block shapes), 8-byte values, and, unless
     `interpret` (Pallas' interpreter, for tests), no GPU or no Pallas Triton in this jax."""
@@ -115,7 +124,7 @@ def merge_rows(out: Any, lse: Any, part: tuple[Any, Any], present: Any = None,
                interpret: bool = False) -> tuple[Any, Any]:
     """(out, lse) with their first R rows merged with `part` = (output (B, R, N, Hv), logsumexp
     (B, N, R)) of the same queries over other keys (`softmax_merge.merge`), in place; out (B, L, N,
-    Hv) keeps its dtype, lse (B, N, L) is fp32. `present` (None, one bool or one per batch row):
+    Hv) keeps its dtype, lse (B, N, L) comes back in fp32. `present` (None, one bool or one per batch row):
     where False, that row's part adds nothing. `interpret`: the kernel in Pallas' interpreter (tests
     on a CPU)."""
     rows = part[0].shape[1]
@@ -125,7 +134,7 @@ def merge_rows(out: Any, lse: Any, part: tuple[Any, Any], present: Any = None,
     from jax.experimental import pallas as pl
 
     batch, _, heads, head_dim = out.shape
-    flags = _present_rows(present, batch).astype(jnp.int32)
+    flags = present_rows(present, batch).astype(jnp.int32)
     values = pl.BlockSpec((1, block, 1, head_dim), lambda b, r, n: (b, r, n, 0))
     sums = pl.BlockSpec((1, 1, block), lambda b, r, n: (b, n, r))
     operands = (flags, out, lse.astype(jnp.float32), *part)
@@ -158,15 +167,21 @@ def _merge_kernel(flag_ref, out_ref, lse_ref, part_ref, part_lse_ref, new_out_re
 # ----------------------------------------------------------------------------- the sums
 
 def add_rows(xs: tuple[Any, ...], rows: Any, start: Any, interpret: bool = False) -> tuple[Any, ...]:
-    """`xs` (arrays (B, L, K, H) of one batch and head count) with `rows` added to their R tokens from
+    """`xs` (arrays (B, L, K, H)) with `rows` added to their R tokens from
     `start`, in place: `rows` one (B, R, K, H) array per x, or all of them stacked (len(xs), B, R, K,
     H) as a transfer brings them. `interpret`: the kernel in Pallas' interpreter (tests on a CPU)."""
     stacked = hasattr(rows, "shape")
     count = len(xs)
-    length = rows.shape[2] if stacked else rows[0].shape[1]
-    block = kernel_rows(length, start, (*xs, *([rows] if stacked else rows)), interpret)
-    if not block or (stacked and not _power_of_two(count)):  # the stacked block's leading dim too
-        return tuple(_add_rows_xla(x, rows[i], start) for i, x in enumerate(xs))
+    sources = [rows[i] for i in range(count)] if stacked else list(rows)
+    length = sources[0].shape[1]
+    if isinstance(start, (int, np.integer)) and not 0 <= start <= xs[0].shape[1] - length:
+        raise ValueError(f"add_rows: {length} rows from start {start} do not fit {xs[0].shape[1]} tokens")
+    shapes = {(x.shape[0], x.shape[2], g.shape[:3]) for x, g in zip(xs, sources)}
+    fits = all(x.ndim == g.ndim == 4 for x, g in zip(xs, sources)) and len(shapes) == 1 and \
+        next(iter(shapes))[2] == (xs[0].shape[0], length, xs[0].shape[2])
+    block = kernel_rows(length, start, (*xs, *sources), interpret) if fits else 0
+    if not block:  # one batch, head count and row count for every array, or XLA's formulation
+        return tuple(_add_rows_xla(x, g, start) for x, g in zip(xs, sources))
     from jax.experimental import pallas as pl
 
     batch, _, heads, _ = xs[0].shape
@@ -188,10 +203,9 @@ def add_rows(xs: tuple[Any, ...], rows: Any, start: Any, interpret: bool = False
 
 def _add_kernel(*refs, count: int, stacked: bool) -> None:
     """Blocks: each x and output (1, R, 1, H); rows (count, 1, R, 1, H) stacked, else one (1, R, 1, H)
-    per x. The sum in fp32, written in the x's dtype."""
+    per x. The sum in fp32 (the kernel takes no 8-byte values), written in the x's dtype."""
     targets, outputs = refs[:count], refs[-count:]
     for i in range(count):
         added = refs[count][i, 0, :, 0, :] if stacked else refs[count + i][0, :, 0, :]
-        acc = jnp.promote_types(targets[i].dtype, jnp.float32)
-        total = targets[i][0, :, 0, :].astype(acc) + added.astype(acc)
+        total = targets[i][0, :, 0, :].astype(jnp.float32) + added.astype(jnp.float32)
         outputs[i][0, :, 0, :] = total.astype(outputs[i].dtype)
