@@ -46,14 +46,15 @@ def documents(rng, batch, length, longest=24):
 
 
 def run(cp, load_balanced, causal, kv_heads, axis_type="auto", seed=0, implementation="cudnn", strategy="ring",
-        longest=24, **kwargs):
+        longest=24, length=T, **kwargs):
     """(the cp-device step's value and gradients in natural order, the one-device XLA reference's,
-    the compiled HLO) with fresh random float32 inputs, documents of 1-`longest` tokens."""
+    the compiled HLO) with fresh random float32 inputs of `length` tokens, documents of 1-`longest`
+    tokens."""
     rng = np.random.default_rng(seed)
-    ids, most = documents(rng, B, T, longest)
-    q = rng.standard_normal((B, T, N, H)).astype(np.float32)
-    k, v = (rng.standard_normal((B, T, kv_heads, H)).astype(np.float32) for _ in range(2))
-    cot = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    ids, most = documents(rng, B, length, longest)
+    q = rng.standard_normal((B, length, N, H)).astype(np.float32)
+    k, v = (rng.standard_normal((B, length, kv_heads, H)).astype(np.float32) for _ in range(2))
+    cot = rng.standard_normal((B, length, N, H)).astype(np.float32)
     call = dict(is_causal=causal, max_segments_per_seq=most, **kwargs)
     order = (lambda x: sdpagraph.load_balance(x, cp)) if load_balanced else (lambda x: x)  # noqa: E731
     back = (lambda x: sdpagraph.unload_balance(x, cp)) if load_balanced else (lambda x: x)  # noqa: E731
@@ -154,6 +155,20 @@ def test_documents_halo_equals_one_device(cp, load_balanced, kv_heads, implement
         most = max(s.max_segments for s, _, _ in cudnn_ring)
         want = {(rows, "self", block, block, most, True), (rows, "self", block, block, 1, False)}
         assert specs == want and 1 < most <= block, (specs, seed)
+
+
+@needs_devices
+@pytest.mark.parametrize("load_balanced", [False, True])
+def test_documents_halo_rounded_up_equals_one_device(load_balanced, cudnn_ring):
+    """A document reach (max_seqlen_kv - 1 = 39) that is no multiple of the row kernels' blocks: the
+    halo takes `halo_layout.DOCUMENT_HALO_MULTIPLE` (64) keys and query rows, at most a block (64
+    load-balanced, of 128 in natural order); the keys and rows added lie in other documents, masked."""
+    seed = int(np.random.default_rng().integers(2**31))
+    ours, ref, _ = run(2, load_balanced, True, 4, seed=seed, strategy="halo", longest=40, length=256,
+                       max_seqlen_kv=40)
+    assert_same(ours, ref, tol=3e-5)
+    halo_calls = {(s.q_len, s.kv_len) for s, _, _ in cudnn_ring if s.max_segments == 1 and not s.is_causal}
+    assert halo_calls == {(64, 64)}, (halo_calls, seed)
 
 
 @needs_devices

@@ -15,7 +15,8 @@ bounds: its halos (`HaloLayout.case_of`). Chunks fit the blocks in one of two wa
   no chunk mask (every key it is given lies in its chunk).
 Chunks that cut blocks unevenly are not taken (`unsupported`). Causal packed documents with
 `max_seqlen_kv` reach back `document_reach` = max_seqlen_kv - 1 keys at most, which must fit a block:
-they run as that window, each block's calls over its own documents and the one document crossing
+they run as that window (its halo rounded up to `halo_layout.DOCUMENT_HALO_MULTIPLE` tokens, at most a
+block), each block's calls over its own documents and the one document crossing
 into it (`_document_ids`), on cuDNN always as the batch rows of one split call (`_stacked_blocks`).
 
 The halos come from the devices holding the neighbouring blocks, one `jax.lax.ppermute` per block

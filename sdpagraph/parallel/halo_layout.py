@@ -10,9 +10,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from sdpagraph.parallel.load_balance import DOCUMENTS, device_chunks
+from sdpagraph.parallel.row_updates import MAX_KERNEL_ROWS
 from sdpagraph.spec import UNBOUNDED, AttentionSpec
 
 WHOLE, WITHIN, MISALIGNED = "whole", "within", "misaligned"  # `chunk_fit`
+# A packed document's halo (`document_reach` keys) is rounded up to a multiple of this (at most a
+# block): the rows it updates then start and end on the row kernels' blocks (`row_updates`), which
+# run in place of XLA's two fusions per array. The keys and query rows it adds lie in other documents
+# than the one the halo call serves (a document holds at most `max_seqlen_kv` tokens), so that call
+# masks them.
+DOCUMENT_HALO_MULTIPLE = MAX_KERNEL_ROWS
 
 
 def document_reach(spec: AttentionSpec) -> int | None:
@@ -130,8 +137,9 @@ class HaloLayout:
         return chunk_fit(self.spec, self.count)
 
     def case_of(self, block: int) -> tuple[int, int]:
-        """(hl, hr): the halo lengths block `block` receives: the window's sides, capped by the tokens
-        that exist and by the bounds of its chunk."""
+        """(hl, hr): the halo lengths block `block` receives: the window's sides (a packed document's
+        reach rounded up, `DOCUMENT_HALO_MULTIPLE`), capped by the tokens that exist and by the bounds
+        of its chunk."""
         start, end = block * self.block, (block + 1) * self.block
         low, high = 0, self.spec.q_len  # the keys its queries may reach
         if self.fit == WHOLE:
@@ -140,6 +148,8 @@ class HaloLayout:
             low = start // self.spec.chunk_size * self.spec.chunk_size
             high = min(low + self.spec.chunk_size, high)
         left, right = sides(self.spec)
+        if left != UNBOUNDED and self.spec.segments and not self.spec.has_window:  # a document's reach
+            left = min(-(-left // DOCUMENT_HALO_MULTIPLE) * DOCUMENT_HALO_MULTIPLE, self.block)
         return (start - low if left == UNBOUNDED else min(left, start - low),
                 high - end if right == UNBOUNDED else min(right, high - end))
 
