@@ -8,14 +8,16 @@ output and logsumexp, and gradients added into the rows of dq, dk and dv they be
 `merge_rows` and `add_rows` run as one Pallas (Triton) kernel each on a GPU, the arrays they update
 aliased to the kernel's outputs, so only their rows are read and written and every array of the
 update is done in the same launch. Sums are taken in fp32 (fp64 for float64) and rounded once to the
-array's dtype. Elsewhere, and where the kernel's block shapes do not fit (`kernel_rows`: among
-others a start known only at run time, as a load-balanced halo's transfers have), they run XLA's
-formulation: XLA's GPU emitter writes a dynamic-update-slice in
-place only where nothing else in its fusion reads the updated operand, so each array's update there
-is two fusions (the rows' new values computed apart, then written), and the merge's logsumexp
-condition a third. On 2 H100s these small fusions took about 0.05 ms of a window (1024, 0) step
-(docs/results/h100x2-2026-11-27-windows-again.md). `SDPAGRAPH_PALLAS_TRITON=0` keeps XLA's
-formulation everywhere.
+array's dtype.
+
+Elsewhere, and where the kernel's block shapes do not fit (`kernel_rows`: among others a start known
+only at run time, as a load-balanced halo's transfers have), they run XLA's formulation. XLA's GPU
+emitter writes a dynamic-update-slice in place only where nothing else in its fusion reads the
+updated operand, so each array's update there is two fusions (the rows' new values computed apart,
+then written), and the merge's logsumexp condition a third: 11 small fusions a window step where the
+kernels take 3 launches, 0.03-0.04 ms of a (1024, 0) window's step at T32768 on 2 H100s
+(docs/results/h100x2-2026-11-27-row-kernels.md). `SDPAGRAPH_PALLAS_TRITON=0` keeps XLA's formulation
+everywhere.
 """
 from __future__ import annotations
 
