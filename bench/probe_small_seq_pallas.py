@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from sdpagraph.backends.pallas_triton import compiler_params
 
 PEAK_TBS = 3.35  # H100 SXM datasheet HBM3
 
@@ -40,7 +41,7 @@ def kernel(q_ref, k_ref, v_ref, o_ref, *, scale):
 def pallas_attention(q, k, v, *, rows, heads, warps, interpret=False):
     b, t, n, h = q.shape
     s = k.shape[1]
-    params = None if interpret else _compiler_params(warps)
+    params = compiler_params(warps, interpret)
     return pl.pallas_call(
         functools.partial(kernel, scale=1.0 / np.sqrt(h)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -50,11 +51,6 @@ def pallas_attention(q, k, v, *, rows, heads, warps, interpret=False):
                   pl.BlockSpec((rows, s, heads, h), lambda i, j: (i, 0, j, 0))],
         out_specs=pl.BlockSpec((rows, t, heads, h), lambda i, j: (i, 0, j, 0)),
         compiler_params=params, interpret=interpret)(q, k, v)
-
-
-def _compiler_params(warps):
-    from jax.experimental.pallas import triton as plt
-    return plt.CompilerParams(num_warps=warps, num_stages=1)
 
 
 def xla_attention(q, k, v):

@@ -1,6 +1,7 @@
 """Whether this jax lowers Pallas kernels with its Triton backend: the one place that asks.
 
     status() -> Availability(available, reason)
+    compiler_params(num_warps, interpret=False) -> the compiler parameters of a kernel (None interpreted)
 
 jax 0.11 deprecates Pallas' Triton backend (a DeprecationWarning at each lowering) and will remove
 it. Its removal can show in three ways, and one probe sees all of them: `jax.experimental.pallas.triton`
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,11 +46,10 @@ def status() -> Availability:
 def _probe() -> Availability:
     try:
         from jax.experimental import pallas as pl
-        from jax.experimental.pallas import triton as plt
 
         # The first use may come inside a shard_map's trace, whose checks want the output's manual axes.
         call = pl.pallas_call(_copy, out_shape=struct_like((16,), jnp.int32, []),
-                              compiler_params=plt.CompilerParams(num_warps=1, num_stages=1))
+                              compiler_params=compiler_params(1))
         jax.jit(call).trace(jax.ShapeDtypeStruct((16,), jnp.int32)).lower(lowering_platforms=("cuda",))
     except Exception as error:  # any failure means the kernels cannot be lowered: say which
         first_line = (str(error).strip().splitlines() or [""])[0]
@@ -57,6 +58,16 @@ def _probe() -> Availability:
         logger.info("sdpagraph: %s; the Pallas kernels run their XLA formulations", answer.reason)
         return answer
     return Availability(True, "")
+
+
+def compiler_params(num_warps: int, interpret: bool = False) -> Any:
+    """Triton's compiler parameters for a kernel of `num_warps` warps and one pipeline stage (every
+    kernel here holds its blocks in registers); None in Pallas' interpreter, which takes none."""
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as plt
+
+    return plt.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
 def _copy(x_ref, o_ref) -> None:

@@ -112,14 +112,6 @@ def kernel_rows(rows: int, start: Any, arrays: Sequence[Any], interpret: bool = 
     return block if jax.default_backend() == "gpu" and pallas_triton.status().available else 0
 
 
-def _compiler_params(interpret: bool) -> Any:
-    if interpret:
-        return None
-    from jax.experimental.pallas import triton as plt
-
-    return plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
-
-
 # ----------------------------------------------------------------------------- the merge
 
 def merge_rows(out: Any, lse: Any, part: tuple[Any, Any], present: Any = None,
@@ -145,7 +137,7 @@ def merge_rows(out: Any, lse: Any, part: tuple[Any, Any], present: Any = None,
         in_specs=[pl.BlockSpec((1,), lambda b, r, n: (b,)), values, sums, values, sums],
         out_specs=[values, sums],
         out_shape=[struct_like(out.shape, out.dtype, operands), struct_like(lse.shape, jnp.float32, operands)],
-        input_output_aliases={1: 0, 2: 1}, compiler_params=_compiler_params(interpret),
+        input_output_aliases={1: 0, 2: 1}, compiler_params=pallas_triton.compiler_params(NUM_WARPS, interpret),
         interpret=interpret)(*operands)
 
 
@@ -174,32 +166,32 @@ def add_rows(xs: tuple[Any, ...], rows: Any, start: Any, interpret: bool = False
     H) as a transfer brings them. `interpret`: the kernel in Pallas' interpreter (tests on a CPU)."""
     stacked = hasattr(rows, "shape")
     count = len(xs)
-    sources = [rows[i] for i in range(count)] if stacked else list(rows)
-    length = sources[0].shape[1]
+    pieces = [rows[i] for i in range(count)] if stacked else list(rows)  # one (B, R, K, H) per x
+    batch, length, heads = xs[0].shape[0], pieces[0].shape[1], xs[0].shape[2]
     if isinstance(start, (int, np.integer)) and not 0 <= start <= xs[0].shape[1] - length:
         raise ValueError(f"add_rows: {length} rows from start {start} do not fit {xs[0].shape[1]} tokens")
-    shapes = {(x.shape[0], x.shape[2], g.shape[:3]) for x, g in zip(xs, sources)}
-    fits = all(x.ndim == g.ndim == 4 for x, g in zip(xs, sources)) and len(shapes) == 1 and \
-        next(iter(shapes))[2] == (xs[0].shape[0], length, xs[0].shape[2])
-    block = kernel_rows(length, start, (*xs, *sources), interpret) if fits else 0
-    if not block:  # one batch, head count and row count for every array, or XLA's formulation
-        return tuple(_add_rows_xla(x, g, start) for x, g in zip(xs, sources))
+    # the kernel's grid is one batch, row count and head count for every array
+    fits = all(x.ndim == g.ndim == 4 and (x.shape[0], x.shape[2]) == (batch, heads)
+               and g.shape[:3] == (batch, length, heads) for x, g in zip(xs, pieces))
+    block = kernel_rows(length, start, (*xs, *pieces), interpret) if fits else 0
+    if not block:
+        return tuple(_add_rows_xla(x, g, start) for x, g in zip(xs, pieces))
     from jax.experimental import pallas as pl
 
-    batch, _, heads, _ = xs[0].shape
     offset = int(start) // block
     targets = [pl.BlockSpec((1, block, 1, x.shape[-1]), lambda b, r, n: (b, offset + r, n, 0)) for x in xs]
     if stacked:
-        sources = [pl.BlockSpec((count, 1, block, 1, rows.shape[-1]), lambda b, r, n: (0, b, r, n, 0))]
+        source_specs = [pl.BlockSpec((count, 1, block, 1, rows.shape[-1]), lambda b, r, n: (0, b, r, n, 0))]
         operands = (*xs, rows)
     else:
-        sources = [pl.BlockSpec((1, block, 1, g.shape[-1]), lambda b, r, n: (b, r, n, 0)) for g in rows]
+        source_specs = [pl.BlockSpec((1, block, 1, g.shape[-1]), lambda b, r, n: (b, r, n, 0)) for g in rows]
         operands = (*xs, *rows)
     kernel = functools.partial(_add_kernel, count=count, stacked=stacked)
     return tuple(pl.pallas_call(
-        kernel, grid=(batch, length // block, heads), in_specs=targets + sources, out_specs=targets,
+        kernel, grid=(batch, length // block, heads), in_specs=targets + source_specs, out_specs=targets,
         out_shape=[struct_like(x.shape, x.dtype, operands) for x in xs],
-        input_output_aliases={i: i for i in range(count)}, compiler_params=_compiler_params(interpret),
+        input_output_aliases={i: i for i in range(count)},
+        compiler_params=pallas_triton.compiler_params(NUM_WARPS, interpret),
         interpret=interpret)(*operands))
 
 

@@ -105,17 +105,11 @@ def forward(q: Any, k: Any, v: Any, scale: float, interpret: bool = False) -> tu
     tokens = pl.BlockSpec((1, s, heads, h), lambda i, j: (i, 0, j, 0))
     out_shape = [struct_like(q.shape, v.dtype, [q, k, v]), struct_like((b, t, n), jnp.float32, [q, k, v])]
     out_specs = [rows, pl.BlockSpec((1, t, heads), lambda i, j: (i, 0, j))]
-    params = None if interpret else _compiler_params()
+    params = pallas_triton.compiler_params(NUM_WARPS, interpret)
     out, lse = pl.pallas_call(functools.partial(_kernel, scale=float(scale)), out_shape=out_shape,
                               grid=(b, n // heads), in_specs=[rows, tokens, tokens], out_specs=out_specs,
                               compiler_params=params, interpret=interpret)(q, k, v)
     return out, lse
-
-
-def _compiler_params() -> Any:
-    from jax.experimental.pallas import triton as plt
-
-    return plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
 
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float) -> None:

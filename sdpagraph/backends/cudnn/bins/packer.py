@@ -103,14 +103,8 @@ def _first_fit(lengths: Any, rows: int, bins: int, slots: int, interpret: bool) 
 
     size = lengths.shape[0]
     out_shape = [struct_like((size,), jnp.int32, [lengths])] * 2 + [struct_like((slots,), jnp.int32, [lengths])]
-    params = None if interpret else _compiler_params()
+    params = pallas_triton.compiler_params(1, interpret)
     return pl.pallas_call(kernel, out_shape=out_shape, compiler_params=params, interpret=interpret)(lengths)
-
-
-def _compiler_params() -> Any:
-    from jax.experimental.pallas import triton as plt
-
-    return plt.CompilerParams(num_warps=1, num_stages=1)
 
 
 def _place(lengths: Any, *, rows: int, bins: int, slots: int) -> tuple[Any, Any, Any]:
