@@ -49,10 +49,20 @@ def test_merge_rows(interpret, present, rows, dtype):
     out, lse, part_out, part_lse = _inputs(rng, rows, 16, dtype)
     flags = None if present is None else jnp.asarray(present)
     assert not interpret or row_updates.kernel_rows(rows, 0, (out, part_out), interpret=True) > 0
-    got_out, got_lse = jax.jit(lambda *a: row_updates.merge_rows(*a[:2], a[2:4], flags, interpret=interpret))(
+    got_out, got_lse, got_backward = jax.jit(
+        lambda *a: row_updates.merge_rows(*a[:2], a[2:4], flags, backward_lse=True, interpret=interpret))(
         out, lse, part_out, part_lse)
+    flags_np = np.broadcast_to(True if present is None else present, (B,))
     want_out, want_lse = _merged(np.asarray(out.astype(jnp.float32)), lse, np.asarray(part_out.astype(jnp.float32)),
-                                 part_lse, np.broadcast_to(True if present is None else present, (B,)))
+                                 part_lse, flags_np)
+    # the backward's logsumexp: the merged rows', +inf where the part is absent
+    want_backward = np.where(flags_np[:, None, None], want_lse[..., :rows], np.inf)
+    assert got_backward.shape == part_lse.shape and got_backward.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got_backward), want_backward, atol=1e-5, rtol=1e-5)
+    plain = jax.jit(lambda *a: row_updates.merge_rows(*a[:2], a[2:4], flags, interpret=interpret))(
+        out, lse, part_out, part_lse)
+    assert len(plain) == 2
+    np.testing.assert_array_equal(np.asarray(plain[1]), np.asarray(got_lse))
     assert got_out.dtype == out.dtype and got_lse.dtype == jnp.float32
     tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(np.asarray(got_out.astype(jnp.float32)), want_out, atol=tol, rtol=tol)

@@ -96,29 +96,41 @@ def halo_first(halo_grads: Any, local_inputs: Any) -> tuple[Any, Any]:
     return jax.lax.optimization_barrier((halo_grads, local_inputs))
 
 
-def forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, ids=None) -> tuple[Any, Any]:
-    """(output, logsumexp) of the block: both calls, merged (module docstring); `ids`: a
-    `DocumentIds` with packed documents."""
+def forward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, ids=None) -> tuple[Any, Any, Any]:
+    """(output, logsumexp, the halo part's backward logsumexp or None) of the block: both calls,
+    merged (module docstring); `ids`: a `DocumentIds` with packed documents. The third is what
+    `backward` gives the halo part's graph (the first rows' final logsumexp, +inf where `present` is
+    False), written by the merge where the final logsumexp is the merged one (no sinks)."""
     primary = registry.primary()
     local, halo = plan.statics()
     out, lse = primary.block_forward(local, q, *local_kv, _operands(local, arrays, ids and ids.local), True)
     hq, hk, hv = _halo_inputs(plan, q, halo_kv)
     h_out, h_lse = primary.block_forward(halo, hq, hk, hv, _operands(halo, arrays, ids and ids.halo), True)
-    out, lse = merge_rows(out, lse, (h_out, h_lse), present)  # only the first rows change
+    backward_lse = present is not None and sinks is None
+    out, lse, *halo_lse = merge_rows(out, lse, (h_out, h_lse), present, backward_lse)  # only the first rows change
     out = out.astype(q.dtype)
-    return (out, lse) if sinks is None else sinks_mod.apply(out, lse, sinks)
+    if sinks is not None:
+        out, lse = sinks_mod.apply(out, lse, sinks)
+    return out, lse, halo_lse[0] if halo_lse else None
 
 
-def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out, lse, d_o,
+def backward(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present, out, lse, d_o, halo_lse=None,
              ids=None) -> tuple[Any, ...]:
     """(dq, (dk, dv) of the block's own keys, dk and dv of the halo (`transfer.grads_to_send`:
-    stacked or the pair), d_sinks) given the FINAL output and logsumexp and the output's cotangent."""
+    stacked or the pair), d_sinks) given the FINAL output and logsumexp, the output's cotangent and
+    `forward`'s halo logsumexp (None: taken from `lse` here)."""
     primary = registry.primary()
     local, halo = plan.statics()
     # The halo part first: its dk/dv can travel back (`send_back`) while the local part computes.
     hq, hk, hv = _halo_inputs(plan, q, halo_kv)
+    # The cotangent materialized once, both parts reading it (the halo part its first rows, in place):
+    # a cotangent XLA can compute (a broadcast, as `sum(out)`'s is) it otherwise computed a second time
+    # for the halo part's rows, one more kernel a step.
+    d_o = jax.lax.optimization_barrier(d_o)
     h_out, h_lse, h_do = out[:, :plan.rows], lse[..., :plan.rows], d_o[:, :plan.rows]
-    if present is not None:  # an infinite logsumexp: P = exp(s - lse) = 0, no gradient from the halo part
+    if halo_lse is not None:
+        h_lse = halo_lse
+    elif present is not None:  # an infinite logsumexp: P = exp(s - lse) = 0, no gradient from the halo part
         h_lse = jnp.where(present_rows(present, h_lse.shape[0])[:, None, None], h_lse, jnp.inf)
     h_dq, h_dkv = grads_to_send(primary, halo, hq, hk, hv, _operands(halo, arrays, ids and ids.halo), h_out, h_lse,
                                 h_do, zero_unwritten=True)
@@ -140,18 +152,18 @@ def split_attention(plan: SplitPlan, q, local_kv, halo_kv, arrays: Mapping[str, 
     """(output (B, L, N, Hv), logsumexp (B, N, L)) of a block's queries over its halo (`halo_kv`, hl
     keys before the block; `plan.halo` set) and its own keys (`local_kv`); `arrays` (the score_mod's)
     are constants; `present`: whether the halo exists (module docstring)."""
-    return forward(plan, q, local_kv, halo_kv, arrays, sinks, present)
+    return forward(plan, q, local_kv, halo_kv, arrays, sinks, present)[:2]
 
 
 def _split_fwd(plan: SplitPlan, q, local_kv, halo_kv, arrays, sinks, present):
-    out, lse = forward(plan, q, local_kv, halo_kv, arrays, sinks, present)
-    return (out, lse), (q, local_kv, halo_kv, arrays, sinks, present, out, lse)
+    out, lse, halo_lse = forward(plan, q, local_kv, halo_kv, arrays, sinks, present)
+    return (out, lse), (q, local_kv, halo_kv, arrays, sinks, present, out, lse, halo_lse)
 
 
 def _split_bwd(plan: SplitPlan, residuals, cotangents):
-    q, local_kv, halo_kv, arrays, sinks, present, out, lse = residuals
+    q, local_kv, halo_kv, arrays, sinks, present, out, lse, halo_lse = residuals
     dq, d_local, d_halo, d_sinks = backward(plan, q, local_kv, halo_kv, arrays, sinks, present, out, lse,
-                                            cotangents[0])
+                                            cotangents[0], halo_lse)
     return dq, d_local, (d_halo[0], d_halo[1]), _no_gradient(arrays), d_sinks, None
 
 
@@ -211,19 +223,19 @@ def _exchanged_fwd(plan: SplitPlan, exchange: Exchange, q, k, v, arrays, sinks, 
     slots = len(exchange.routes)
     halo_kv, present = _halo_rows(exchange, k, v, plan.halo.kv_len)
     local_kv = (_rows(k, slots), _rows(v, slots))
-    out, lse = forward(plan, _rows(q, slots), local_kv, halo_kv, arrays, sinks, present, ids)
+    out, lse, halo_lse = forward(plan, _rows(q, slots), local_kv, halo_kv, arrays, sinks, present, ids)
     batch, heads, block = q.shape[0], lse.shape[1], q.shape[1] // slots
     joined = (out.reshape(q.shape[:2] + out.shape[2:]),
               jnp.swapaxes(lse.reshape(batch, slots, heads, block), 1, 2).reshape(batch, heads, slots * block))
-    return joined, (q, k, v, halo_kv, present, arrays, sinks, ids, out, lse)
+    return joined, (q, k, v, halo_kv, present, arrays, sinks, ids, out, lse, halo_lse)
 
 
 def _exchanged_bwd(plan: SplitPlan, exchange: Exchange, residuals, cotangents):
-    q, k, v, halo_kv, present, arrays, sinks, ids, out, lse = residuals
+    q, k, v, halo_kv, present, arrays, sinks, ids, out, lse, halo_lse = residuals
     slots = len(exchange.routes)
     dq, (dk, dv), h_dkv, d_sinks = backward(
         plan, _rows(q, slots), (_rows(k, slots), _rows(v, slots)), halo_kv, arrays, sinks, present, out, lse,
-        _rows(cotangents[0], slots), ids)
+        _rows(cotangents[0], slots), halo_lse, ids)
     dq, dk, dv = (x.reshape(y.shape) for x, y in ((dq, q), (dk, k), (dv, v)))
     # (..., B·slots, hl, K, H) -> (..., B, slots, hl, K, H), the stacked form's leading 2 kept
     h_dkv = jax.tree.map(lambda x: x.reshape(x.shape[:-4] + (q.shape[0], slots) + x.shape[-3:]), h_dkv)

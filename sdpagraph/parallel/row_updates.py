@@ -2,6 +2,7 @@
 output and logsumexp, and gradients added into the rows of dq, dk and dv they belong to.
 
     merge_rows(out, lse, part, present) -> (out, lse)
+    merge_rows(out, lse, part, present, backward_lse=True) -> (out, lse, the merged rows' lse for a backward)
     add_rows(xs, rows, start) -> xs
     present_rows(present, batch) -> (batch,) bools
 
@@ -71,13 +72,16 @@ def present_rows(present: Any, batch: int) -> Any:
     return jnp.broadcast_to(jnp.reshape(present, (-1,)), (batch,))
 
 
-def _merge_rows_xla(out: Any, lse: Any, part: tuple[Any, Any], present: Any) -> tuple[Any, Any]:
+def _merge_rows_xla(out: Any, lse: Any, part: tuple[Any, Any], present: Any,
+                    backward_lse: bool) -> tuple[Any, ...]:
     part_out, part_lse = part
     rows = part_out.shape[1]
-    part_lse = jnp.where(present_rows(present, out.shape[0])[:, None, None], part_lse, -jnp.inf)
+    flags = present_rows(present, out.shape[0])[:, None, None]
+    part_lse = jnp.where(flags, part_lse, -jnp.inf)
     lse = lse.astype(jnp.float32)
     head, head_lse = merge((out[:, :rows], lse[..., :rows]), (part_out, part_lse))
-    return _replace_rows(out, head, 0), _replace_rows(lse, head_lse, 0, axis=2)
+    merged = (_replace_rows(out, head, 0), _replace_rows(lse, head_lse, 0, axis=2))
+    return (*merged, jnp.where(flags, head_lse, jnp.inf)) if backward_lse else merged
 
 
 # ----------------------------------------------------------------------------- when the kernel runs
@@ -114,17 +118,19 @@ def kernel_rows(rows: int, start: Any, arrays: Sequence[Any], interpret: bool = 
 
 # ----------------------------------------------------------------------------- the merge
 
-def merge_rows(out: Any, lse: Any, part: tuple[Any, Any], present: Any = None,
-               interpret: bool = False) -> tuple[Any, Any]:
+def merge_rows(out: Any, lse: Any, part: tuple[Any, Any], present: Any = None, backward_lse: bool = False,
+               interpret: bool = False) -> tuple[Any, ...]:
     """(out, lse) with their first R rows merged with `part` = (output (B, R, N, Hv), logsumexp
     (B, N, R)) of the same queries over other keys (`softmax_merge.merge`), in place; out (B, L, N,
     Hv) keeps its dtype, lse (B, N, L) comes back in fp32. `present` (None, one bool or one per batch row):
-    where False, that row's part adds nothing. `interpret`: the kernel in Pallas' interpreter (tests
-    on a CPU)."""
+    where False, that row's part adds nothing. `backward_lse`: also the merged rows' logsumexp (B, N,
+    R) with +inf where `present` is False, which a backward of the part's keys takes so that P = exp(s -
+    lse) = 0 there (written by the same kernel, where a select before the backward took a launch of
+    its own). `interpret`: the kernel in Pallas' interpreter (tests on a CPU)."""
     rows = part[0].shape[1]
     block = kernel_rows(rows, 0, (out, part[0]), interpret)
     if not block:
-        return _merge_rows_xla(out, lse, part, present)
+        return _merge_rows_xla(out, lse, part, present, backward_lse)
     from jax.experimental import pallas as pl
 
     batch, _, heads, head_dim = out.shape
@@ -132,20 +138,24 @@ def merge_rows(out: Any, lse: Any, part: tuple[Any, Any], present: Any = None,
     values = pl.BlockSpec((1, block, 1, head_dim), lambda b, r, n: (b, r, n, 0))
     sums = pl.BlockSpec((1, 1, block), lambda b, r, n: (b, n, r))
     operands = (flags, out, lse.astype(jnp.float32), *part)
-    return pl.pallas_call(
-        _merge_kernel, grid=(batch, rows // block, heads),
+    out_shape = [struct_like(out.shape, out.dtype, operands), struct_like(lse.shape, jnp.float32, operands)]
+    if backward_lse:
+        out_shape.append(struct_like(part[1].shape, jnp.float32, operands))
+    return tuple(pl.pallas_call(
+        functools.partial(_merge_kernel, backward_lse=backward_lse), grid=(batch, rows // block, heads),
         in_specs=[pl.BlockSpec((1,), lambda b, r, n: (b,)), values, sums, values, sums],
-        out_specs=[values, sums],
-        out_shape=[struct_like(out.shape, out.dtype, operands), struct_like(lse.shape, jnp.float32, operands)],
+        out_specs=[values, sums, sums][:len(out_shape)], out_shape=out_shape,
         input_output_aliases={1: 0, 2: 1}, compiler_params=pallas_triton.compiler_params(NUM_WARPS, interpret),
-        interpret=interpret)(*operands)
+        interpret=interpret)(*operands))
 
 
-def _merge_kernel(flag_ref, out_ref, lse_ref, part_ref, part_lse_ref, new_out_ref, new_lse_ref) -> None:
-    """Blocks: flag (1,); out, part (1, R, 1, H); lse, part_lse (1, 1, R): `softmax_merge.merge`'s
-    arithmetic, rows with nothing to attend on both sides left 0 / -inf."""
+def _merge_kernel(flag_ref, out_ref, lse_ref, part_ref, part_lse_ref, new_out_ref, new_lse_ref, *backward_ref,
+                  backward_lse: bool) -> None:
+    """Blocks: flag (1,); out, part (1, R, 1, H); lse, part_lse and the backward's lse (1, 1, R):
+    `softmax_merge.merge`'s arithmetic, rows with nothing to attend on both sides left 0 / -inf."""
     a = lse_ref[0, 0]
-    c = jnp.where(flag_ref[0] != 0, part_lse_ref[0, 0].astype(jnp.float32), -jnp.inf)
+    present = flag_ref[0] != 0
+    c = jnp.where(present, part_lse_ref[0, 0].astype(jnp.float32), -jnp.inf)
     peak = jnp.maximum(a, c)
     safe = jnp.where(peak == -jnp.inf, 0.0, peak)
     weight_a = jnp.where(a == -jnp.inf, 0.0, jnp.exp(a - safe))
@@ -155,7 +165,10 @@ def _merge_kernel(flag_ref, out_ref, lse_ref, part_ref, part_lse_ref, new_out_re
     merged = (out_ref[0, :, 0, :].astype(jnp.float32) * (weight_a * inverse)[:, None]
               + part_ref[0, :, 0, :].astype(jnp.float32) * (weight_c * inverse)[:, None])
     new_out_ref[0, :, 0, :] = merged.astype(new_out_ref.dtype)
-    new_lse_ref[0, 0] = jnp.where(total > 0, safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    merged_lse = jnp.where(total > 0, safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    new_lse_ref[0, 0] = merged_lse
+    if backward_lse:
+        backward_ref[0][0, 0] = jnp.where(present, merged_lse, jnp.inf)
 
 
 # ----------------------------------------------------------------------------- the sums

@@ -16,7 +16,7 @@ def _compiled_text(fn, *args):
 
 
 def _merge(present):  # a new function each time: jax's trace caches key on the function
-    return lambda *a: row_updates.merge_rows(a[0], a[1], (a[2], a[3]), present)
+    return lambda *a: row_updates.merge_rows(a[0], a[1], (a[2], a[3]), present, backward_lse=True)
 
 
 def _add(start):
@@ -40,6 +40,8 @@ def test_merge_rows_kernel_matches_xla(monkeypatch, dtype):
     np.testing.assert_allclose(np.asarray(got[0].astype(jnp.float32)), np.asarray(want[0].astype(jnp.float32)),
                                atol=2e-2, rtol=2e-2)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), atol=1e-5, rtol=1e-5)
+    assert np.all(np.isposinf(np.asarray(got[2][1])))  # the second row's part is absent
     np.testing.assert_array_equal(np.asarray(got[0][:, rows:]), np.asarray(out[:, rows:]))
     np.testing.assert_array_equal(np.asarray(got[1][..., rows:]), np.asarray(lse[..., rows:]))
 
