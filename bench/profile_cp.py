@@ -21,7 +21,7 @@ import cp_rows  # bench/ is on sys.path when a script here runs
 from jax_timing import time_ms
 from trace_summary import traced
 
-STEPS_TRACED = 3
+STEPS_TRACED = 6
 
 
 def profile(out: pathlib.Path, index: int, strategy_arg: str) -> None:

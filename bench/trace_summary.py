@@ -58,7 +58,19 @@ def summarize(trace_dir: pathlib.Path, steps: int) -> str:
             lines.append(f"  idle between events {sum(g[0] for g in gaps) / 1e3 / steps:.3f} ms/step; longest gaps:")
             for gap, before, after in sorted(gaps, reverse=True)[:8]:
                 lines.append(f"    {gap / 1e3:8.3f} ms  after {before}  before {after}")
+            lines.extend(_last_step(group, steps))
     return "\n".join(lines)
+
+
+def _last_step(group: list[dict], steps: int) -> list[str]:
+    """The stream's events of the last traced step in order (the steps are assumed to launch the same
+    events): the idle time before each, its duration and name, in microseconds."""
+    last = group[len(group) - len(group) // steps:]
+    lines = ["  the last step, in order (us idle before, us running, event):"]
+    for previous, event in zip(group[len(group) - len(last) - 1:], last):
+        idle = event["ts"] - (previous["ts"] + previous["dur"])
+        lines.append(f"    {idle:8.1f} {event['dur']:8.1f}  {event['name'][:80]}")
+    return lines
 
 
 def traced(where: pathlib.Path, fn, args, steps: int) -> str:
