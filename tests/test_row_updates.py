@@ -99,6 +99,22 @@ def test_add_rows(interpret, stacked, start):
         np.testing.assert_array_equal(np.asarray(y[:, start + rows:]), np.asarray(x[:, start + rows:]))
 
 
+@pytest.mark.parametrize("active", [True, False])
+def test_add_rows_active_flag(active):
+    """A traced `active`: where True the rows are added; where False the kernel touches nothing (here
+    given rows that are not zeros, to show it reads none of them)."""
+    rng = np.random.default_rng(3)
+    xs = tuple(jnp.asarray(rng.standard_normal((B, L, N, 16)), jnp.float32) for _ in range(2))
+    grads = jnp.asarray(rng.standard_normal((2, B, 32, N, 16)), jnp.float32)
+    assert row_updates.kernel_rows(32, 32, xs, interpret=True) > 0
+    got = jax.jit(lambda xs, g, a: row_updates.add_rows(xs, g, 32, a, interpret=True))(xs, grads, jnp.asarray(active))
+    for i, (x, y) in enumerate(zip(xs, got)):
+        want = np.asarray(x).copy()
+        if active:
+            want[:, 32:64] += np.asarray(grads[i])
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-6)
+
+
 def test_add_rows_traced_start_runs_xla():
     """A start known only at run time (a device's slot) takes XLA's formulation, with the same result."""
     rng = np.random.default_rng(1)

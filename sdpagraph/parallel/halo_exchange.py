@@ -163,7 +163,9 @@ def send_back(routes: Sequence[Route | None], axis: Any, grads: Sequence[Any],
         # those of routes it does not read are zero in the halo's use, but summed all the same).
         takes = sorted({take for take in t.takes if take is not None})
         back = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), (kept(*take) for take in takes))
-        # devices that sent nothing in this transfer receive zeros and add them
+        # devices that sent nothing in this transfer receive zeros: their kernel skips them
         moved = permute_stacked(back, axis, [(receiver, sender) for sender, receiver in t.pairs])
-        kv_grads = add_rows(kv_grads, moved, _start(shape, t.slots, me))
+        senders = {sender for sender, _ in t.pairs}
+        sent = jnp.asarray([d in senders for d in range(len(t.slots))])[me]
+        kv_grads = add_rows(kv_grads, moved, _start(shape, t.slots, me), sent)
     return kv_grads

@@ -3,7 +3,7 @@ output and logsumexp, and gradients added into the rows of dq, dk and dv they be
 
     merge_rows(out, lse, part, present) -> (out, lse)
     merge_rows(out, lse, part, present, backward_lse=True) -> (out, lse, the merged rows' lse for a backward)
-    add_rows(xs, rows, start) -> xs
+    add_rows(xs, rows, start, active) -> xs
     present_rows(present, batch) -> (batch,) bools
 
 `merge_rows` and `add_rows` run as one Pallas (Triton) kernel each on a GPU, the arrays they update
@@ -173,10 +173,13 @@ def _merge_kernel(flag_ref, out_ref, lse_ref, part_ref, part_lse_ref, new_out_re
 
 # ----------------------------------------------------------------------------- the sums
 
-def add_rows(xs: tuple[Any, ...], rows: Any, start: Any, interpret: bool = False) -> tuple[Any, ...]:
+def add_rows(xs: tuple[Any, ...], rows: Any, start: Any, active: Any = None,
+             interpret: bool = False) -> tuple[Any, ...]:
     """`xs` (arrays (B, L, K, H)) with `rows` added to their R tokens from
     `start`, in place: `rows` one (B, R, K, H) array per x, or all of them stacked (len(xs), B, R, K,
-    H) as a transfer brings them. `interpret`: the kernel in Pallas' interpreter (tests on a CPU)."""
+    H) as a transfer brings them. `active` (None, or a traced bool): where False, `rows` are zeros
+    (a device a transfer brought nothing), and the kernel reads and writes nothing. `interpret`: the
+    kernel in Pallas' interpreter (tests on a CPU)."""
     stacked = hasattr(rows, "shape")
     count = len(xs)
     pieces = [rows[i] for i in range(count)] if stacked else list(rows)  # one (B, R, K, H) per x
@@ -199,9 +202,12 @@ def add_rows(xs: tuple[Any, ...], rows: Any, start: Any, interpret: bool = False
     else:
         source_specs = [pl.BlockSpec((1, block, 1, g.shape[-1]), lambda b, r, n: (b, r, n, 0)) for g in rows]
         operands = (*xs, *rows)
+    flag = jnp.reshape(jnp.asarray(True if active is None else active), (1,)).astype(jnp.int32)
+    operands += (flag,)
     kernel = functools.partial(_add_kernel, count=count, stacked=stacked)
     return tuple(pl.pallas_call(
-        kernel, grid=(batch, length // block, heads), in_specs=targets + source_specs, out_specs=targets,
+        kernel, grid=(batch, length // block, heads),
+        in_specs=targets + source_specs + [pl.BlockSpec((1,), lambda b, r, n: (0,))], out_specs=targets,
         out_shape=[struct_like(x.shape, x.dtype, operands) for x in xs],
         input_output_aliases={i: i for i in range(count)},
         compiler_params=pallas_triton.compiler_params(NUM_WARPS, interpret),
@@ -210,9 +216,15 @@ def add_rows(xs: tuple[Any, ...], rows: Any, start: Any, interpret: bool = False
 
 def _add_kernel(*refs, count: int, stacked: bool) -> None:
     """Blocks: each x and output (1, R, 1, H); rows (count, 1, R, 1, H) stacked, else one (1, R, 1, H)
-    per x. The sum in fp32 (the kernel takes no 8-byte values), written in the x's dtype."""
-    targets, outputs = refs[:count], refs[-count:]
-    for i in range(count):
-        added = refs[count][i, 0, :, 0, :] if stacked else refs[count + i][0, :, 0, :]
-        total = targets[i][0, :, 0, :].astype(jnp.float32) + added.astype(jnp.float32)
-        outputs[i][0, :, 0, :] = total.astype(outputs[i].dtype)
+    per x; the active flag (1,). The sum in fp32 (the kernel takes no 8-byte values), written in the
+    x's dtype; nothing read or written where the flag is 0 (the outputs are the xs, aliased)."""
+    from jax.experimental import pallas as pl
+
+    targets, outputs, flag = refs[:count], refs[-count:], refs[-count - 1]
+
+    @pl.when(flag[0] != 0)
+    def _() -> None:
+        for i in range(count):
+            added = refs[count][i, 0, :, 0, :] if stacked else refs[count + i][0, :, 0, :]
+            total = targets[i][0, :, 0, :].astype(jnp.float32) + added.astype(jnp.float32)
+            outputs[i][0, :, 0, :] = total.astype(outputs[i].dtype)

@@ -63,3 +63,20 @@ def test_add_rows_kernel_matches_xla(monkeypatch, stacked):
                                    atol=1e-2, rtol=1e-2)
         np.testing.assert_array_equal(np.asarray(y[:, :start]), np.asarray(x[:, :start]))
         np.testing.assert_array_equal(np.asarray(y[:, start + rows:]), np.asarray(x[:, start + rows:]))
+
+
+@pytest.mark.parametrize("active", [True, False])
+def test_add_rows_kernel_active_flag(active):
+    """The kernel adds where the traced flag is True and leaves every value as it was where it is
+    False (given rows that are not zeros, to show it reads none of them)."""
+    rng = np.random.default_rng(2)
+    b, length, heads, head_dim, rows, start = 1, 16384, 16, 128, 1024, 15360
+    xs = tuple(jnp.asarray(rng.standard_normal((b, length, heads, head_dim)), jnp.bfloat16) for _ in range(2))
+    grads = jnp.asarray(rng.standard_normal((2, b, rows, heads, head_dim)), jnp.bfloat16)
+    step = lambda xs, g, a: row_updates.add_rows(xs, g, start, a)  # noqa: E731
+    assert "triton" in _compiled_text(step, xs, grads, jnp.asarray(active)).lower()
+    got = jax.jit(step)(xs, grads, jnp.asarray(active))
+    for i, (x, y) in enumerate(zip(xs, got)):
+        want = x.at[:, start:].set((x[:, start:].astype(jnp.float32) + grads[i].astype(jnp.float32)).astype(x.dtype))
+        np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)),
+                                      np.asarray((want if active else x).astype(jnp.float32)))
