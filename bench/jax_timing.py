@@ -26,3 +26,14 @@ def _round_ms(fn, args, repeats):
         out = fn(*args)
     jax.block_until_ready(out)
     return (time.perf_counter() - start) / repeats * 1e3
+
+
+def alternating_ms(steps, *args, turns=3, repeats=5, min_round_ms=0.0):
+    """{name: [ms of each turn]} of the compiled `steps` ({name: step}) timed in turn, one round each
+    a turn (`time_ms`), so that a drift of the machine weighs on every step alike."""
+    times = {name: [] for name in steps}
+    for _ in range(turns):
+        for name, step in steps.items():
+            times[name].append(time_ms(step, *args, repeats=repeats, rounds=1, min_round_ms=min_round_ms))
+    return times
+

@@ -16,7 +16,7 @@ import sys
 
 import cp_rows  # first (bench/ is on sys.path when a script here runs): with --cpu it sets up CPU devices
 import jax
-from jax_timing import time_ms
+from jax_timing import alternating_ms, time_ms
 from sdpagraph.config import PALLAS_TRITON
 
 FORMS = {"Pallas row kernels (the code)": None, "XLA's formulation": "0"}  # name: SDPAGRAPH_PALLAS_TRITON
@@ -77,10 +77,7 @@ def main() -> None:
             for index, (name, step) in enumerate(steps.items()):
                 with open(os.path.join(os.environ["OUT"], f"halo_schedule_{row}_{index}.txt"), "w") as f:
                     f.write(f"# {label} T{scaled}, {name}\n" + "\n".join(schedule(step.as_text())) + "\n")
-        times = {name: [] for name in FORMS}
-        for _ in range(TURNS):
-            for name, step in steps.items():
-                times[name].append(time_ms(step, *args, repeats=repeats, rounds=1, min_round_ms=round_ms))
+        times = alternating_ms(steps, *args, turns=TURNS, repeats=repeats, min_round_ms=round_ms)
         for name, got in times.items():
             ms = statistics.median(got)
             kernels = sum("triton" in line.lower() for line in steps[name].as_text().splitlines())

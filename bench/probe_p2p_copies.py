@@ -16,7 +16,7 @@ import sys
 
 import cp_rows  # first (bench/ is on sys.path when a script here runs): with --cpu it sets up CPU devices
 import jax
-from jax_timing import time_ms
+from jax_timing import alternating_ms, time_ms
 
 FORMS = {"NCCL send/recv (XLA's default)": {}, "copy engines (xla_gpu_use_memcpy_local_p2p)":
          {"xla_gpu_use_memcpy_local_p2p": True}}
@@ -42,10 +42,7 @@ def main() -> None:
         with jax.set_mesh(mesh):
             lowered = cp_rows.cp_step(kwargs, strategy, balanced, impl).lower(*args)
             steps = {name: lowered.compile(compiler_options=options) for name, options in forms.items()}
-        times = {name: [] for name in steps}
-        for _ in range(TURNS):
-            for name, step in steps.items():
-                times[name].append(time_ms(step, *args, repeats=repeats, rounds=1, min_round_ms=round_ms))
+        times = alternating_ms(steps, *args, turns=TURNS, repeats=repeats, min_round_ms=round_ms)
         for name, got in times.items():
             ms = statistics.median(got)
             print(f"| {label} | {scaled} | {spec.split(':', 1)[1]} | {name} | {ms:.3f} | {one / ms:.3f} | "
