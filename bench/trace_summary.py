@@ -65,10 +65,10 @@ def summarize(trace_dir: pathlib.Path, steps: int) -> str:
 def _last_step(group: list[dict], steps: int) -> list[str]:
     """The stream's events of the last traced step in order (the steps are assumed to launch the same
     events): the idle time before each, its duration and name, in microseconds."""
-    last = group[len(group) - len(group) // steps:]
     lines = ["  the last step, in order (us idle before, us running, event):"]
-    for previous, event in zip(group[len(group) - len(last) - 1:], last):
-        idle = event["ts"] - (previous["ts"] + previous["dur"])
+    for i in range(len(group) - len(group) // steps, len(group)):
+        event = group[i]
+        idle = event["ts"] - (group[i - 1]["ts"] + group[i - 1]["dur"]) if i else 0.0
         lines.append(f"    {idle:8.1f} {event['dur']:8.1f}  {event['name'][:80]}")
     return lines
 
